@@ -1,0 +1,2 @@
+//! pvspin placeholder
+#![deny(missing_docs)]

@@ -1,0 +1,223 @@
+//! The protocol between the `pvspin-vmm` example and its guest program.
+//!
+//! This is the example's own test harness, not part of pvspin's guest ABI (that is
+//! `pvspin-abi`): where the VMM puts the boot parameters, where each vCPU starts, how the guest
+//! reports progress and results, and how it ends the run.
+//!
+//! Guest physical memory (identity-mapped in the guest, 2 MiB pages):
+//!
+//! | GPA | what |
+//! |---|---|
+//! | [`GDT_ADDR`] | GDT |
+//! | [`PML4_ADDR`] .. | page tables (PML4, PDPT, one PD per GiB mapped) |
+//! | [`BOOT_PARAMS_ADDR`] | [`BootParams`], then [`VcpuSlot`] per vCPU |
+//! | [`IMAGE_BASE`] | the guest ELF image |
+//! | [`STACKS_ADDR`] | one [`STACK_SIZE`] stack per vCPU |
+//!
+//! Every vCPU enters the ELF entry point in 64-bit mode at CPL 0 with `rdi` = its index and
+//! `rsi` = [`BOOT_PARAMS_ADDR`].
+#![no_std]
+#![deny(missing_docs)]
+
+use core::mem::size_of;
+
+/// GPA of the GDT.
+pub const GDT_ADDR: u64 = 0x1000;
+/// GPA of the PML4; the PDPT and the page directories follow it page by page.
+pub const PML4_ADDR: u64 = 0x2000;
+/// How much guest memory the page tables identity-map (one page directory).
+pub const MAPPED_BYTES: u64 = 1 << 30;
+/// GPA of [`BootParams`].
+pub const BOOT_PARAMS_ADDR: u64 = 0x8000;
+/// GPA of the first [`VcpuSlot`].
+pub const VCPU_SLOTS_ADDR: u64 = BOOT_PARAMS_ADDR + 0x1000;
+/// Where the guest ELF is linked.
+pub const IMAGE_BASE: u64 = 0x20_0000;
+/// The most the guest image may span.
+pub const IMAGE_MAX_BYTES: u64 = 0x20_0000;
+/// GPA of vCPU 0's stack (bottom); vCPU `i`'s is `STACKS_ADDR + i * STACK_SIZE`.
+pub const STACKS_ADDR: u64 = IMAGE_BASE + IMAGE_MAX_BYTES;
+/// Stack bytes per vCPU.
+pub const STACK_SIZE: u64 = 0x4000;
+/// The most vCPUs the protocol has slots for (xAPIC IDs are 8 bits).
+pub const MAX_VCPUS: u32 = 255;
+
+/// I/O port of the 16550 UART (COM1).
+pub const SERIAL_PORT: u16 = 0x3f8;
+/// I/O port the guest writes a 32-bit status to when the run is over.
+pub const EXIT_PORT: u16 = 0x501;
+
+/// Guest memory needed for `vcpus` vCPUs: everything up to the end of the last stack.
+pub const fn min_memory_bytes(vcpus: u32) -> u64 {
+    STACKS_ADDR + vcpus as u64 * STACK_SIZE
+}
+
+/// [`BootParams::magic`].
+pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"pvspinbt");
+/// [`BootParams::version`].
+pub const BOOT_VERSION: u32 = 1;
+
+/// What the guest runs.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workload {
+    /// Every vCPU prints a greeting; the last one ends the run.
+    Hello = 1,
+    /// The lock-contention workload (see [`BootParams`]).
+    Lock = 2,
+    /// vCPU 0 spins forever without progress: for watchdog tests.
+    Spin = 3,
+    /// The last vCPU executes `ud2` with no IDT: a triple fault.
+    Fault = 4,
+    /// The last vCPU executes `vmcall`: with the FIX_HYPERCALL_INSN quirk off this faults
+    /// instead of looping inside KVM.
+    Hypercall = 5,
+}
+
+impl Workload {
+    /// Decodes a workload number.
+    pub const fn from_u32(value: u32) -> Option<Self> {
+        Some(match value {
+            1 => Self::Hello,
+            2 => Self::Lock,
+            3 => Self::Spin,
+            4 => Self::Fault,
+            5 => Self::Hypercall,
+            _ => return None,
+        })
+    }
+}
+
+/// Which lock the lock workload takes.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockKind {
+    /// `pvspin_guest::TicketLock`.
+    Ticket = 1,
+    /// `pvspin_guest::TasLock`.
+    Tas = 2,
+}
+
+impl LockKind {
+    /// Decodes a lock number.
+    pub const fn from_u32(value: u32) -> Option<Self> {
+        Some(match value {
+            1 => Self::Ticket,
+            2 => Self::Tas,
+            _ => return None,
+        })
+    }
+}
+
+/// Exit statuses the guest writes to [`EXIT_PORT`].
+pub mod status {
+    /// The workload finished and checked its result.
+    pub const OK: u32 = 0;
+    /// The lock workload's counter was wrong: mutual exclusion failed.
+    pub const COUNTER_MISMATCH: u32 = 1;
+    /// The boot parameters were invalid.
+    pub const BAD_PARAMS: u32 = 2;
+}
+
+/// Parameters the VMM writes before the vCPUs start; the guest only reads them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BootParams {
+    /// [`BOOT_MAGIC`].
+    pub magic: u64,
+    /// [`BOOT_VERSION`].
+    pub version: u32,
+    /// A [`Workload`] number.
+    pub workload: u32,
+    /// A [`LockKind`] number.
+    pub lock: u32,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Lock acquisitions per vCPU.
+    pub iterations: u64,
+    /// Work units inside the critical section.
+    pub cs_work: u64,
+    /// Work units between critical sections.
+    pub ncs_work: u64,
+    /// Guest TSC frequency in kHz, for rates.
+    pub tsc_khz: u64,
+    /// Results written by the guest.
+    pub result: RunResult,
+}
+
+/// What the guest reports at the end of the run (in [`BootParams::result`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunResult {
+    /// The shared counter at the end.
+    pub counter: u64,
+    /// What it should be: vCPUs × iterations.
+    pub expected: u64,
+    /// TSC cycles from the start barrier to the last vCPU's finish.
+    pub elapsed_tsc: u64,
+    /// Lock acquisitions per second of guest TSC time.
+    pub acquisitions_per_sec: u64,
+}
+
+/// Per-vCPU progress, written by the guest and read by the VMM's watchdog.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VcpuSlot {
+    /// Bumped by the guest whenever it makes progress.
+    pub heartbeat: u64,
+    /// Lock acquisitions done so far.
+    pub acquisitions: u64,
+    /// TSC when this vCPU finished its share (0 while running).
+    pub finish_tsc: u64,
+    /// Reserved, zero.
+    pub reserved: u64,
+}
+
+/// GPA of vCPU `index`'s slot.
+pub const fn vcpu_slot_addr(index: u32) -> u64 {
+    VCPU_SLOTS_ADDR + index as u64 * size_of::<VcpuSlot>() as u64
+}
+
+/// GPA of vCPU `index`'s initial stack pointer (16-byte aligned, minus the return-address slot
+/// a `call` would have pushed, so the entry function sees the ABI's alignment).
+pub const fn stack_top(index: u32) -> u64 {
+    STACKS_ADDR + (index as u64 + 1) * STACK_SIZE - 8
+}
+
+// The layout regions must not overlap; checked at compile time.
+const _: () = {
+    assert!(PML4_ADDR + 3 * 0x1000 <= BOOT_PARAMS_ADDR);
+    assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
+    assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
+    assert!(size_of::<VcpuSlot>() == 32);
+    assert!(size_of::<BootParams>() == 56 + size_of::<RunResult>());
+    assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enums_round_trip() {
+        for w in [
+            Workload::Hello,
+            Workload::Lock,
+            Workload::Spin,
+            Workload::Fault,
+            Workload::Hypercall,
+        ] {
+            assert_eq!(Workload::from_u32(w as u32), Some(w));
+        }
+        assert_eq!(Workload::from_u32(0), None);
+        assert_eq!(LockKind::from_u32(2), Some(LockKind::Tas));
+        assert_eq!(LockKind::from_u32(9), None);
+    }
+
+    #[test]
+    fn stacks_are_abi_aligned_at_entry() {
+        for i in 0..4 {
+            assert_eq!((stack_top(i) + 8) % 16, 0);
+        }
+    }
+}
