@@ -76,8 +76,9 @@ mod tests_common {
                     for round in 0..rounds {
                         let mut guard = mutex.lock();
                         let seen = core::hint::black_box(*guard);
-                        if round % 64 == 0 {
-                            std::thread::yield_now(); // widen the window for a second holder
+                        // Widen the window in which a second holder would lose this update.
+                        for _ in 0..(round % 32) {
+                            core::hint::black_box(());
                         }
                         *guard = seen + 1;
                     }
