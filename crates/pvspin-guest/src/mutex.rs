@@ -33,9 +33,8 @@ impl<L: RawSpinLock, T> SpinMutex<L, T> {
 
     /// Takes the lock if it is free.
     pub fn try_lock(&self) -> Option<SpinMutexGuard<'_, L, T>> {
-        self.lock
-            .try_lock()
-            .then_some(SpinMutexGuard { mutex: self })
+        // `then`, not `then_some`: a guard built eagerly would unlock on drop.
+        self.lock.try_lock().then(|| SpinMutexGuard { mutex: self })
     }
 
     /// The raw lock, for diagnostics.
