@@ -117,6 +117,8 @@ pub mod status {
     pub const COUNTER_MISMATCH: u32 = 1;
     /// The boot parameters were invalid.
     pub const BAD_PARAMS: u32 = 2;
+    /// The guest panicked.
+    pub const PANIC: u32 = 3;
 }
 
 /// Parameters the VMM writes before the vCPUs start; the guest only reads them.

@@ -1,0 +1,45 @@
+//! The few x86 instructions the guest needs, each in its own inline-asm wrapper.
+
+use core::arch::asm;
+
+/// Writes one byte to an I/O port.
+pub fn outb(port: u16, value: u8) {
+    // SAFETY: port I/O has no memory effects in this guest; the VMM decides what it means.
+    unsafe { asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags)) };
+}
+
+/// Writes four bytes to an I/O port.
+pub fn outl(port: u16, value: u32) {
+    // SAFETY: as for `outb`.
+    unsafe { asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags)) };
+}
+
+/// Reads the time-stamp counter.
+pub fn rdtsc() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: rdtsc only reads the TSC into edx:eax.
+    unsafe { asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags)) };
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// Halts forever with interrupts off: the vCPU has nothing more to do.
+pub fn halt_forever() -> ! {
+    loop {
+        // SAFETY: cli; hlt stops this vCPU until the VMM resumes it; no memory is touched.
+        unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+    }
+}
+
+/// Executes `ud2`: an invalid-opcode fault. With no IDT this is a triple fault.
+pub fn invalid_opcode() -> ! {
+    // SAFETY: deliberately faults; nothing after it runs.
+    unsafe { asm!("ud2", options(noreturn, nomem, nostack)) }
+}
+
+/// Executes `vmcall` (a KVM hypercall with an unknown number). With the FIX_HYPERCALL_INSN
+/// quirk off this raises #UD on hosts of the other vendor or on emulating hosts, instead of
+/// looping inside KVM.
+pub fn hypercall() {
+    // SAFETY: vmcall clobbers rax with the return value; the number 0x7fff is unknown to KVM.
+    unsafe { asm!("vmcall", inout("rax") 0x7fffu64 => _, options(nostack)) };
+}

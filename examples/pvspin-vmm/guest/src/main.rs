@@ -1,0 +1,189 @@
+//! The guest program of the pvspin-vmm example: bare-metal x86-64, one image for every
+//! workload, entered by every vCPU at `_start` in 64-bit mode (see `pvspin_vmm_proto`).
+//!
+//! The lock workload is the lock-holder-preemption experiment: every vCPU takes one shared
+//! lock `iterations` times, does `cs_work` units of work inside and `ncs_work` outside, and
+//! increments a plain (non-atomic) counter inside. The last vCPU to finish checks the counter
+//! and reports the elapsed guest TSC time.
+#![no_std]
+#![no_main]
+
+mod arch;
+mod console;
+mod rt;
+
+use core::hint::black_box;
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use pvspin_guest::{RawSpinLock, SpinMutex, TasLock, TicketLock};
+use pvspin_vmm_proto::{
+    status, vcpu_slot_addr, BootParams, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
+    BOOT_VERSION, EXIT_PORT,
+};
+
+use arch::{halt_forever, outl, rdtsc};
+use console::Line;
+
+/// vCPUs at the start barrier.
+static ARRIVED: AtomicU32 = AtomicU32::new(0);
+/// vCPUs that finished their share.
+static FINISHED: AtomicU32 = AtomicU32::new(0);
+/// TSC when the barrier opened.
+static START_TSC: AtomicU64 = AtomicU64::new(0);
+
+static TICKET_COUNTER: SpinMutex<TicketLock, u64> = SpinMutex::new(0);
+static TAS_COUNTER: SpinMutex<TasLock, u64> = SpinMutex::new(0);
+
+/// Entry point of every vCPU: `rdi` = vCPU index, `rsi` = boot parameters.
+#[no_mangle]
+pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
+    // SAFETY: the VMM put the boot parameters at this address before starting any vCPU, and
+    // nothing writes them while the guest runs except `report` below (the last vCPU only).
+    let boot = unsafe { params.read_volatile() };
+    let vcpu = vcpu as u32;
+    if boot.magic != BOOT_MAGIC || boot.version != BOOT_VERSION || vcpu >= boot.vcpus {
+        outl(EXIT_PORT, status::BAD_PARAMS);
+        halt_forever();
+    }
+    match Workload::from_u32(boot.workload) {
+        Some(Workload::Hello) => {
+            Line::new()
+                .text("hello from vCPU ")
+                .num(u64::from(vcpu))
+                .text(" of ")
+                .num(u64::from(boot.vcpus))
+                .print();
+            heartbeat(vcpu);
+            finish(vcpu, &boot, params, None)
+        }
+        Some(Workload::Lock) => match LockKind::from_u32(boot.lock) {
+            Some(LockKind::Ticket) => lock_workload(vcpu, &boot, params, &TICKET_COUNTER),
+            Some(LockKind::Tas) => lock_workload(vcpu, &boot, params, &TAS_COUNTER),
+            None => {
+                outl(EXIT_PORT, status::BAD_PARAMS);
+                halt_forever()
+            }
+        },
+        Some(Workload::Spin) => {
+            if vcpu == 0 {
+                // Spins without ever reporting progress: the watchdog must catch this.
+                loop {
+                    core::hint::spin_loop();
+                }
+            }
+            finish(vcpu, &boot, params, None)
+        }
+        Some(Workload::Fault) => {
+            if vcpu == boot.vcpus - 1 {
+                arch::invalid_opcode();
+            }
+            halt_forever()
+        }
+        Some(Workload::Hypercall) => {
+            if vcpu == boot.vcpus - 1 {
+                arch::hypercall();
+                Line::new().text("hypercall returned").print();
+            }
+            halt_forever()
+        }
+        None => {
+            outl(EXIT_PORT, status::BAD_PARAMS);
+            halt_forever()
+        }
+    }
+}
+
+/// This vCPU's progress slot, shared with the VMM's watchdog.
+fn slot(vcpu: u32) -> &'static VcpuSlot {
+    // SAFETY: the VMM reserves one slot per vCPU at this address (identity-mapped), and only
+    // this vCPU writes its slot, through the atomics below.
+    unsafe { &*(vcpu_slot_addr(vcpu) as *const VcpuSlot) }
+}
+
+fn slot_field(field: &u64) -> &AtomicU64 {
+    // SAFETY: AtomicU64 has the layout of u64, and slot fields are 8-byte aligned.
+    unsafe { AtomicU64::from_ptr(field as *const u64 as *mut u64) }
+}
+
+fn heartbeat(vcpu: u32) {
+    slot_field(&slot(vcpu).heartbeat).fetch_add(1, Ordering::Relaxed);
+}
+
+/// Burns `units` units of work that the compiler cannot remove.
+fn work(units: u64) {
+    for unit in 0..units {
+        black_box(unit);
+    }
+}
+
+fn lock_workload<L: RawSpinLock + Sync>(
+    vcpu: u32,
+    boot: &BootParams,
+    params: *mut BootParams,
+    counter: &SpinMutex<L, u64>,
+) -> ! {
+    // Start together, so every vCPU contends from the first acquisition.
+    if ARRIVED.fetch_add(1, Ordering::AcqRel) + 1 == boot.vcpus {
+        START_TSC.store(rdtsc(), Ordering::Release);
+    }
+    while ARRIVED.load(Ordering::Acquire) != boot.vcpus {
+        core::hint::spin_loop();
+    }
+    let acquisitions = slot_field(&slot(vcpu).acquisitions);
+    for _ in 0..boot.iterations {
+        {
+            let mut value = counter.lock();
+            // A plain read-modify-write with work in between: without mutual exclusion,
+            // updates are lost and the final check fails.
+            let seen = black_box(*value);
+            work(boot.cs_work);
+            *value = seen + 1;
+        }
+        acquisitions.fetch_add(1, Ordering::Relaxed);
+        heartbeat(vcpu);
+        work(boot.ncs_work);
+    }
+    let total = *counter.lock();
+    finish(vcpu, boot, params, Some(total))
+}
+
+/// Records this vCPU's finish; the last vCPU reports and ends the run. Others halt.
+fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option<u64>) -> ! {
+    let now = rdtsc();
+    slot_field(&slot(vcpu).finish_tsc).store(now, Ordering::Relaxed);
+    if FINISHED.fetch_add(1, Ordering::AcqRel) + 1 != boot.vcpus {
+        halt_forever();
+    }
+    let mut code = status::OK;
+    if let Some(counter) = counter {
+        let expected = u64::from(boot.vcpus) * boot.iterations;
+        let elapsed = now.saturating_sub(START_TSC.load(Ordering::Acquire)).max(1);
+        // acquisitions / (elapsed / (tsc_khz * 1000)), in integers: no floats in the guest.
+        let rate = (u128::from(expected) * u128::from(boot.tsc_khz) * 1000 / u128::from(elapsed))
+            .min(u128::from(u64::MAX)) as u64;
+        let result = RunResult {
+            counter,
+            expected,
+            elapsed_tsc: elapsed,
+            acquisitions_per_sec: rate,
+        };
+        // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
+        unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };
+        Line::new()
+            .text("guest: counter ")
+            .num(counter)
+            .text(if counter == expected { " == " } else { " != " })
+            .num(expected)
+            .text(", elapsed ")
+            .num(elapsed)
+            .text(" TSC cycles, ")
+            .num(rate)
+            .text(" acquisitions/s")
+            .print();
+        if counter != expected {
+            code = status::COUNTER_MISMATCH;
+        }
+    }
+    outl(EXIT_PORT, code);
+    halt_forever()
+}

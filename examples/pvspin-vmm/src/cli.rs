@@ -1,0 +1,224 @@
+//! Command line of `pvspin-vmm`.
+
+use std::ffi::OsString;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+use crate::bench::{self, BenchOptions};
+use crate::config::RunConfig;
+use crate::vmm;
+
+/// Runs pvspin guest workloads on /dev/kvm.
+#[derive(Debug, Parser)]
+#[command(name = "pvspin-vmm", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Runs one VM and prints a summary line and a JSON line.
+    Run(RunArgs),
+    /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
+    Bench(BenchArgs),
+}
+
+/// Guest workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadArg {
+    /// Every vCPU takes one shared lock (the lock-holder-preemption experiment).
+    Lock,
+    /// Every vCPU prints a greeting.
+    Hello,
+    /// vCPU 0 spins forever (shows the watchdog).
+    Spin,
+    /// The last vCPU triple-faults (shows fault reporting).
+    Fault,
+    /// The last vCPU executes VMCALL (faults, since pvspin turns FIX_HYPERCALL_INSN off).
+    Hypercall,
+}
+
+impl From<WorkloadArg> for Workload {
+    fn from(arg: WorkloadArg) -> Self {
+        match arg {
+            WorkloadArg::Lock => Workload::Lock,
+            WorkloadArg::Hello => Workload::Hello,
+            WorkloadArg::Spin => Workload::Spin,
+            WorkloadArg::Fault => Workload::Fault,
+            WorkloadArg::Hypercall => Workload::Hypercall,
+        }
+    }
+}
+
+/// Guest locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LockArg {
+    /// Fair FIFO ticket lock.
+    Ticket,
+    /// Unfair test-and-test-and-set lock.
+    Tas,
+}
+
+impl From<LockArg> for LockKind {
+    fn from(arg: LockArg) -> Self {
+        match arg {
+            LockArg::Ticket => LockKind::Ticket,
+            LockArg::Tas => LockKind::Tas,
+        }
+    }
+}
+
+/// Options of one VM run.
+#[derive(Clone, Debug, Args)]
+pub struct VmArgs {
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 2)]
+    pub vcpus: u32,
+    /// Guest workload.
+    #[arg(long, value_enum, default_value_t = WorkloadArg::Lock)]
+    pub workload: WorkloadArg,
+    /// Lock taken by the lock workload.
+    #[arg(long, value_enum, default_value_t = LockArg::Ticket)]
+    pub lock: LockArg,
+    /// Lock acquisitions per vCPU.
+    #[arg(long, default_value_t = 2000)]
+    pub iterations: u64,
+    /// Work units inside each critical section (a unit is a few guest instructions).
+    #[arg(long, default_value_t = 40)]
+    pub cs_work: u64,
+    /// Work units between critical sections.
+    #[arg(long, default_value_t = 40)]
+    pub ncs_work: u64,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 16)]
+    pub mem_mib: u64,
+    /// A running vCPU without progress for this long fails the run.
+    #[arg(long, default_value_t = 10_000)]
+    pub watchdog_ms: u64,
+    /// Upper bound on the whole run.
+    #[arg(long, default_value_t = 300_000)]
+    pub timeout_ms: u64,
+    /// Do not copy the guest's console to stdout.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Options of `run`.
+#[derive(Clone, Debug, Args)]
+pub struct RunArgs {
+    /// VM options.
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// Busy host threads competing with the vCPUs for host CPUs.
+    #[arg(long, default_value_t = 0)]
+    pub hogs: u32,
+}
+
+/// Options of `bench`.
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// VM options.
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// Hog counts to compare, one case each.
+    #[arg(long, value_delimiter = ',', default_value = "0,2,4")]
+    pub hogs: Vec<u32>,
+    /// Runs per case (cases are interleaved run by run, so noise spreads evenly).
+    #[arg(long, default_value_t = 5)]
+    pub runs: u32,
+}
+
+impl VmArgs {
+    /// The run configuration these options describe.
+    pub fn config(&self, hogs: u32) -> RunConfig {
+        RunConfig {
+            vcpus: self.vcpus,
+            workload: self.workload.into(),
+            lock: self.lock.into(),
+            iterations: self.iterations,
+            cs_work: self.cs_work,
+            ncs_work: self.ncs_work,
+            hogs,
+            mem_mib: self.mem_mib,
+            watchdog_ms: self.watchdog_ms,
+            timeout_ms: self.timeout_ms,
+            echo_console: !self.quiet,
+        }
+    }
+}
+
+/// Runs the command line `args` (program name first); returns the process exit code:
+/// 0 success, 1 the guest or the host failed, 2 invalid options.
+pub fn main_with_args<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(err) => {
+            let code = err.exit_code();
+            let _ = err.print();
+            return code;
+        }
+    };
+    match cli.command {
+        Command::Run(args) => match vmm::run(&args.vm.config(args.hogs)) {
+            Ok(report) => {
+                println!("{}", report.summary_line());
+                println!("{}", report.to_json());
+                0
+            }
+            Err(err) => {
+                eprintln!("pvspin-vmm: {err}");
+                err.exit_code()
+            }
+        },
+        Command::Bench(args) => {
+            let options = BenchOptions {
+                hogs: args.hogs.clone(),
+                runs: args.runs,
+            };
+            match bench::run(&args.vm, &options) {
+                Ok(table) => {
+                    println!("{table}");
+                    0
+                }
+                Err(err) => {
+                    eprintln!("pvspin-vmm: {err}");
+                    err.exit_code()
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_errors_exit_with_2() {
+        assert_eq!(
+            main_with_args(["pvspin-vmm", "run", "--workload", "nope"]),
+            2
+        );
+        assert_eq!(main_with_args(["pvspin-vmm", "run", "--vcpus", "-1"]), 2);
+        assert_eq!(main_with_args(["pvspin-vmm", "frobnicate"]), 2);
+    }
+
+    #[test]
+    fn parses_bench_hog_lists() {
+        let cli =
+            Cli::try_parse_from(["pvspin-vmm", "bench", "--hogs", "0,2,4", "--runs", "3"]).unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("expected bench")
+        };
+        assert_eq!(args.hogs, [0, 2, 4]);
+        assert_eq!(args.vm.config(2).hogs, 2);
+    }
+}

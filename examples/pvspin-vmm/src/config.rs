@@ -1,0 +1,238 @@
+//! The run configuration and its validation.
+
+use pvspin_vmm_proto::{min_memory_bytes, LockKind, Workload, MAPPED_BYTES, MAX_VCPUS};
+
+/// Everything one run needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunConfig {
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest workload.
+    pub workload: Workload,
+    /// Lock used by the lock workload.
+    pub lock: LockKind,
+    /// Lock acquisitions per vCPU.
+    pub iterations: u64,
+    /// Work units inside each critical section.
+    pub cs_work: u64,
+    /// Work units between critical sections.
+    pub ncs_work: u64,
+    /// Busy host threads competing with the vCPUs for host CPUs.
+    pub hogs: u32,
+    /// Guest memory in MiB.
+    pub mem_mib: u64,
+    /// A running vCPU that shows no progress for this long fails the run.
+    pub watchdog_ms: u64,
+    /// The whole run fails after this long.
+    pub timeout_ms: u64,
+    /// Copy the guest's serial output to stdout.
+    pub echo_console: bool,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            vcpus: 2,
+            workload: Workload::Lock,
+            lock: LockKind::Ticket,
+            iterations: 2000,
+            cs_work: 40,
+            ncs_work: 40,
+            hogs: 0,
+            mem_mib: 16,
+            watchdog_ms: 10_000,
+            timeout_ms: 300_000,
+            echo_console: true,
+        }
+    }
+}
+
+/// Why a configuration is refused. Each message names the rule.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Zero vCPUs.
+    #[error("--vcpus must be at least 1")]
+    NoVcpus,
+    /// More vCPUs than KVM or the guest protocol allows.
+    #[error("--vcpus {got} is more than allowed: KVM allows {kvm_max} vCPUs per VM here and the guest protocol {proto_max}")]
+    TooManyVcpus {
+        /// What was asked for.
+        got: u32,
+        /// `KVM_CAP_MAX_VCPUS`.
+        kvm_max: u32,
+        /// [`MAX_VCPUS`].
+        proto_max: u32,
+    },
+    /// Not enough memory for the image and the vCPU stacks.
+    #[error("--mem-mib {got} is too little: {vcpus} vCPUs need at least {need_mib} MiB (image, tables and one stack per vCPU)")]
+    TooLittleMemory {
+        /// What was asked for.
+        got: u64,
+        /// vCPUs configured.
+        vcpus: u32,
+        /// The minimum.
+        need_mib: u64,
+    },
+    /// More memory than the guest's page tables map.
+    #[error("--mem-mib {got} is more than the guest maps: at most {max_mib} MiB")]
+    TooMuchMemory {
+        /// What was asked for.
+        got: u64,
+        /// The maximum.
+        max_mib: u64,
+    },
+    /// A lock workload with nothing to do.
+    #[error("--iterations must be at least 1 for the lock workload")]
+    NoIterations,
+    /// A zero watchdog or timeout would fail every run.
+    #[error("--watchdog-ms and --timeout-ms must be at least 1")]
+    ZeroBound,
+    /// Too many hogs.
+    #[error("--hogs {got} is more than {max}")]
+    TooManyHogs {
+        /// What was asked for.
+        got: u32,
+        /// The maximum.
+        max: u32,
+    },
+}
+
+/// The most CPU-hog threads a run may start.
+pub const MAX_HOGS: u32 = 256;
+
+impl RunConfig {
+    /// Checks the configuration against its rules and against KVM's vCPU limit.
+    pub fn validate(&self, kvm_max_vcpus: u32) -> Result<(), ConfigError> {
+        if self.vcpus == 0 {
+            return Err(ConfigError::NoVcpus);
+        }
+        if self.vcpus > kvm_max_vcpus || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::TooManyVcpus {
+                got: self.vcpus,
+                kvm_max: kvm_max_vcpus,
+                proto_max: MAX_VCPUS,
+            });
+        }
+        let need = min_memory_bytes(self.vcpus);
+        let need_mib = need.div_ceil(1 << 20);
+        if self.mem_mib < need_mib {
+            return Err(ConfigError::TooLittleMemory {
+                got: self.mem_mib,
+                vcpus: self.vcpus,
+                need_mib,
+            });
+        }
+        if self.mem_mib > MAPPED_BYTES >> 20 {
+            return Err(ConfigError::TooMuchMemory {
+                got: self.mem_mib,
+                max_mib: MAPPED_BYTES >> 20,
+            });
+        }
+        if self.workload == Workload::Lock && self.iterations == 0 {
+            return Err(ConfigError::NoIterations);
+        }
+        if self.watchdog_ms == 0 || self.timeout_ms == 0 {
+            return Err(ConfigError::ZeroBound);
+        }
+        if self.hogs > MAX_HOGS {
+            return Err(ConfigError::TooManyHogs {
+                got: self.hogs,
+                max: MAX_HOGS,
+            });
+        }
+        Ok(())
+    }
+
+    /// Guest memory in bytes.
+    pub fn mem_bytes(&self) -> u64 {
+        self.mem_mib << 20
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        assert_eq!(RunConfig::default().validate(1024), Ok(()));
+    }
+
+    #[test]
+    fn refuses_each_rule() {
+        let base = RunConfig::default();
+        let check = |config: RunConfig| config.validate(8).unwrap_err();
+        assert_eq!(
+            check(RunConfig {
+                vcpus: 0,
+                ..base.clone()
+            }),
+            ConfigError::NoVcpus
+        );
+        assert!(matches!(
+            check(RunConfig {
+                vcpus: 9,
+                ..base.clone()
+            }),
+            ConfigError::TooManyVcpus {
+                got: 9,
+                kvm_max: 8,
+                ..
+            }
+        ));
+        assert!(matches!(
+            check(RunConfig {
+                mem_mib: 1,
+                ..base.clone()
+            }),
+            ConfigError::TooLittleMemory { got: 1, .. }
+        ));
+        assert!(matches!(
+            check(RunConfig {
+                mem_mib: 4096,
+                ..base.clone()
+            }),
+            ConfigError::TooMuchMemory { got: 4096, .. }
+        ));
+        assert_eq!(
+            check(RunConfig {
+                iterations: 0,
+                ..base.clone()
+            }),
+            ConfigError::NoIterations
+        );
+        assert_eq!(
+            check(RunConfig {
+                watchdog_ms: 0,
+                ..base.clone()
+            }),
+            ConfigError::ZeroBound
+        );
+        assert!(matches!(
+            check(RunConfig {
+                hogs: 1000,
+                ..base.clone()
+            }),
+            ConfigError::TooManyHogs { .. }
+        ));
+        // The protocol's limit applies even when KVM allows more.
+        assert!(RunConfig {
+            vcpus: 256,
+            mem_mib: 64,
+            ..base
+        }
+        .validate(1024)
+        .is_err());
+    }
+
+    #[test]
+    fn memory_minimum_grows_with_vcpus() {
+        let config = RunConfig {
+            vcpus: 255,
+            mem_mib: 4,
+            ..RunConfig::default()
+        };
+        let err = config.validate(1024).unwrap_err();
+        assert!(err.to_string().contains("255 vCPUs need at least"), "{err}");
+    }
+}

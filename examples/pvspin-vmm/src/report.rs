@@ -1,0 +1,190 @@
+//! What a run reports: one human line, one JSON line, and per-vCPU details.
+
+use std::time::Duration;
+
+use pvspin::{ExitKind, VcpuCounters};
+use pvspin_vmm_proto::{BootParams, Workload};
+use serde::Serialize;
+
+use crate::config::RunConfig;
+use crate::devices::IoBus;
+use crate::memory::{self, GuestMemory};
+use crate::vcpu::{RegsSnapshot, VcpuShared, VcpuState};
+use crate::vmm::{lock_name, workload_name};
+
+/// One vCPU at the end of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct VcpuReport {
+    /// Index.
+    pub index: u32,
+    /// State when the VM stopped.
+    pub state: VcpuState,
+    /// Exits handled by the VMM in userspace.
+    pub userspace_exits: u64,
+    /// `KVM_RUN` calls (pvspin's counters).
+    pub runs: u64,
+    /// Halt exits (pvspin's counters).
+    pub hlt_exits: u64,
+    /// Progress counter the guest bumps.
+    pub heartbeat: u64,
+    /// Lock acquisitions this vCPU made.
+    pub acquisitions: u64,
+    /// Registers, when the vCPU was stopped by a failure or the watchdog.
+    pub regs: Option<RegsSnapshot>,
+}
+
+impl VcpuReport {
+    pub(crate) fn collect(
+        vcpu: &VcpuShared,
+        memory: &GuestMemory,
+        counters: Option<VcpuCounters>,
+    ) -> Self {
+        let slot = memory::read_slot(memory, vcpu.index).unwrap_or_default();
+        let counters = counters.unwrap_or_default();
+        Self {
+            index: vcpu.index,
+            state: vcpu.state(),
+            userspace_exits: vcpu.exits.load(std::sync::atomic::Ordering::Relaxed),
+            runs: counters.runs,
+            hlt_exits: counters.exits_of(ExitKind::Hlt),
+            heartbeat: slot.heartbeat,
+            acquisitions: slot.acquisitions,
+            regs: *vcpu
+                .last_regs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        }
+    }
+}
+
+impl std::fmt::Display for VcpuReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "vCPU {}: {:?}, heartbeat {}, acquisitions {}, {} userspace exits",
+            self.index, self.state, self.heartbeat, self.acquisitions, self.userspace_exits
+        )?;
+        if let Some(regs) = self.regs {
+            write!(
+                f,
+                ", rip {:#x} rsp {:#x} cpl {}",
+                regs.rip, regs.rsp, regs.cpl
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The result of a successful run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Workload name.
+    pub workload: &'static str,
+    /// Lock name.
+    pub lock: &'static str,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// CPU hog threads.
+    pub hogs: u32,
+    /// Acquisitions per vCPU.
+    pub iterations: u64,
+    /// Work units inside the critical section.
+    pub cs_work: u64,
+    /// Work units outside.
+    pub ncs_work: u64,
+    /// The counter the guest found (lock workload).
+    pub counter: u64,
+    /// What it should be.
+    pub expected: u64,
+    /// Guest TSC cycles from the start barrier to the last finish.
+    pub elapsed_tsc: u64,
+    /// Guest TSC frequency.
+    pub tsc_khz: u64,
+    /// `elapsed_tsc` in seconds.
+    pub guest_seconds: f64,
+    /// Acquisitions per second, as the guest computed them.
+    pub acquisitions_per_sec: u64,
+    /// Host wall-clock time of the whole run (boot to exit).
+    pub wall_seconds: f64,
+    /// Guest accesses to ports no device decodes.
+    pub unknown_port_accesses: u64,
+    /// Per-vCPU details.
+    pub per_vcpu: Vec<VcpuReport>,
+    /// The guest's console output.
+    #[serde(skip)]
+    pub console: String,
+}
+
+impl RunReport {
+    pub(crate) fn new(
+        config: &RunConfig,
+        params: &BootParams,
+        tsc_khz: u64,
+        wall: Duration,
+        per_vcpu: Vec<VcpuReport>,
+        console: String,
+        bus: &IoBus,
+    ) -> Self {
+        let result = params.result;
+        let guest_seconds = if tsc_khz == 0 {
+            0.0
+        } else {
+            result.elapsed_tsc as f64 / (tsc_khz as f64 * 1000.0)
+        };
+        Self {
+            workload: workload_name(config.workload),
+            lock: lock_name(config.lock),
+            vcpus: config.vcpus,
+            hogs: config.hogs,
+            iterations: config.iterations,
+            cs_work: config.cs_work,
+            ncs_work: config.ncs_work,
+            counter: result.counter,
+            expected: result.expected,
+            elapsed_tsc: result.elapsed_tsc,
+            tsc_khz,
+            guest_seconds,
+            acquisitions_per_sec: result.acquisitions_per_sec,
+            wall_seconds: wall.as_secs_f64(),
+            unknown_port_accesses: bus.unknown_port_accesses(),
+            per_vcpu,
+            console,
+        }
+    }
+
+    /// Whether this run measured the lock workload.
+    pub fn is_lock_run(&self) -> bool {
+        self.workload == workload_name(Workload::Lock)
+    }
+
+    /// One line for people.
+    pub fn summary_line(&self) -> String {
+        if !self.is_lock_run() {
+            return format!(
+                "pvspin-vmm: workload {} on {} vCPUs finished in {:.3} s",
+                self.workload, self.vcpus, self.wall_seconds
+            );
+        }
+        format!(
+            "pvspin-vmm: lock {} on {} vCPUs with {} hogs, {} x {} acquisitions (cs {}, ncs {}): counter {} {} {}, {:.3} s guest time, {} acquisitions/s (wall {:.3} s)",
+            self.lock,
+            self.vcpus,
+            self.hogs,
+            self.vcpus,
+            self.iterations,
+            self.cs_work,
+            self.ncs_work,
+            self.counter,
+            if self.counter == self.expected { "==" } else { "!=" },
+            self.expected,
+            self.guest_seconds,
+            self.acquisitions_per_sec,
+            self.wall_seconds
+        )
+    }
+
+    /// One JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
+    }
+}

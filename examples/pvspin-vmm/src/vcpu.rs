@@ -1,0 +1,321 @@
+//! vCPU threads: the run loop, how other threads interrupt it, and what it reports.
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once, OnceLock, PoisonError};
+use std::time::Duration;
+
+use kvm_bindings::KVM_EXIT_INTERNAL_ERROR;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use pvspin::{ExitOutcome, VcpuHooks, VcpuInterrupter};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+
+use crate::devices::{IoBus, PioAction};
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn on_kick_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // The kicker set immediate_exit before signalling; the signal's only job is to make
+    // KVM_RUN return EINTR. The fence pairs with the kicker's store.
+    std::sync::atomic::fence(Ordering::Acquire);
+}
+
+/// Installs the kick signal's handler once per process (without it the signal would kill us).
+pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
+    static INSTALLED: Once = Once::new();
+    let mut result = Ok(());
+    INSTALLED.call_once(|| result = register_signal_handler(kick_signal(), on_kick_signal));
+    result
+}
+
+/// Why a vCPU thread stopped or what it saw last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VcpuState {
+    /// Not started yet.
+    Created,
+    /// In or around `KVM_RUN`.
+    Running,
+    /// Halted (`KVM_EXIT_HLT`), parked until the run ends.
+    Halted,
+    /// The thread left its loop.
+    Exited,
+}
+
+/// What the VMM knows about one vCPU, shared between its thread and the rest of the VMM.
+#[derive(Debug)]
+pub struct VcpuShared {
+    /// The vCPU's index.
+    pub index: u32,
+    state: Mutex<VcpuState>,
+    parked: Condvar,
+    unpark: AtomicBool,
+    /// Exits handled in userspace.
+    pub exits: AtomicU64,
+    /// `kvm_run.immediate_exit` of this vCPU (null until the thread starts).
+    immediate_exit: AtomicPtr<u8>,
+    thread: OnceLock<libc::pthread_t>,
+    /// Registers captured when the thread stopped on a failure or a stop request.
+    pub last_regs: Mutex<Option<RegsSnapshot>>,
+}
+
+/// Where a vCPU was when it stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RegsSnapshot {
+    /// Instruction pointer.
+    pub rip: u64,
+    /// Stack pointer.
+    pub rsp: u64,
+    /// Current privilege level (CS.DPL).
+    pub cpl: u8,
+}
+
+impl VcpuShared {
+    /// State for vCPU `index`.
+    pub fn new(index: u32) -> Self {
+        Self {
+            index,
+            state: Mutex::new(VcpuState::Created),
+            parked: Condvar::new(),
+            unpark: AtomicBool::new(false),
+            exits: AtomicU64::new(0),
+            immediate_exit: AtomicPtr::new(std::ptr::null_mut()),
+            thread: OnceLock::new(),
+            last_regs: Mutex::new(None),
+        }
+    }
+
+    /// The vCPU's state now.
+    pub fn state(&self) -> VcpuState {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set_state(&self, state: VcpuState) {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = state;
+    }
+
+    /// Forces the vCPU out of `KVM_RUN` (or out of its halt) soon.
+    pub fn kick(&self) {
+        let immediate_exit = self.immediate_exit.load(Ordering::Acquire);
+        if !immediate_exit.is_null() {
+            // SAFETY: the pointer is the vCPU's kvm_run.immediate_exit, set by its thread; the
+            // VcpuFd (and so the mapping) outlives every kicker (the VMM drops it after joining
+            // all threads). Access is atomic, as the vCPU thread's own clear.
+            unsafe { AtomicU8::from_ptr(immediate_exit) }.store(1, Ordering::Release);
+        }
+        if let Some(&thread) = self.thread.get() {
+            // SAFETY: pthread_kill on a thread of this process that has not been joined yet
+            // (threads are joined only after the last kick); the handler is installed first.
+            let ret = unsafe { libc::pthread_kill(thread, kick_signal()) };
+            if ret != 0 {
+                log::debug!("kicking vCPU {}: pthread_kill returned {ret}", self.index);
+            }
+        }
+        let _state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        self.unpark.store(true, Ordering::Release);
+        self.parked.notify_all();
+    }
+
+    /// Parks the calling vCPU thread until kicked. Bounded: wakes at least every `poll` to let
+    /// the caller re-check why it is parked.
+    fn park(&self, poll: Duration) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *state = VcpuState::Halted;
+        while !self.unpark.swap(false, Ordering::AcqRel) {
+            let (guard, timeout) = self
+                .parked
+                .wait_timeout(state, poll)
+                .unwrap_or_else(PoisonError::into_inner);
+            state = guard;
+            if timeout.timed_out() {
+                break;
+            }
+        }
+        *state = VcpuState::Running;
+    }
+}
+
+/// The VMM's [`VcpuInterrupter`] for pvspin: immediate_exit plus a signal.
+#[derive(Debug)]
+pub struct SignalInterrupter {
+    vcpus: Vec<Arc<VcpuShared>>,
+}
+
+impl SignalInterrupter {
+    /// Interrupts the given vCPUs by index.
+    pub fn new(vcpus: Vec<Arc<VcpuShared>>) -> Self {
+        Self { vcpus }
+    }
+}
+
+impl VcpuInterrupter for SignalInterrupter {
+    fn interrupt(&self, index: usize) {
+        if let Some(vcpu) = self.vcpus.get(index) {
+            vcpu.kick();
+        }
+    }
+}
+
+/// How a vCPU thread ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VcpuEnd {
+    /// The guest wrote this status to the exit port.
+    GuestExit(u32),
+    /// Asked to stop by the VMM.
+    Stopped,
+    /// The guest or KVM failed.
+    Fault(String),
+}
+
+/// What a vCPU thread needs to run.
+#[derive(Debug)]
+pub struct VcpuRunner {
+    /// The vCPU.
+    pub vcpu: VcpuFd,
+    /// pvspin's hooks for it.
+    pub hooks: VcpuHooks,
+    /// Shared state.
+    pub shared: Arc<VcpuShared>,
+    /// Devices.
+    pub bus: Arc<IoBus>,
+    /// Set when the whole VM is stopping.
+    pub stopping: Arc<AtomicBool>,
+}
+
+enum Step {
+    Continue,
+    Halt,
+    End(VcpuEnd),
+    /// `KVM_EXIT_INTERNAL_ERROR`: described once the exit no longer borrows the vCPU.
+    InternalError,
+}
+
+impl VcpuRunner {
+    /// Runs the vCPU until the guest ends the run, it fails, or the VM stops. Calls `on_end`
+    /// with the reason before returning the vCPU (which must outlive every kick).
+    pub fn run(mut self, on_end: impl FnOnce(u32, &VcpuEnd)) -> VcpuFd {
+        let index = self.shared.index;
+        let immediate_exit: *mut u8 = &mut self.vcpu.get_kvm_run().immediate_exit;
+        self.shared
+            .immediate_exit
+            .store(immediate_exit, Ordering::Release);
+        // SAFETY: pthread_self has no preconditions.
+        let _ = self.shared.thread.set(unsafe { libc::pthread_self() });
+        self.shared.set_state(VcpuState::Running);
+        let end = loop {
+            if self.stopping.load(Ordering::Acquire) {
+                break VcpuEnd::Stopped;
+            }
+            match self.step() {
+                Step::Continue => {}
+                Step::Halt => {
+                    // Without an in-kernel irqchip, nothing wakes a halted vCPU but the VMM;
+                    // the example's guests halt only when done, so park until the run ends.
+                    self.shared.park(Duration::from_millis(100));
+                }
+                Step::End(end) => break end,
+                Step::InternalError => break VcpuEnd::Fault("KVM internal error".into()),
+            }
+        };
+        if !matches!(end, VcpuEnd::GuestExit(_)) {
+            self.capture_regs();
+        }
+        on_end(index, &end);
+        self.shared.set_state(VcpuState::Exited);
+        self.vcpu
+    }
+
+    fn step(&mut self) -> Step {
+        self.hooks.before_run();
+        let exit = self.vcpu.run();
+        let outcome = self.hooks.handle_exit(&exit);
+        let step = match (outcome, exit) {
+            (ExitOutcome::Handled, _) => Step::Continue,
+            (ExitOutcome::NotHandled, Ok(exit)) => handle_exit(&self.shared, &self.bus, exit),
+            (ExitOutcome::NotHandled, Err(err)) if err.errno() == libc::EINTR => {
+                self.clear_immediate_exit();
+                Step::Continue
+            }
+            (ExitOutcome::NotHandled, Err(err)) if err.errno() == libc::EAGAIN => Step::Continue,
+            (ExitOutcome::NotHandled, Err(err)) => {
+                Step::End(VcpuEnd::Fault(format!("KVM_RUN failed: {err}")))
+            }
+        };
+        self.hooks.after_run();
+        match step {
+            Step::InternalError => Step::End(VcpuEnd::Fault(self.describe_internal_error())),
+            step => step,
+        }
+    }
+}
+
+/// The VMM's own handling of an exit pvspin did not take.
+fn handle_exit(shared: &VcpuShared, bus: &IoBus, exit: VcpuExit<'_>) -> Step {
+    shared.exits.fetch_add(1, Ordering::Relaxed);
+    match exit {
+            VcpuExit::IoOut(port, data) => match bus.write(port, data) {
+                PioAction::Continue => Step::Continue,
+                PioAction::Exit(status) => Step::End(VcpuEnd::GuestExit(status)),
+            },
+            VcpuExit::IoIn(port, data) => {
+                bus.read(port, data);
+                Step::Continue
+            }
+            VcpuExit::Hlt => Step::Halt,
+            VcpuExit::Shutdown => Step::End(VcpuEnd::Fault(
+                "shutdown (triple fault: the guest took an exception it could not handle)".into(),
+            )),
+            VcpuExit::InternalError => Step::InternalError,
+            VcpuExit::FailEntry(reason, cpu) => Step::End(VcpuEnd::Fault(format!(
+                "KVM could not enter the guest (hardware entry failure reason {reason:#x} on host CPU {cpu})"
+            ))),
+            VcpuExit::MmioRead(addr, _) | VcpuExit::MmioWrite(addr, _) => Step::End(
+                VcpuEnd::Fault(format!("access to unbacked guest physical address {addr:#x}")),
+            ),
+            other => Step::End(VcpuEnd::Fault(format!("unexpected exit {other:?}"))),
+        }
+}
+
+impl VcpuRunner {
+    fn clear_immediate_exit(&mut self) {
+        let immediate_exit: *mut u8 = &mut self.vcpu.get_kvm_run().immediate_exit;
+        // SAFETY: our own kvm_run, mapped while `self.vcpu` lives; atomic like the kickers'.
+        unsafe { AtomicU8::from_ptr(immediate_exit) }.store(0, Ordering::Release);
+    }
+
+    fn describe_internal_error(&mut self) -> String {
+        let run = self.vcpu.get_kvm_run();
+        if run.exit_reason != KVM_EXIT_INTERNAL_ERROR {
+            return "internal error".into();
+        }
+        // SAFETY: exit_reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the union member
+        // KVM filled in.
+        let internal = unsafe { run.__bindgen_anon_1.internal };
+        let suberror = internal.suberror;
+        let what = match suberror {
+            1 => "instruction emulation failed (on emulating hosts: an instruction the emulator does not support, such as SSE)",
+            2 => "simultaneous exceptions",
+            3 => "unexpected event delivery",
+            _ => "unknown suberror",
+        };
+        format!("KVM internal error, suberror {suberror}: {what}")
+    }
+
+    fn capture_regs(&self) {
+        let regs = self.vcpu.get_regs();
+        let sregs = self.vcpu.get_sregs();
+        if let (Ok(regs), Ok(sregs)) = (regs, sregs) {
+            *self
+                .shared
+                .last_regs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(RegsSnapshot {
+                rip: regs.rip,
+                rsp: regs.rsp,
+                cpl: sregs.cs.dpl,
+            });
+        }
+    }
+}

@@ -1,0 +1,497 @@
+//! One run: create the VM, start the vCPU and hog threads, watch them from an event loop,
+//! and report.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::{Kvm, VcpuFd};
+use pvspin::PvSpin;
+use pvspin_vmm_proto::{BootParams, LockKind, Workload, BOOT_MAGIC, BOOT_VERSION};
+use vm_memory::GuestAddress;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::timerfd::TimerFd;
+
+use crate::config::{ConfigError, RunConfig};
+use crate::devices::{ConsoleSink, IoBus};
+use crate::memory::{self, GuestMemory, MemoryError};
+use crate::report::{RunReport, VcpuReport};
+use crate::vcpu::{install_kick_handler, SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
+
+/// The guest program, built by this crate's build script.
+pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
+
+/// How often the watchdog looks at the vCPUs.
+const WATCHDOG_TICK: Duration = Duration::from_millis(50);
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Invalid configuration (exit code 2).
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// The host could not set the VM up.
+    #[error("setting up the VM: {0}")]
+    Setup(String),
+    /// Guest memory could not be prepared.
+    #[error("preparing guest memory: {0}")]
+    Memory(#[from] MemoryError),
+    /// The guest crashed or KVM could not run it.
+    #[error("vCPU {vcpu} failed: {reason}\n{states}")]
+    GuestFault {
+        /// The vCPU that failed.
+        vcpu: u32,
+        /// What happened.
+        reason: String,
+        /// Every vCPU's state.
+        states: VcpuStates,
+    },
+    /// The guest ended the run with a failure status.
+    #[error("the guest reported failure status {status} ({meaning})\n{states}")]
+    GuestStatus {
+        /// The status written to the exit port.
+        status: u32,
+        /// What it means.
+        meaning: &'static str,
+        /// Every vCPU's state.
+        states: VcpuStates,
+    },
+    /// A running vCPU made no progress for too long.
+    #[error("watchdog: vCPU {vcpu} made no progress for {silent_ms} ms (limit {limit_ms} ms); the VM was stopped\n{states}")]
+    Watchdog {
+        /// The first silent vCPU.
+        vcpu: u32,
+        /// How long it was silent.
+        silent_ms: u64,
+        /// The limit.
+        limit_ms: u64,
+        /// Every vCPU's state.
+        states: VcpuStates,
+    },
+    /// The run took longer than its bound.
+    #[error("the run exceeded its {limit_ms} ms bound; the VM was stopped\n{states}")]
+    Timeout {
+        /// The bound.
+        limit_ms: u64,
+        /// Every vCPU's state.
+        states: VcpuStates,
+    },
+}
+
+impl RunError {
+    /// The process exit code for this error: 2 for invalid configuration, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Config(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// Per-vCPU states at the end of a failed run, one line each.
+#[derive(Debug, Default)]
+pub struct VcpuStates(pub Vec<VcpuReport>);
+
+impl std::fmt::Display for VcpuStates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, vcpu) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "  {vcpu}")?;
+        }
+        Ok(())
+    }
+}
+
+/// How the run ended, decided by the first vCPU or watchdog to see it.
+#[derive(Clone, Debug)]
+enum Ending {
+    GuestExit(u32),
+    Fault { vcpu: u32, reason: String },
+    Watchdog { vcpu: u32, silent_ms: u64 },
+    Timeout,
+}
+
+/// What vCPU threads and event subscribers share.
+struct RunControl {
+    ending: Mutex<Option<Ending>>,
+    ended: EventFd,
+}
+
+impl RunControl {
+    /// Records the ending; the first one wins.
+    fn end(&self, ending: Ending) {
+        let mut slot = self.ending.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_none() {
+            *slot = Some(ending);
+            if let Err(err) = self.ended.write(1) {
+                log::error!("cannot signal the end of the run: {err}");
+            }
+        }
+    }
+
+    fn ending(&self) -> Option<Ending> {
+        self.ending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Wakes the event loop when the run ends.
+struct EndWatcher {
+    control: Arc<RunControl>,
+}
+
+impl MutEventSubscriber for EndWatcher {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(err) = ops.add(Events::new(&self.control.ended, EventSet::IN)) {
+            log::error!("cannot watch the end-of-run event: {err:?}");
+        }
+    }
+
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.control.ended.read();
+    }
+}
+
+/// Watches every vCPU's progress on a timer and ends the run when one stalls.
+struct Watchdog {
+    timer: TimerFd,
+    control: Arc<RunControl>,
+    memory: GuestMemory,
+    vcpus: Vec<Arc<VcpuShared>>,
+    last_progress: Vec<(u64, u64, Instant)>,
+    limit: Duration,
+    started: Instant,
+    timeout: Duration,
+}
+
+impl Watchdog {
+    fn check(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.started) > self.timeout {
+            self.control.end(Ending::Timeout);
+            return;
+        }
+        for (vcpu, last) in self.vcpus.iter().zip(self.last_progress.iter_mut()) {
+            let heartbeat = memory::read_slot(&self.memory, vcpu.index).map_or(0, |s| s.heartbeat);
+            let exits = vcpu.exits.load(Ordering::Relaxed);
+            if (heartbeat, exits) != (last.0, last.1)
+                || vcpu.state() != crate::vcpu::VcpuState::Running
+            {
+                *last = (heartbeat, exits, now);
+                continue;
+            }
+            let silent = now.duration_since(last.2);
+            if silent > self.limit {
+                self.control.end(Ending::Watchdog {
+                    vcpu: vcpu.index,
+                    silent_ms: u64::try_from(silent.as_millis()).unwrap_or(u64::MAX),
+                });
+                return;
+            }
+        }
+    }
+}
+
+impl MutEventSubscriber for Watchdog {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(err) = self.timer.reset(WATCHDOG_TICK, Some(WATCHDOG_TICK)) {
+            log::error!("cannot arm the watchdog timer: {err}");
+        }
+        if let Err(err) = ops.add(Events::new(&self.timer, EventSet::IN)) {
+            log::error!("cannot watch the watchdog timer: {err:?}");
+        }
+    }
+
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.timer.wait();
+        self.check();
+    }
+}
+
+/// Busy host threads: the CPU hogs of the original overcommit experiments.
+struct Hogs {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Hogs {
+    fn start(count: u32) -> Result<Self, RunError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..count)
+            .map(|i| {
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name(format!("hog{i}"))
+                    .spawn(move || {
+                        let mut spins = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            for _ in 0..10_000 {
+                                spins = std::hint::black_box(spins.wrapping_add(1));
+                            }
+                        }
+                    })
+                    .map_err(|err| RunError::Setup(format!("cannot start hog thread: {err}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { stop, threads })
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn setup_err(what: &str) -> impl FnOnce(kvm_ioctls::Error) -> RunError + '_ {
+    move |err| RunError::Setup(format!("{what}: {err}"))
+}
+
+/// Runs one VM with `config` to its end.
+pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
+    let kvm = Kvm::new().map_err(setup_err("opening /dev/kvm"))?;
+    let kvm_max_vcpus = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX);
+    config.validate(kvm_max_vcpus)?;
+    install_kick_handler()
+        .map_err(|err| RunError::Setup(format!("installing the kick signal handler: {err}")))?;
+
+    let memory = memory::create(config.mem_bytes())?;
+    memory::write_tables(&memory)?;
+    let entry = memory::load_image(&memory, GUEST_IMAGE)?;
+
+    let vm = kvm.create_vm().map_err(setup_err("KVM_CREATE_VM"))?;
+    let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
+        .map(|i| Arc::new(VcpuShared::new(i)))
+        .collect();
+    let pvspin = PvSpin::builder()
+        .vcpus(config.vcpus as usize)
+        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())))
+        .build()
+        .map_err(|err| RunError::Setup(format!("pvspin: {err}")))?;
+    pvspin
+        .configure_vm(&vm)
+        .map_err(|err| RunError::Setup(format!("pvspin VM setup: {err}")))?;
+    let host_addr = vm_memory::GuestMemoryBackend::get_host_address(&memory, GuestAddress(0))
+        .map_err(|err| RunError::Setup(format!("guest memory has no host mapping: {err}")))?
+        as u64;
+    let mem_region = kvm_bindings::kvm_userspace_memory_region {
+        slot: 0,
+        guest_phys_addr: 0,
+        memory_size: config.mem_bytes(),
+        userspace_addr: host_addr,
+        flags: 0,
+    };
+    // SAFETY: the region is our mmap of `mem_bytes` bytes, which outlives the VM (`memory` is
+    // dropped after `vm` at the end of this function).
+    unsafe { vm.set_user_memory_region(mem_region) }
+        .map_err(setup_err("KVM_SET_USER_MEMORY_REGION"))?;
+
+    let mut vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)> = Vec::new();
+    for index in 0..config.vcpus {
+        let vcpu = vm
+            .create_vcpu(u64::from(index))
+            .map_err(setup_err("KVM_CREATE_VCPU"))?;
+        let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
+        vcpu.set_sregs(&memory::initial_sregs(sregs))
+            .map_err(setup_err("KVM_SET_SREGS"))?;
+        vcpu.set_regs(&memory::initial_regs(index, entry))
+            .map_err(setup_err("KVM_SET_REGS"))?;
+        let hooks = pvspin
+            .configure_vcpu(index as usize, &vcpu)
+            .map_err(|err| RunError::Setup(format!("pvspin vCPU setup: {err}")))?;
+        vcpus.push((vcpu, hooks));
+    }
+    let tsc_khz = vcpus
+        .first()
+        .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
+        .map_or(0, u64::from);
+    memory::write_boot_params(
+        &memory,
+        &BootParams {
+            magic: BOOT_MAGIC,
+            version: BOOT_VERSION,
+            workload: config.workload as u32,
+            lock: config.lock as u32,
+            vcpus: config.vcpus,
+            iterations: config.iterations,
+            cs_work: config.cs_work,
+            ncs_work: config.ncs_work,
+            tsc_khz,
+            result: Default::default(),
+        },
+        config.vcpus,
+    )?;
+
+    let console = ConsoleSink::new(config.echo_console);
+    let bus = Arc::new(IoBus::new(console.clone()));
+    let control = Arc::new(RunControl {
+        ending: Mutex::new(None),
+        ended: EventFd::new(libc::EFD_NONBLOCK)
+            .map_err(|err| RunError::Setup(format!("eventfd: {err}")))?,
+    });
+    let mut events: EventManager<Box<dyn MutEventSubscriber + Send>> =
+        EventManager::new().map_err(|err| RunError::Setup(format!("event manager: {err:?}")))?;
+    events.add_subscriber(Box::new(EndWatcher {
+        control: control.clone(),
+    }));
+    let started = Instant::now();
+    events.add_subscriber(Box::new(Watchdog {
+        timer: TimerFd::new().map_err(|err| RunError::Setup(format!("timerfd: {err}")))?,
+        control: control.clone(),
+        memory: memory.clone(),
+        vcpus: shared.clone(),
+        last_progress: vec![(0, 0, started); shared.len()],
+        limit: Duration::from_millis(config.watchdog_ms),
+        started,
+        timeout: Duration::from_millis(config.timeout_ms),
+    }));
+
+    let hogs = Hogs::start(config.hogs)?;
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for ((vcpu, hooks), shared) in vcpus.into_iter().zip(shared.iter()) {
+        let runner = VcpuRunner {
+            vcpu,
+            hooks,
+            shared: shared.clone(),
+            bus: bus.clone(),
+            stopping: stopping.clone(),
+        };
+        let vcpu_control = control.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{}", shared.index))
+            .spawn(move || {
+                runner.run(|vcpu, end| match end {
+                    VcpuEnd::GuestExit(status) => vcpu_control.end(Ending::GuestExit(*status)),
+                    VcpuEnd::Fault(reason) => vcpu_control.end(Ending::Fault {
+                        vcpu,
+                        reason: reason.clone(),
+                    }),
+                    VcpuEnd::Stopped => {}
+                })
+            });
+        match thread {
+            Ok(thread) => threads.push(thread),
+            Err(err) => {
+                control.end(Ending::Fault {
+                    vcpu: shared.index,
+                    reason: format!("cannot start its thread: {err}"),
+                });
+                break;
+            }
+        }
+    }
+
+    while control.ending().is_none() {
+        if let Err(err) = events.run_with_timeout(200) {
+            log::error!("event loop: {err:?}");
+            control.end(Ending::Fault {
+                vcpu: 0,
+                reason: format!("the VMM's event loop failed: {err:?}"),
+            });
+        }
+    }
+    let wall = started.elapsed();
+
+    // Stop every vCPU (each leaves KVM_RUN or its halt), then join. Kicks happen only before
+    // the joins, so every kicked thread still exists.
+    stopping.store(true, Ordering::Release);
+    for vcpu in &shared {
+        vcpu.kick();
+    }
+    let mut vcpu_fds = Vec::new();
+    for thread in threads {
+        match thread.join() {
+            Ok(vcpu) => vcpu_fds.push(vcpu),
+            Err(_) => log::error!("a vCPU thread panicked"),
+        }
+    }
+    hogs.stop();
+    let reports: Vec<VcpuReport> = shared
+        .iter()
+        .map(|vcpu| VcpuReport::collect(vcpu, &memory, pvspin.vcpu_counters(vcpu.index as usize)))
+        .collect();
+    drop(pvspin);
+    drop(vcpu_fds);
+
+    let ending = control.ending().unwrap_or(Ending::Timeout);
+    let states = VcpuStates(reports.clone());
+    match ending {
+        Ending::GuestExit(pvspin_vmm_proto::status::OK) => {}
+        Ending::GuestExit(status) => {
+            return Err(RunError::GuestStatus {
+                status,
+                meaning: status_meaning(status),
+                states,
+            })
+        }
+        Ending::Fault { vcpu, reason } => {
+            return Err(RunError::GuestFault {
+                vcpu,
+                reason,
+                states,
+            })
+        }
+        Ending::Watchdog { vcpu, silent_ms } => {
+            return Err(RunError::Watchdog {
+                vcpu,
+                silent_ms,
+                limit_ms: config.watchdog_ms,
+                states,
+            })
+        }
+        Ending::Timeout => {
+            return Err(RunError::Timeout {
+                limit_ms: config.timeout_ms,
+                states,
+            })
+        }
+    }
+    let params = memory::read_boot_params(&memory).unwrap_or_default();
+    Ok(RunReport::new(
+        config,
+        &params,
+        tsc_khz,
+        wall,
+        reports,
+        console.captured(),
+        &bus,
+    ))
+}
+
+fn status_meaning(status: u32) -> &'static str {
+    use pvspin_vmm_proto::status;
+    match status {
+        status::COUNTER_MISMATCH => "the shared counter is wrong: mutual exclusion failed",
+        status::BAD_PARAMS => "the guest refused its boot parameters",
+        status::PANIC => "the guest panicked",
+        _ => "unknown status",
+    }
+}
+
+/// Names for the CLI and reports.
+pub fn workload_name(workload: Workload) -> &'static str {
+    match workload {
+        Workload::Hello => "hello",
+        Workload::Lock => "lock",
+        Workload::Spin => "spin",
+        Workload::Fault => "fault",
+        Workload::Hypercall => "hypercall",
+    }
+}
+
+/// Names for the CLI and reports.
+pub fn lock_name(lock: LockKind) -> &'static str {
+    match lock {
+        LockKind::Ticket => "ticket",
+        LockKind::Tas => "tas",
+    }
+}
