@@ -1,0 +1,292 @@
+//! The example VMM's guests on real /dev/kvm: boot, console, exit codes, exact lock counters,
+//! the watchdog, faults and bad options. Each run is bounded by its own watchdog and timeout.
+
+use pvspin_integration_tests::kvm_or_skip;
+use pvspin_vmm::cli::main_with_args;
+use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+/// A small, bounded configuration: tests must stay quick on hosts that emulate every guest
+/// instruction.
+fn config(workload: Workload, vcpus: u32) -> RunConfig {
+    RunConfig {
+        vcpus,
+        workload,
+        lock: LockKind::Ticket,
+        iterations: 60,
+        cs_work: 5,
+        ncs_work: 5,
+        hogs: 0,
+        mem_mib: 16,
+        watchdog_ms: 20_000,
+        timeout_ms: 120_000,
+        echo_console: false,
+    }
+}
+
+#[test]
+fn boots_and_prints_on_the_serial_console() {
+    if kvm_or_skip("boots_and_prints_on_the_serial_console").is_none() {
+        return;
+    }
+    for vcpus in [1, 4] {
+        let report = run(&config(Workload::Hello, vcpus)).expect("hello runs");
+        for index in 0..vcpus {
+            let line = format!("hello from vCPU {index} of {vcpus}\n");
+            assert!(
+                report.console.contains(&line),
+                "missing {line:?} in {:?}",
+                report.console
+            );
+        }
+        assert_eq!(report.per_vcpu.len(), vcpus as usize);
+        assert!(report.per_vcpu.iter().all(|vcpu| vcpu.heartbeat == 1));
+    }
+}
+
+#[test]
+fn lock_workload_counts_exactly() {
+    if kvm_or_skip("lock_workload_counts_exactly").is_none() {
+        return;
+    }
+    for lock in [LockKind::Ticket, LockKind::Tas] {
+        for vcpus in [1, 2, 4, 8] {
+            let config = RunConfig {
+                lock,
+                ..config(Workload::Lock, vcpus)
+            };
+            let report = run(&config).unwrap_or_else(|err| panic!("{lock:?} x{vcpus}: {err}"));
+            let expected = u64::from(vcpus) * config.iterations;
+            assert_eq!(report.expected, expected);
+            assert_eq!(report.counter, expected, "{lock:?} with {vcpus} vCPUs");
+            assert!(report.elapsed_tsc > 0);
+            assert!(report.acquisitions_per_sec > 0);
+            let per_vcpu: u64 = report.per_vcpu.iter().map(|vcpu| vcpu.acquisitions).sum();
+            assert_eq!(per_vcpu, expected);
+            let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+            assert_eq!(json["counter"], expected);
+            assert!(report
+                .summary_line()
+                .contains(&format!("counter {expected} == {expected}")));
+        }
+    }
+}
+
+#[test]
+fn lock_workload_under_hogs_still_counts_exactly() {
+    if kvm_or_skip("lock_workload_under_hogs_still_counts_exactly").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        hogs: 2,
+        ..config(Workload::Lock, 2)
+    };
+    let report = run(&config).expect("lock with hogs runs");
+    assert_eq!(report.counter, 2 * config.iterations);
+    assert_eq!(report.hogs, 2);
+}
+
+#[test]
+fn watchdog_stops_a_guest_that_spins_forever() {
+    if kvm_or_skip("watchdog_stops_a_guest_that_spins_forever").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        watchdog_ms: 500,
+        ..config(Workload::Spin, 2)
+    };
+    let started = std::time::Instant::now();
+    let err = run(&config).expect_err("a spinning guest must not finish");
+    let RunError::Watchdog {
+        vcpu,
+        silent_ms,
+        states,
+        ..
+    } = &err
+    else {
+        panic!("expected the watchdog, got {err}");
+    };
+    assert_eq!(*vcpu, 0);
+    assert!(*silent_ms >= 500);
+    // vCPU 0 was interrupted out of KVM_RUN, so its registers are known.
+    assert!(states.0[0].regs.is_some(), "{err}");
+    assert_eq!(err.exit_code(), 1);
+    assert!(err.to_string().contains("made no progress"));
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+}
+
+#[test]
+fn run_timeout_bounds_the_whole_run() {
+    if kvm_or_skip("run_timeout_bounds_the_whole_run").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        timeout_ms: 300,
+        ..config(Workload::Spin, 1)
+    };
+    let err = run(&config).expect_err("must time out");
+    assert!(
+        matches!(err, RunError::Timeout { limit_ms: 300, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn faulting_guest_is_reported_with_vcpu_and_rip() {
+    if kvm_or_skip("faulting_guest_is_reported_with_vcpu_and_rip").is_none() {
+        return;
+    }
+    let err = run(&config(Workload::Fault, 2)).expect_err("ud2 without an IDT must fail");
+    let RunError::GuestFault {
+        vcpu,
+        reason,
+        states,
+    } = &err
+    else {
+        panic!("expected a guest fault, got {err}");
+    };
+    assert_eq!(*vcpu, 1);
+    assert!(reason.contains("shutdown"), "{reason}");
+    let regs = states.0[1].regs.expect("the faulting vCPU's registers");
+    assert!(regs.rip >= pvspin_vmm_proto::IMAGE_BASE, "{err}");
+    assert!(err.to_string().contains("rip 0x"));
+    assert_eq!(err.exit_code(), 1);
+}
+
+#[test]
+fn stray_hypercall_faults_instead_of_hanging() {
+    if kvm_or_skip("stray_hypercall_faults_instead_of_hanging").is_none() {
+        return;
+    }
+    // pvspin turns FIX_HYPERCALL_INSN off, so VMCALL raises #UD (here: a triple fault, as the
+    // guest has no IDT) on emulating hosts and on AMD hosts; on Intel hosts KVM handles the
+    // unknown hypercall and returns -KVM_ENOSYS, and the guest prints that it returned.
+    let started = std::time::Instant::now();
+    match run(&config(Workload::Hypercall, 1)) {
+        Err(RunError::GuestFault {
+            vcpu: 0, reason, ..
+        }) => {
+            assert!(reason.contains("shutdown"), "{reason}")
+        }
+        Err(RunError::Watchdog { .. }) => panic!("the hypercall hung the vCPU"),
+        other => {
+            let report = format!("{other:?}");
+            assert!(report.contains("hypercall returned"), "{report}");
+        }
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+}
+
+#[test]
+fn invalid_configuration_is_refused_with_the_rule() {
+    let Some(kvm) = kvm_or_skip("invalid_configuration_is_refused_with_the_rule") else {
+        return;
+    };
+    let max = u32::try_from(kvm.get_max_vcpus()).unwrap();
+    let cases = [
+        (
+            RunConfig {
+                vcpus: 0,
+                ..config(Workload::Hello, 1)
+            },
+            "--vcpus must be at least 1",
+        ),
+        (
+            RunConfig {
+                vcpus: max + 1,
+                ..config(Workload::Hello, 1)
+            },
+            "more than allowed",
+        ),
+        (
+            RunConfig {
+                mem_mib: 2,
+                ..config(Workload::Hello, 1)
+            },
+            "too little",
+        ),
+        (
+            RunConfig {
+                iterations: 0,
+                ..config(Workload::Lock, 1)
+            },
+            "--iterations",
+        ),
+    ];
+    for (config, rule) in cases {
+        let err = run(&config).expect_err("must be refused");
+        assert!(matches!(err, RunError::Config(_)), "{err}");
+        assert_eq!(err.exit_code(), 2);
+        assert!(err.to_string().contains(rule), "{err} should name {rule:?}");
+    }
+    assert!(matches!(
+        run(&RunConfig {
+            vcpus: 0,
+            ..config(Workload::Hello, 1)
+        }),
+        Err(RunError::Config(ConfigError::NoVcpus))
+    ));
+}
+
+#[test]
+fn command_line_exit_codes() {
+    if kvm_or_skip("command_line_exit_codes").is_none() {
+        return;
+    }
+    let quick = [
+        "--iterations",
+        "20",
+        "--cs-work",
+        "2",
+        "--ncs-work",
+        "2",
+        "--quiet",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = vec!["pvspin-vmm", "run"];
+        args.extend_from_slice(&quick);
+        args.extend_from_slice(extra);
+        main_with_args(args)
+    };
+    assert_eq!(with(&[]), 0);
+    assert_eq!(with(&["--workload", "hello"]), 0);
+    assert_eq!(with(&["--workload", "fault"]), 1);
+    assert_eq!(with(&["--workload", "spin", "--watchdog-ms", "300"]), 1);
+    assert_eq!(with(&["--workload", "unknown"]), 2);
+    assert_eq!(with(&["--vcpus", "0"]), 2);
+    assert_eq!(with(&["--vcpus", "100000"]), 2);
+    assert_eq!(with(&["--mem-mib", "1"]), 2);
+    assert_eq!(with(&["--lock", "mcs"]), 2);
+}
+
+#[test]
+fn guest_image_has_no_sse_instructions() {
+    // KVM's emulator rejects SSE; hosts without hardware virtualization emulate every guest
+    // instruction, so one stray SSE instruction would kill the guest there.
+    let path = std::env::temp_dir().join(format!("pvspin-guest-{}.elf", std::process::id()));
+    std::fs::write(&path, pvspin_vmm::vmm::GUEST_IMAGE).unwrap();
+    let output = std::process::Command::new("objdump")
+        .arg("-d")
+        .arg(&path)
+        .output();
+    let _ = std::fs::remove_file(&path);
+    let Ok(output) = output else {
+        eprintln!("SKIPPED guest_image_has_no_sse_instructions: objdump is not installed");
+        return;
+    };
+    assert!(output.status.success());
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.contains("<_start>:"),
+        "objdump did not disassemble the guest"
+    );
+    let sse: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("%xmm") || line.contains("%ymm"))
+        .collect();
+    assert!(
+        sse.is_empty(),
+        "SSE/AVX in the guest image:\n{}",
+        sse.join("\n")
+    );
+}
