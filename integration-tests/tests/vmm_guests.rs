@@ -21,6 +21,7 @@ fn config(workload: Workload, vcpus: u32) -> RunConfig {
         watchdog_ms: 20_000,
         timeout_ms: 120_000,
         echo_console: false,
+        ..RunConfig::default()
     }
 }
 
@@ -166,7 +167,7 @@ fn stray_hypercall_faults_instead_of_hanging() {
         Err(RunError::GuestFault {
             vcpu: 0, reason, ..
         }) => {
-            assert!(reason.contains("shutdown"), "{reason}")
+            assert!(reason.contains("shutdown"), "{reason}");
         }
         Err(RunError::Watchdog { .. }) => panic!("the hypercall hung the vCPU"),
         other => {
@@ -175,6 +176,32 @@ fn stray_hypercall_faults_instead_of_hanging() {
         }
     }
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
+}
+
+#[test]
+fn guest_reads_the_cpuid_the_vmm_set() {
+    let Some(kvm) = kvm_or_skip("guest_reads_the_cpuid_the_vmm_set") else {
+        return;
+    };
+    let supported = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .unwrap();
+    let kvm_features = supported
+        .as_slice()
+        .iter()
+        .find(|entry| entry.function == 0x4000_0001)
+        .map(|entry| entry.eax)
+        .expect("KVM reports its feature leaf");
+    let report = run(&config(Workload::Cpuid, 2)).expect("cpuid runs");
+    assert_eq!(report.cpuid.len(), 2);
+    let (leaf, signature) = report.cpuid[0];
+    assert_eq!(leaf, 0x4000_0000);
+    let mut name = Vec::new();
+    for reg in &signature[1..4] {
+        name.extend_from_slice(&reg.to_le_bytes());
+    }
+    assert_eq!(&name[..9], b"KVMKVMKVM");
+    assert_eq!(report.cpuid[1], (0x4000_0001, [kvm_features, 0, 0, 0]));
 }
 
 #[test]

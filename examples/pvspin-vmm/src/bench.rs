@@ -93,7 +93,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
     for _ in 0..options.runs {
         for case in &mut cases {
             let report = vmm::run(&quiet.config(case.hogs))?;
-            println!("{}", report.to_json());
+            crate::cli::print_stdout(&report.to_json());
             case.seconds.push(report.guest_seconds);
         }
     }

@@ -40,6 +40,8 @@ pub enum WorkloadArg {
     Fault,
     /// The last vCPU executes VMCALL (faults, since pvspin turns FIX_HYPERCALL_INSN off).
     Hypercall,
+    /// vCPU 0 executes CPUID for --cpuid-leaves and reports what it saw.
+    Cpuid,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -50,6 +52,7 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Spin => Workload::Spin,
             WorkloadArg::Fault => Workload::Fault,
             WorkloadArg::Hypercall => Workload::Hypercall,
+            WorkloadArg::Cpuid => Workload::Cpuid,
         }
     }
 }
@@ -105,6 +108,17 @@ pub struct VmArgs {
     /// Do not copy the guest's console to stdout.
     #[arg(long)]
     pub quiet: bool,
+    /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
+    #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
+    pub cpuid_leaves: Vec<u32>,
+}
+
+fn parse_u32(text: &str) -> Result<u32, String> {
+    let parsed = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|err| format!("{text:?} is not a 32-bit number: {err}"))
 }
 
 /// Options of `run`.
@@ -147,6 +161,7 @@ impl VmArgs {
             watchdog_ms: self.watchdog_ms,
             timeout_ms: self.timeout_ms,
             echo_console: !self.quiet,
+            cpuid_leaves: std::array::from_fn(|i| self.cpuid_leaves.get(i).copied().unwrap_or(0)),
         }
     }
 }
@@ -169,8 +184,7 @@ where
     match cli.command {
         Command::Run(args) => match vmm::run(&args.vm.config(args.hogs)) {
             Ok(report) => {
-                println!("{}", report.summary_line());
-                println!("{}", report.to_json());
+                print_stdout(&format!("{}\n{}", report.summary_line(), report.to_json()));
                 0
             }
             Err(err) => {
@@ -185,7 +199,7 @@ where
             };
             match bench::run(&args.vm, &options) {
                 Ok(table) => {
-                    println!("{table}");
+                    print_stdout(&table.to_string());
                     0
                 }
                 Err(err) => {
@@ -195,6 +209,12 @@ where
             }
         }
     }
+}
+
+/// Prints a line; a closed stdout (`| head`) is not an error worth a panic.
+pub(crate) fn print_stdout(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{text}");
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! The run configuration and its validation.
 
-use pvspin_vmm_proto::{min_memory_bytes, LockKind, Workload, MAPPED_BYTES, MAX_VCPUS};
+use pvspin_vmm_proto::{
+    min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_VCPUS,
+};
 
 /// Everything one run needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,6 +29,8 @@ pub struct RunConfig {
     pub timeout_ms: u64,
     /// Copy the guest's serial output to stdout.
     pub echo_console: bool,
+    /// CPUID leaves the `cpuid` workload executes and reports (0 = unused).
+    pub cpuid_leaves: [u32; CPUID_QUERIES],
 }
 
 impl Default for RunConfig {
@@ -43,6 +47,7 @@ impl Default for RunConfig {
             watchdog_ms: 10_000,
             timeout_ms: 300_000,
             echo_console: true,
+            cpuid_leaves: [0x4000_0000, 0x4000_0001, 0, 0],
         }
     }
 }

@@ -108,6 +108,8 @@ pub struct RunReport {
     pub wall_seconds: f64,
     /// Guest accesses to ports no device decodes.
     pub unknown_port_accesses: u64,
+    /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
+    pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
     pub per_vcpu: Vec<VcpuReport>,
     /// The guest's console output.
@@ -147,6 +149,13 @@ impl RunReport {
             acquisitions_per_sec: result.acquisitions_per_sec,
             wall_seconds: wall.as_secs_f64(),
             unknown_port_accesses: bus.unknown_port_accesses(),
+            cpuid: params
+                .cpuid_leaves
+                .iter()
+                .zip(result.cpuid.iter())
+                .filter(|(leaf, _)| **leaf != 0)
+                .map(|(leaf, regs)| (*leaf, *regs))
+                .collect(),
             per_vcpu,
             console,
         }

@@ -294,11 +294,18 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     unsafe { vm.set_user_memory_region(mem_region) }
         .map_err(setup_err("KVM_SET_USER_MEMORY_REGION"))?;
 
+    let supported_cpuid = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(setup_err("KVM_GET_SUPPORTED_CPUID"))?;
     let mut vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)> = Vec::new();
     for index in 0..config.vcpus {
         let vcpu = vm
             .create_vcpu(u64::from(index))
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
+        let mut cpuid = supported_cpuid.clone();
+        set_initial_apic_id(&mut cpuid, index);
+        vcpu.set_cpuid2(&cpuid)
+            .map_err(setup_err("KVM_SET_CPUID2"))?;
         let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
         vcpu.set_sregs(&memory::initial_sregs(sregs))
             .map_err(setup_err("KVM_SET_SREGS"))?;
@@ -325,6 +332,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             cs_work: config.cs_work,
             ncs_work: config.ncs_work,
             tsc_khz,
+            cpuid_leaves: config.cpuid_leaves,
             result: Default::default(),
         },
         config.vcpus,
@@ -467,6 +475,16 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     ))
 }
 
+/// CPUID leaf 1 EBX[31:24] is the vCPU's initial APIC ID, which KVM's supported table
+/// leaves at 0 (KVM derives the LAPIC's ID from the vCPU id, not from CPUID).
+fn set_initial_apic_id(cpuid: &mut kvm_bindings::CpuId, index: u32) {
+    for entry in cpuid.as_mut_slice() {
+        if entry.function == 1 {
+            entry.ebx = (entry.ebx & 0x00ff_ffff) | ((index & 0xff) << 24);
+        }
+    }
+}
+
 fn status_meaning(status: u32) -> &'static str {
     use pvspin_vmm_proto::status;
     match status {
@@ -485,6 +503,7 @@ pub fn workload_name(workload: Workload) -> &'static str {
         Workload::Spin => "spin",
         Workload::Fault => "fault",
         Workload::Hypercall => "hypercall",
+        Workload::Cpuid => "cpuid",
     }
 }
 

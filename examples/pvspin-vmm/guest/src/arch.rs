@@ -43,3 +43,23 @@ pub fn hypercall() {
     // SAFETY: vmcall clobbers rax with the return value; the number 0x7fff is unknown to KVM.
     unsafe { asm!("vmcall", inout("rax") 0x7fffu64 => _, options(nostack)) };
 }
+
+/// Executes CPUID for `leaf` (subleaf 0); returns `[eax, ebx, ecx, edx]`.
+pub fn cpuid(leaf: u32) -> [u32; 4] {
+    let (eax, ebx, ecx, edx): (u32, u32, u32, u32);
+    // SAFETY: cpuid only writes the four registers; rbx is reserved by LLVM, so it is saved
+    // and restored around the instruction by hand.
+    unsafe {
+        asm!(
+            "mov {saved:r}, rbx",
+            "cpuid",
+            "xchg {saved:r}, rbx",
+            saved = out(reg) ebx,
+            inout("eax") leaf => eax,
+            inout("ecx") 0u32 => ecx,
+            out("edx") edx,
+            options(nomem, nostack, preserves_flags),
+        );
+    }
+    [eax, ebx, ecx, edx]
+}

@@ -17,7 +17,7 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pvspin_guest::{RawSpinLock, SpinMutex, TasLock, TicketLock};
 use pvspin_vmm_proto::{
-    status, vcpu_slot_addr, BootParams, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
+    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
 
@@ -79,6 +79,13 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             }
             halt_forever()
         }
+        Some(Workload::Cpuid) => {
+            if vcpu == 0 {
+                report_cpuid(&boot, params);
+            }
+            heartbeat(vcpu);
+            finish(vcpu, &boot, params, None)
+        }
         Some(Workload::Hypercall) => {
             if vcpu == boot.vcpus - 1 {
                 arch::hypercall();
@@ -91,6 +98,24 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             halt_forever()
         }
     }
+}
+
+/// Executes the CPUID leaves the VMM asked for, prints and records what they returned.
+fn report_cpuid(boot: &BootParams, params: *mut BootParams) {
+    let mut seen = [[0u32; 4]; CPUID_QUERIES];
+    for (leaf, out) in boot.cpuid_leaves.iter().zip(seen.iter_mut()) {
+        if *leaf == 0 {
+            continue;
+        }
+        *out = arch::cpuid(*leaf);
+        let line = Line::new().text("guest: cpuid ").num(u64::from(*leaf));
+        out.iter()
+            .fold(line, |line, reg| line.text(" ").num(u64::from(*reg)))
+            .print();
+    }
+    // SAFETY: only vCPU 0 writes this field, before it finishes; the VMM reads it after the
+    // run ended.
+    unsafe { core::ptr::addr_of_mut!((*params).result.cpuid).write_volatile(seen) };
 }
 
 /// This vCPU's progress slot, shared with the VMM's watchdog.
@@ -166,6 +191,7 @@ fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option
             expected,
             elapsed_tsc: elapsed,
             acquisitions_per_sec: rate,
+            cpuid: boot.result.cpuid,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

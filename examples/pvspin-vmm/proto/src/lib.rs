@@ -72,6 +72,8 @@ pub enum Workload {
     /// The last vCPU executes `vmcall`: with the FIX_HYPERCALL_INSN quirk off this faults
     /// instead of looping inside KVM.
     Hypercall = 5,
+    /// vCPU 0 executes CPUID for [`BootParams::cpuid_leaves`] and reports what it saw.
+    Cpuid = 6,
 }
 
 impl Workload {
@@ -83,6 +85,7 @@ impl Workload {
             3 => Self::Spin,
             4 => Self::Fault,
             5 => Self::Hypercall,
+            6 => Self::Cpuid,
             _ => return None,
         })
     }
@@ -143,6 +146,8 @@ pub struct BootParams {
     pub ncs_work: u64,
     /// Guest TSC frequency in kHz, for rates.
     pub tsc_khz: u64,
+    /// CPUID leaves the [`Workload::Cpuid`] workload executes (0 = unused).
+    pub cpuid_leaves: [u32; CPUID_QUERIES],
     /// Results written by the guest.
     pub result: RunResult,
 }
@@ -159,7 +164,12 @@ pub struct RunResult {
     pub elapsed_tsc: u64,
     /// Lock acquisitions per second of guest TSC time.
     pub acquisitions_per_sec: u64,
+    /// `[eax, ebx, ecx, edx]` of each of [`BootParams::cpuid_leaves`], as vCPU 0 saw them.
+    pub cpuid: [[u32; 4]; CPUID_QUERIES],
 }
+
+/// How many CPUID leaves the [`Workload::Cpuid`] workload can report.
+pub const CPUID_QUERIES: usize = 4;
 
 /// Per-vCPU progress, written by the guest and read by the VMM's watchdog.
 #[repr(C)]
@@ -192,7 +202,8 @@ const _: () = {
     assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
     assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
-    assert!(size_of::<BootParams>() == 56 + size_of::<RunResult>());
+    assert!(size_of::<BootParams>() == 72 + size_of::<RunResult>());
+    assert!(size_of::<RunResult>() == 32 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
@@ -208,6 +219,7 @@ mod tests {
             Workload::Spin,
             Workload::Fault,
             Workload::Hypercall,
+            Workload::Cpuid,
         ] {
             assert_eq!(Workload::from_u32(w as u32), Some(w));
         }
