@@ -179,12 +179,15 @@ impl Watchdog {
             return;
         }
         for (vcpu, last) in self.vcpus.iter().zip(self.last_progress.iter_mut()) {
-            let heartbeat = memory::read_slot(&self.memory, vcpu.index).map_or(0, |s| s.heartbeat);
+            let slot = memory::read_slot(&self.memory, vcpu.index).unwrap_or_default();
             let exits = vcpu.exits.load(Ordering::Relaxed);
-            if (heartbeat, exits) != (last.0, last.1)
+            // A vCPU that finished its share may halt inside KVM (in-kernel irqchip), where it
+            // still looks Running: its finish stamp says it is done, not stuck.
+            if (slot.heartbeat, exits) != (last.0, last.1)
+                || slot.finish_tsc != 0
                 || vcpu.state() != crate::vcpu::VcpuState::Running
             {
-                *last = (heartbeat, exits, now);
+                *last = (slot.heartbeat, exits, now);
                 continue;
             }
             let silent = now.duration_since(last.2);
