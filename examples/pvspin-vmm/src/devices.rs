@@ -148,6 +148,14 @@ impl IoBus {
         }
     }
 
+    /// Queues console input for the guest to read from the UART; returns how many bytes fit
+    /// (the UART's FIFO is bounded; the rest is dropped, as on a real line without flow
+    /// control).
+    pub fn enqueue_input(&self, input: &[u8]) -> usize {
+        let mut serial = self.serial.lock().unwrap_or_else(PoisonError::into_inner);
+        serial.enqueue_raw_bytes(input).unwrap_or(0)
+    }
+
     /// Accesses to ports no device decodes.
     pub fn unknown_port_accesses(&self) -> u64 {
         self.unknown_port_accesses.load(Ordering::Relaxed)
@@ -197,6 +205,18 @@ mod tests {
         bus.read(0x70, &mut data);
         assert_eq!(data, [0xff, 0xff]);
         assert_eq!(bus.unknown_port_accesses(), 2);
+    }
+
+    #[test]
+    fn console_input_reaches_the_receive_register() {
+        let bus = IoBus::new(ConsoleSink::new(false));
+        assert_eq!(bus.enqueue_input(b"k"), 1);
+        let mut lsr = [0u8];
+        bus.read(SERIAL_PORT + 5, &mut lsr);
+        assert_ne!(lsr[0] & 0x01, 0, "data ready");
+        let mut rbr = [0u8];
+        bus.read(SERIAL_PORT, &mut rbr);
+        assert_eq!(rbr, *b"k");
     }
 
     #[test]

@@ -218,6 +218,40 @@ impl MutEventSubscriber for Watchdog {
     }
 }
 
+/// Forwards the VMM's stdin to the guest's UART, when stdin is a terminal.
+struct ConsoleInput {
+    bus: Arc<IoBus>,
+}
+
+impl MutEventSubscriber for ConsoleInput {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(err) = ops.add(Events::new_raw(libc::STDIN_FILENO, EventSet::IN)) {
+            log::warn!("console input disabled: cannot watch stdin: {err:?}");
+        }
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let mut buf = [0u8; 64];
+        // SAFETY: reads at most buf.len() bytes into our own buffer from stdin.
+        let read = unsafe { libc::read(libc::STDIN_FILENO, buf.as_mut_ptr().cast(), buf.len()) };
+        match usize::try_from(read) {
+            Ok(0) | Err(_) => {
+                // End of input or an error: stop watching, or the loop would spin on it.
+                let _ = ops.remove(events);
+            }
+            Ok(len) => {
+                let taken = self.bus.enqueue_input(&buf[..len]);
+                if taken < len {
+                    log::debug!(
+                        "console input: {} bytes dropped (UART FIFO full)",
+                        len - taken
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Busy host threads: the CPU hogs of the original overcommit experiments.
 struct Hogs {
     stop: Arc<AtomicBool>,
@@ -364,6 +398,11 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         started,
         timeout: Duration::from_millis(config.timeout_ms),
     }));
+
+    // SAFETY: isatty only inspects the descriptor.
+    if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
+        events.add_subscriber(Box::new(ConsoleInput { bus: bus.clone() }));
+    }
 
     let hogs = Hogs::start(config.hogs)?;
     let stopping = Arc::new(AtomicBool::new(false));
