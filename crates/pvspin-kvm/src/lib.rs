@@ -2,12 +2,15 @@
 //!
 //! For stock guests (Linux with its own PV spinlocks) and pvspin-aware guests alike: a
 //! placement-driven plan for the paravirtual CPUID leaf, exit disabling, halt polling and
-//! quirks, validated before it is applied; the setup the kick paths need (in-kernel irqchip,
-//! MP state of the APs, LAPIC refresh); and a reader for KVM's binary statistics
-//! (`KVM_GET_STATS_FD`).
+//! quirks, validated before it is applied ([`plan`]); a reader for KVM's binary statistics
+//! (`KVM_GET_STATS_FD`, [`stats`]); and the telemetry snapshot that merges pvspin's own
+//! counters with KVM's, rendered as JSON or Prometheus text ([`telemetry`]).
 //!
-//! **Implemented so far:** [`quirks`], the one quirk every pvspin VM needs off. The plan, the
-//! kick setup and the statistics reader are not implemented yet.
+//! **Implemented:** [`quirks`], [`plan`], [`stats`], [`telemetry`]. **Not implemented here
+//! yet:** the kick setup (in-kernel irqchip, MP state of the APs, LAPIC refresh).
 #![deny(missing_docs)]
 
+pub mod plan;
 pub mod quirks;
+pub mod stats;
+pub mod telemetry;
