@@ -511,7 +511,8 @@ pub enum PlanError {
         /// How many vCPUs the caller said exist (0 if KVM refused without the caller saying).
         vcpus_created: u32,
     },
-    /// `KVM_SET_CPUID2` was refused as busy: the vCPU already ran with another CPUID.
+    /// `KVM_SET_CPUID2` was refused and the vCPU has already run (its `exits` stat is not 0):
+    /// KVM accepts only an identical CPUID after the first `KVM_RUN`.
     #[error(
         "rule: the vCPU stage must run before the vCPU's first KVM_RUN (KVM_SET_CPUID2: {source})"
     )]
@@ -919,7 +920,17 @@ pub fn apply_vm(plan: &Plan, vm: &VmFd, vcpus_created: u32) -> Result<AppliedVm,
 pub fn apply_vcpu(plan: &Plan, vcpu: &VcpuFd, cpuid: &mut CpuId) -> Result<AppliedVcpu, PlanError> {
     let edit = edit_cpuid(plan, cpuid)?;
     vcpu.set_cpuid2(cpuid).map_err(|source| {
-        if source.errno() == libc::EBUSY {
+        // KVM refuses a changed CPUID once the vCPU has run (EINVAL on current kernels,
+        // EBUSY on some). Tell that apart from an invalid CPUID by asking the vCPU's stats
+        // whether it has ever exited (only on this error path).
+        let ran = || {
+            crate::stats::StatsFd::for_vcpu(vcpu)
+                .and_then(|s| s.read())
+                .ok()
+                .and_then(|s| s.value("exits"))
+                .is_some_and(|n| n > 0)
+        };
+        if source.errno() == libc::EBUSY || (source.errno() == libc::EINVAL && ran()) {
             PlanError::CpuidAfterRun { source }
         } else {
             PlanError::Kvm {
