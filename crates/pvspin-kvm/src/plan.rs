@@ -54,6 +54,8 @@
 //!   them then).
 //! * A feature bit, exit flag, halt-poll setting, PV enforcement or quirk the host does not
 //!   support is refused.
+//! * `dedicated` or `shared` placement with more vCPUs than host CPUs (when
+//!   [`PlanRequest::host_cpus`] is given) is refused: that is overcommitted.
 //! * Exit flags after vCPUs exist are refused (KVM accepts them only before the first
 //!   `KVM_CREATE_VCPU`).
 
@@ -102,6 +104,20 @@ impl Placement {
             Placement::Dedicated => "dedicated",
             Placement::Shared => "shared",
             Placement::Overcommitted => "overcommitted",
+        }
+    }
+}
+
+impl Placement {
+    /// The placement implied by the counts: `dedicated` when the vCPU threads are pinned 1:1
+    /// and fit, `shared` when they fit unpinned, `overcommitted` otherwise.
+    pub fn infer(vcpus: u32, host_cpus: u32, pinned: bool) -> Placement {
+        if vcpus > host_cpus {
+            Placement::Overcommitted
+        } else if pinned {
+            Placement::Dedicated
+        } else {
+            Placement::Shared
         }
     }
 }
@@ -342,6 +358,8 @@ pub struct PlanRequest {
     pub enforce_pv_cpuid: Option<bool>,
     /// Disable the `FIX_HYPERCALL_INSN` quirk.
     pub disable_fix_hypercall_quirk: Option<bool>,
+    /// Host CPUs available to this VM, if known: checks that the placement fits.
+    pub host_cpus: Option<u32>,
 }
 
 impl PlanRequest {
@@ -356,6 +374,7 @@ impl PlanRequest {
             halt_poll: None,
             enforce_pv_cpuid: None,
             disable_fix_hypercall_quirk: None,
+            host_cpus: None,
         }
     }
 }
@@ -442,6 +461,16 @@ pub enum PlanError {
     /// `vcpus == 0`.
     #[error("rule: a VM needs at least one vCPU")]
     NoVcpus,
+    /// The placement does not fit the vCPU and host CPU counts.
+    #[error("rule: {placement} placement needs at most one vCPU per host CPU ({vcpus} vCPUs, {host_cpus} host CPUs); use overcommitted")]
+    PlacementDoesNotFit {
+        /// The placement.
+        placement: Placement,
+        /// vCPUs.
+        vcpus: u32,
+        /// Host CPUs.
+        host_cpus: u32,
+    },
     /// A feature bit outside the managed set was requested.
     #[error(
         "rule: only the managed PV feature bits may be requested ({managed}); got {requested:#x}"
@@ -546,6 +575,15 @@ impl Plan {
     pub fn new(req: &PlanRequest, host: &HostCaps) -> Result<Plan, PlanError> {
         if req.vcpus == 0 {
             return Err(PlanError::NoVcpus);
+        }
+        if let Some(host_cpus) = req.host_cpus {
+            if req.placement != Placement::Overcommitted && req.vcpus > host_cpus {
+                return Err(PlanError::PlacementDoesNotFit {
+                    placement: req.placement,
+                    vcpus: req.vcpus,
+                    host_cpus,
+                });
+            }
         }
         let d = PlacementDefaults::for_placement(req.placement);
         let mut dropped = Vec::new();
@@ -712,7 +750,7 @@ impl Plan {
         (base_eax & !PvFeatures::MANAGED.0) | self.pv_features.0
     }
 
-    /// The vCPU-stage check alone: refuses exit flags once vCPUs exist. [`apply_vm`] calls
+    /// The VM-stage check alone: refuses exit flags once vCPUs exist. [`apply_vm`] calls
     /// this; a VMM that tracks its vCPUs can call it earlier.
     pub fn check_vm_stage(&self, vcpus_created: u32) -> Result<(), PlanError> {
         if !self.disable_exits.is_empty() && vcpus_created > 0 {
@@ -853,6 +891,42 @@ pub struct AppliedVm {
     pub halt_poll_ns: Option<u32>,
     /// `FIX_HYPERCALL_INSN` disabled.
     pub fix_hypercall_quirk_disabled: bool,
+}
+
+impl fmt::Display for AppliedVm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "VM stage: FIX_HYPERCALL_INSN quirk ")?;
+        f.write_str(if self.fix_hypercall_quirk_disabled {
+            "disabled"
+        } else {
+            "left on"
+        })?;
+        write!(f, "; exits disabled: {}; halt poll: ", self.disable_exits)?;
+        match self.halt_poll_ns {
+            Some(ns) => write!(f, "max {ns} ns"),
+            None => f.write_str("KVM default"),
+        }
+    }
+}
+
+impl fmt::Display for AppliedVcpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "vCPU stage: CPUID {:#x}.eax {:#x} -> {:#x} ({}), edx {:#x}{}; PV CPUID enforced: {}",
+            self.cpuid.leaf,
+            self.cpuid.eax_before,
+            self.cpuid.eax,
+            PvFeatures(self.cpuid.eax),
+            self.cpuid.edx,
+            if self.cpuid.added {
+                " (leaf added)"
+            } else {
+                ""
+            },
+            self.enforce_pv_cpuid
+        )
+    }
 }
 
 /// What [`apply_vcpu`] did.
@@ -1106,6 +1180,26 @@ mod tests {
             Plan::new(&PlanRequest::new(Placement::Shared, 0), &HOST).unwrap_err(),
             PlanError::NoVcpus
         ));
+        for p in [Placement::Dedicated, Placement::Shared] {
+            let mut r = PlanRequest::new(p, 4);
+            r.host_cpus = Some(2);
+            assert!(matches!(
+                Plan::new(&r, &HOST).unwrap_err(),
+                PlanError::PlacementDoesNotFit {
+                    vcpus: 4,
+                    host_cpus: 2,
+                    ..
+                }
+            ));
+            r.host_cpus = Some(4);
+            assert!(Plan::new(&r, &HOST).is_ok());
+        }
+        let mut r = PlanRequest::new(Placement::Overcommitted, 4);
+        r.host_cpus = Some(2);
+        assert!(Plan::new(&r, &HOST).is_ok());
+        assert_eq!(Placement::infer(4, 2, true), Placement::Overcommitted);
+        assert_eq!(Placement::infer(2, 2, true), Placement::Dedicated);
+        assert_eq!(Placement::infer(2, 2, false), Placement::Shared);
         assert!(matches!(
             "pinned".parse::<Placement>().unwrap_err(),
             PlanError::UnknownPlacement(_)

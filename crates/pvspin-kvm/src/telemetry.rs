@@ -16,6 +16,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use serde::ser::SerializeStruct;
 use serde::Serialize;
@@ -121,12 +123,16 @@ impl LatencyHistogram {
         LatencyHistogram::default()
     }
 
-    /// Records one latency (saturating counts).
-    pub fn record(&mut self, ns: u64) {
-        let i = LATENCY_BOUNDS_NS
+    fn bucket_of(ns: u64) -> usize {
+        LATENCY_BOUNDS_NS
             .iter()
             .position(|&b| ns <= b)
-            .unwrap_or(LATENCY_BOUNDS_NS.len());
+            .unwrap_or(LATENCY_BOUNDS_NS.len())
+    }
+
+    /// Records one latency (saturating counts).
+    pub fn record(&mut self, ns: u64) {
+        let i = Self::bucket_of(ns);
         self.counts[i] = self.counts[i].saturating_add(1);
         self.sum_ns = self.sum_ns.saturating_add(ns);
         self.count = self.count.saturating_add(1);
@@ -217,6 +223,95 @@ impl PvspinVcpuCounters {
     }
 }
 
+/// Thread-safe recorder of one vCPU's pvspin counters: vCPU and device threads record with
+/// relaxed atomics, a stats thread takes [`VcpuCounterCell::snapshot`]s.
+#[derive(Debug, Default)]
+pub struct VcpuCounterCell {
+    kicks: [AtomicU64; 3],
+    spin_notifications: AtomicU64,
+    yields_attempted: AtomicU64,
+    yields_successful: AtomicU64,
+    latency: [AtomicU64; LATENCY_BOUNDS_NS.len() + 1],
+    latency_sum_ns: AtomicU64,
+    latency_count: AtomicU64,
+    rejected: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl VcpuCounterCell {
+    /// A cell with every counter at 0.
+    pub fn new() -> VcpuCounterCell {
+        VcpuCounterCell::default()
+    }
+
+    /// Counts one kick delivered on `path`.
+    pub fn record_kick(&self, path: KickPath) {
+        let i = match path {
+            KickPath::InKernel => 0,
+            KickPath::SignalMsi => 1,
+            KickPath::Userspace => 2,
+        };
+        self.kicks[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one spin notification.
+    pub fn record_spin_notification(&self) {
+        self.spin_notifications.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one directed-yield attempt and whether it succeeded.
+    pub fn record_yield(&self, successful: bool) {
+        self.yields_attempted.fetch_add(1, Ordering::Relaxed);
+        if successful {
+            self.yields_successful.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Records one kick-to-wake latency.
+    pub fn record_kick_to_wake_ns(&self, ns: u64) {
+        self.latency[LatencyHistogram::bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.latency_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one rejected guest input (rare: takes a lock).
+    pub fn reject(&self, reason: &'static str) {
+        let mut m = self.rejected.lock().unwrap_or_else(|e| e.into_inner());
+        let c = m.entry(reason).or_insert(0);
+        *c = c.saturating_add(1);
+    }
+
+    /// The counters now (each read is atomic; the set is not one atomic cut).
+    pub fn snapshot(&self) -> PvspinVcpuCounters {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut counts = [0u64; LATENCY_BOUNDS_NS.len() + 1];
+        for (c, a) in counts.iter_mut().zip(&self.latency) {
+            *c = ld(a);
+        }
+        PvspinVcpuCounters {
+            kicks: KickCounts {
+                in_kernel: ld(&self.kicks[0]),
+                signal_msi: ld(&self.kicks[1]),
+                userspace: ld(&self.kicks[2]),
+            },
+            spin_notifications: ld(&self.spin_notifications),
+            yields_attempted: ld(&self.yields_attempted),
+            yields_successful: ld(&self.yields_successful),
+            kick_to_wake_ns: LatencyHistogram {
+                counts,
+                sum_ns: ld(&self.latency_sum_ns),
+                count: ld(&self.latency_count),
+            },
+            rejected_guest_inputs: self
+                .rejected
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect(),
+        }
+    }
+}
+
 /// Everything known about one vCPU.
 #[derive(Clone, Debug, Serialize)]
 pub struct VcpuTelemetry {
@@ -237,7 +332,42 @@ pub struct VmTelemetry {
     pub vcpus: Vec<VcpuTelemetry>,
 }
 
+/// An output format of [`VmTelemetry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TelemetryFormat {
+    /// [`VmTelemetry::to_json`].
+    Json,
+    /// [`VmTelemetry::to_prometheus`].
+    Prometheus,
+}
+
+impl std::str::FromStr for TelemetryFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "json" => Ok(TelemetryFormat::Json),
+            "prometheus" | "prom" => Ok(TelemetryFormat::Prometheus),
+            other => Err(format!(
+                "unknown telemetry format {other:?} (expected json or prometheus)"
+            )),
+        }
+    }
+}
+
 impl VmTelemetry {
+    /// Renders in `format`.
+    pub fn render(&self, format: TelemetryFormat) -> String {
+        match format {
+            TelemetryFormat::Json => self.to_json(),
+            TelemetryFormat::Prometheus => self.to_prometheus(),
+        }
+    }
+
+    /// Writes the rendering to `path` (replacing it).
+    pub fn write_to(&self, path: &std::path::Path, format: TelemetryFormat) -> std::io::Result<()> {
+        std::fs::write(path, self.render(format))
+    }
+
     /// Pretty JSON.
     pub fn to_json(&self) -> String {
         // Serializing plain structs and string-keyed maps cannot fail.
@@ -838,6 +968,62 @@ mod tests {
         assert_eq!(t.to_prometheus(), "");
         let v: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
         assert!(v["vcpus"].as_array().unwrap().is_empty());
+    }
+
+    #[test]
+    fn counter_cell_snapshots_what_threads_recorded() {
+        let cell = std::sync::Arc::new(VcpuCounterCell::new());
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let cell = std::sync::Arc::clone(&cell);
+                std::thread::spawn(move || {
+                    for i in 0..100u64 {
+                        cell.record_kick(KickPath::ALL[(t + i as usize) % 3]);
+                        cell.record_spin_notification();
+                        cell.record_yield(i % 2 == 0);
+                        cell.record_kick_to_wake_ns(i * 1_000);
+                    }
+                    cell.reject("bad target");
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let s = cell.snapshot();
+        assert_eq!(s.kicks.total(), 400);
+        assert_eq!(s.spin_notifications, 400);
+        assert_eq!(s.yields_attempted, 400);
+        assert_eq!(s.yields_successful, 200);
+        assert_eq!(s.kick_to_wake_ns.count(), 400);
+        assert_eq!(
+            s.kick_to_wake_ns.sum_ns(),
+            4 * 1_000 * (0..100).sum::<u64>()
+        );
+        let mut h = LatencyHistogram::new();
+        for i in 0..100u64 {
+            h.record(i * 1_000);
+        }
+        let mut h4 = LatencyHistogram::new();
+        for _ in 0..4 {
+            h4.merge(&h);
+        }
+        assert_eq!(s.kick_to_wake_ns, h4);
+        assert_eq!(s.rejected_guest_inputs.get("bad target"), Some(&4));
+    }
+
+    #[test]
+    fn formats_parse_and_files_are_written() {
+        assert_eq!("json".parse(), Ok(TelemetryFormat::Json));
+        assert_eq!("prometheus".parse(), Ok(TelemetryFormat::Prometheus));
+        assert!("xml".parse::<TelemetryFormat>().is_err());
+        let t = sample_vm();
+        let path =
+            std::env::temp_dir().join(format!("pvspin-kvm-telemetry-{}.prom", std::process::id()));
+        t.write_to(&path, TelemetryFormat::Prometheus).unwrap();
+        let back = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(back, t.to_prometheus());
     }
 
     #[test]
