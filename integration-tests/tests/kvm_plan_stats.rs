@@ -380,3 +380,89 @@ fn stats_move_with_the_guest() {
     assert_eq!(json["vcpus"][0]["kvm"]["halt_exits"]["value"], HLTS as u64);
     assert_eq!(json["vcpus"][0]["pvspin"]["yields_attempted"], 0);
 }
+
+/// In-kernel halt: with an irqchip, `cli; hlt` blocks inside KVM until a REMRD MSI (the kick
+/// KVM_HC_KICK_CPU delivers) wakes it; then the guest OUTs. The halt stats and the
+/// `halt_wait_hist` log histogram move, and the overcommitted plan's halt-poll limit of 0 means
+/// KVM never polls.
+#[test]
+fn in_kernel_halt_moves_halt_stats_and_histogram() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    let Some(kvm) = kvm_or_skip("in_kernel_halt_moves_halt_stats_and_histogram") else {
+        return;
+    };
+    let caps = host(&kvm);
+    let plan = Plan::new(&PlanRequest::new(Placement::Overcommitted, 1), &caps).unwrap();
+    // cli; hlt; out 0x10, al; hlt
+    let code = [0xfa, 0xf4, 0xe6, 0x10, 0xf4];
+    let mut g = guest_with(&kvm, &code, |vm| {
+        vm.create_irq_chip().expect("irqchip");
+        let applied = apply_vm(&plan, vm, 0).expect("VM stage");
+        assert_eq!(applied.halt_poll_ns, Some(0));
+    });
+    let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+    apply_vcpu(&plan, &g.vcpu, &mut cpuid).expect("vCPU stage");
+    // The APIC-ID map is stale right after vCPU creation (kvm-on-these-machines.md §1): an
+    // unchanged KVM_SET_LAPIC rebuilds it, so the MSI to APIC ID 0 finds the vCPU.
+    let lapic = g.vcpu.get_lapic().expect("get lapic");
+    g.vcpu.set_lapic(&lapic).expect("set lapic");
+    let stats = StatsFd::for_vcpu(&g.vcpu).unwrap();
+    let before = stats.read().unwrap();
+
+    let done = AtomicBool::new(false);
+    let exits = std::thread::scope(|s| {
+        let vm = &g.vm;
+        let done = &done;
+        s.spawn(move || {
+            // Kick vCPU 0 (APIC ID 0) with REMRD every 20 ms, at most 5 s; past that the guest
+            // is stuck in KVM_RUN, and the test process is aborted rather than left hanging.
+            for _ in 0..250 {
+                std::thread::sleep(Duration::from_millis(20));
+                if done.load(Ordering::Acquire) {
+                    return;
+                }
+                let msi = kvm_bindings::kvm_msi {
+                    address_lo: 0xfee0_0000,
+                    data: 0x300,
+                    ..Default::default()
+                };
+                let _ = vm.signal_msi(msi);
+            }
+            eprintln!("in_kernel_halt_moves_halt_stats_and_histogram: vCPU never woke; aborting");
+            std::process::abort();
+        });
+        let exits = run_exits(&mut g.vcpu, 1);
+        done.store(true, Ordering::Release);
+        exits
+    });
+    assert_eq!(exits, vec![Exit::Out(0x10, vec![0])]);
+
+    let d = stats.read().unwrap().delta(&before).unwrap();
+    let v = |n: &str| d.value(n).unwrap_or(0);
+    eprintln!(
+        "in-kernel halt: halt_exits +{}, halt_wakeup +{}, halt_wait_ns +{}, halt_attempted_poll +{}, exits +{}",
+        v("halt_exits"),
+        v("halt_wakeup"),
+        v("halt_wait_ns"),
+        v("halt_attempted_poll"),
+        v("exits")
+    );
+    assert!(v("halt_wakeup") >= 1);
+    assert!(v("halt_wait_ns") >= 10_000_000, "blocked at least ~20 ms");
+    assert_eq!(v("halt_attempted_poll"), 0, "halt-poll limit 0: no polling");
+    if let Some(h) = d.histogram("halt_wait_hist") {
+        eprintln!("halt_wait_hist delta: {h:?}");
+        assert_eq!(h.iter().sum::<u64>(), 1, "one halt: {h:?}");
+        // The one sample sits in the log bucket [2^(i-1), 2^i) that holds halt_wait_ns.
+        let desc = d.get("halt_wait_hist").unwrap().desc;
+        let bounds = desc.bucket_upper_bounds();
+        let i = h.iter().position(|&c| c == 1).unwrap();
+        let lower = if i == 0 { 0 } else { bounds[i - 1].unwrap() };
+        let wait = v("halt_wait_ns");
+        assert!(lower <= wait, "bucket {i} starts at {lower}, waited {wait}");
+        if let Some(upper) = bounds[i] {
+            assert!(wait < upper, "bucket {i} ends at {upper}, waited {wait}");
+        }
+    }
+}
