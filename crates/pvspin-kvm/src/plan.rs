@@ -40,6 +40,17 @@
 //! raises #UD instead of being rewritten (on the emulating development hosts a rewritten
 //! hypercall loops forever).
 //!
+//! One vCPU: Linux turns PV spinlocks off when `num_possible_cpus() == 1`, and PV TLB flush,
+//! sched-yield and send-IPI need more than one CPU. The defaults still advertise them: the guest
+//! counts *possible* CPUs (hotpluggable ones included, which the VMM may add later), and an
+//! unused bit costs nothing.
+//!
+//! Hosts whose KVM emulates every guest instruction (the development machines,
+//! `kvm-on-these-machines.md` §0) never complete a hypercall: a stock Linux guest that was
+//! offered `PV_UNHALT` would livelock on its first `KVM_HC_KICK_CPU` there. [`HostCaps`] cannot
+//! see that without running a guest; a VMM for such hosts should request `pv_features`
+//! without `PV_UNHALT`, `PV_SCHED_YIELD` and `PV_SEND_IPI` explicitly.
+//!
 //! A default the host does not support is dropped and recorded in [`Plan::dropped`]; an explicit
 //! request ([`PlanRequest`] override) the host does not support is refused.
 //!
