@@ -2,12 +2,55 @@
 //!
 //! For stock guests (Linux with its own PV spinlocks) and pvspin-aware guests alike: a
 //! placement-driven plan for the paravirtual CPUID leaf, exit disabling, halt polling and
-//! quirks, validated before it is applied; the setup the kick paths need (in-kernel irqchip,
-//! MP state of the APs, LAPIC refresh); and a reader for KVM's binary statistics
-//! (`KVM_GET_STATS_FD`).
+//! quirks, validated before it is applied ([`plan`]); a reader for KVM's binary statistics
+//! (`KVM_GET_STATS_FD`, [`stats`]); and the telemetry snapshot that merges pvspin's own
+//! counters with KVM's, rendered as JSON or Prometheus text ([`telemetry`]).
 //!
-//! **Implemented so far:** [`quirks`], the one quirk every pvspin VM needs off. The plan, the
-//! kick setup and the statistics reader are not implemented yet.
+//! **Implemented:** [`quirks`], [`plan`], [`stats`], [`telemetry`]. **Not implemented here
+//! yet:** the kick setup (in-kernel irqchip, MP state of the APs, LAPIC refresh).
+//!
+//! # The order KVM requires
+//!
+//! ```no_run
+//! use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+//! use pvspin_kvm::plan::{apply_vcpu, apply_vm, HostCaps, Placement, Plan, PlanRequest};
+//! use pvspin_kvm::stats::StatsFd;
+//! use pvspin_kvm::telemetry::{VcpuCounterCell, VcpuTelemetry, VmTelemetry};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let kvm = kvm_ioctls::Kvm::new()?;
+//! let vm = kvm.create_vm()?;
+//! // 1. Plan: pure, refuses invalid combinations with the rule's name.
+//! let mut req = PlanRequest::new(Placement::Overcommitted, 2);
+//! req.host_cpus = Some(2);
+//! let plan = Plan::new(&req, &HostCaps::probe(&kvm, &vm)?)?;
+//! println!("{plan}");
+//! // 2. VM stage: after KVM_CREATE_VM, before the first KVM_CREATE_VCPU.
+//! println!("{}", apply_vm(&plan, &vm, 0)?);
+//! // 3. vCPU stage: on each vCPU, before its first KVM_RUN.
+//! let vcpu = vm.create_vcpu(0)?;
+//! let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)?;
+//! println!("{}", apply_vcpu(&plan, &vcpu, &mut cpuid)?);
+//! // 4. Telemetry: stats fds opened once, read before and after the run.
+//! let stats = StatsFd::for_vcpu(&vcpu)?;
+//! let counters = VcpuCounterCell::new(); // shared with the vCPU and device threads
+//! let before = stats.read()?;
+//! // ... run the guest ...
+//! let t = VmTelemetry {
+//!     kvm_vm: Some(StatsFd::for_vm(&vm)?.read()?),
+//!     vcpus: vec![VcpuTelemetry {
+//!         vcpu: 0,
+//!         pvspin: counters.snapshot(),
+//!         kvm: Some(stats.read()?.delta(&before)?),
+//!     }],
+//! };
+//! print!("{}", t.to_prometheus());
+//! # Ok(())
+//! # }
+//! ```
 #![deny(missing_docs)]
 
+pub mod plan;
 pub mod quirks;
+pub mod stats;
+pub mod telemetry;
