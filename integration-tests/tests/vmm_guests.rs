@@ -317,3 +317,87 @@ fn guest_image_has_no_sse_instructions() {
         sse.join("\n")
     );
 }
+
+#[test]
+fn placement_plan_reaches_the_guest_cpuid() {
+    if kvm_or_skip("placement_plan_reaches_the_guest_cpuid").is_none() {
+        return;
+    }
+    const PV_UNHALT: u32 = 1 << 7;
+    const HINTS_REALTIME: u32 = 1;
+    let dedicated = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        ..config(Workload::Cpuid, 1)
+    };
+    let report = run(&dedicated).expect("dedicated plan applies");
+    let (leaf, [eax, _, _, edx]) = report.cpuid[1];
+    assert_eq!(leaf, 0x4000_0001);
+    assert_eq!(
+        edx & HINTS_REALTIME,
+        HINTS_REALTIME,
+        "REALTIME hint on dedicated vCPUs"
+    );
+    assert_eq!(eax & PV_UNHALT, 0, "no PV_UNHALT with HLT exits disabled");
+    assert!(report.plan.iter().any(|line| line.contains("dedicated")));
+
+    let overcommitted = RunConfig {
+        placement: Some(pvspin::Placement::Overcommitted),
+        ..config(Workload::Cpuid, 2)
+    };
+    let report = run(&overcommitted).expect("overcommitted plan applies");
+    let (_, [_, _, _, edx]) = report.cpuid[1];
+    assert_eq!(
+        edx & HINTS_REALTIME,
+        0,
+        "no REALTIME hint when overcommitted"
+    );
+    assert!(report
+        .plan
+        .iter()
+        .any(|line| line.contains("halt poll: max 0 ns")));
+}
+
+#[test]
+fn placement_refusals_exit_with_2_and_name_the_rule() {
+    if kvm_or_skip("placement_refusals_exit_with_2_and_name_the_rule").is_none() {
+        return;
+    }
+    let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let too_many = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        ..config(Workload::Hello, host_cpus + 1)
+    };
+    let err = run(&too_many).expect_err("dedicated needs a host CPU per vCPU");
+    assert_eq!(err.exit_code(), 2);
+    assert!(err.to_string().contains("rule:"), "{err}");
+    let args = [
+        "pvspin-vmm",
+        "run",
+        "--workload",
+        "hello",
+        "--quiet",
+        "--placement",
+        "pinned",
+    ];
+    assert_eq!(main_with_args(args), 2);
+}
+
+#[test]
+fn telemetry_merges_kvm_stats_that_move() {
+    if kvm_or_skip("telemetry_merges_kvm_stats_that_move").is_none() {
+        return;
+    }
+    let report = run(&config(Workload::Hello, 2)).expect("hello runs");
+    let telemetry = report.telemetry.expect("telemetry is collected");
+    assert_eq!(telemetry.vcpus.len(), 2);
+    let mut halts = 0;
+    for vcpu in &telemetry.vcpus {
+        let kvm = vcpu.kvm.as_ref().expect("KVM vCPU stats on this host");
+        assert!(kvm.value("exits").unwrap() > 0);
+        halts += kvm.value("halt_exits").unwrap();
+    }
+    // The vCPU that finishes first halts (no in-kernel irqchip: a KVM_EXIT_HLT).
+    assert!(halts >= 1, "halt_exits did not move");
+    let prometheus = telemetry.to_prometheus();
+    assert!(prometheus.contains("vcpu=\"1\""), "{prometheus}");
+}

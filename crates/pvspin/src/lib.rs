@@ -6,8 +6,10 @@
 //! 1. Build a [`PvSpin`] with [`PvSpin::builder`], giving the number of vCPUs and a
 //!    [`VcpuInterrupter`] (how to get a vCPU thread out of `KVM_RUN`).
 //! 2. After creating the VM and before creating vCPUs: [`PvSpin::configure_vm`].
-//! 3. For each vCPU, after creating it: [`PvSpin::configure_vcpu`], which returns the
-//!    [`VcpuHooks`] that vCPU's thread owns.
+//! 3. For each vCPU, after creating it: [`PvSpin::configure_vcpu`] with the CPUID the VMM
+//!    wants it to have (pvspin edits and sets it), which returns the [`VcpuHooks`] that
+//!    vCPU's thread owns.
+//! 5. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
 //! 4. In the vCPU loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
 //!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it), then
 //!    [`VcpuHooks::after_run`].
@@ -23,9 +25,10 @@
 //!     .build()?;
 //! let kvm = Kvm::new()?;
 //! let vm = kvm.create_vm()?;
-//! pvspin.configure_vm(&vm)?;
+//! pvspin.configure_vm(&kvm, &vm)?;
 //! let mut vcpu = vm.create_vcpu(0)?;
-//! let mut hooks = pvspin.configure_vcpu(0, &vcpu)?;
+//! let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
+//! let (mut hooks, _) = pvspin.configure_vcpu(0, &vcpu, &mut cpuid)?;
 //! loop {
 //!     hooks.before_run();
 //!     let exit = vcpu.run();
@@ -42,25 +45,34 @@
 //! ```
 //!
 //! **What pvspin does through these hooks today:** VM setup turns KVM's FIX_HYPERCALL_INSN
-//! quirk off (a stray hypercall faults instead of livelocking a host CPU), and the hooks keep
-//! per-vCPU counters of runs, exits by kind and time spent in `KVM_RUN` ([`VcpuCounters`]).
+//! quirk off (a stray hypercall faults instead of livelocking a host CPU); with
+//! [`PvSpinBuilder::paravirt`] it applies a placement-driven plan of KVM's paravirt features
+//! for stock guests; the hooks keep per-vCPU counters of runs, exits by kind and time spent in
+//! `KVM_RUN` ([`VcpuCounters`]); [`PvSpin::telemetry`] merges pvspin's counters with KVM's
+//! binary statistics.
 //! **Not implemented yet** (each comes with its crate): the kick doorbell and its wake paths
 //! (`pvspin-kick`), spin notifications and directed yield (`pvspin-pause`, `pvspin-track`),
-//! scheduler hints (`pvspin-hints`) and the placement-driven paravirt plan (`pvspin-kvm`).
+//! scheduler hints (`pvspin-hints`).
 #![deny(missing_docs)]
 
 mod counters;
 mod hooks;
+mod telemetry;
 
 use std::fmt::Debug;
 use std::sync::Arc;
 
 pub use counters::{ExitKind, VcpuCounters};
 pub use hooks::{ExitOutcome, VcpuHooks};
-use kvm_ioctls::{VcpuFd, VmFd};
+use kvm_bindings::CpuId;
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+pub use pvspin_kvm::plan::{AppliedVcpu, AppliedVm, Placement, Plan, PlanError, PlanRequest};
 use pvspin_kvm::quirks::{self, QuirkError};
+pub use pvspin_kvm::telemetry::{TelemetryFormat, VcpuCounterCell, VmTelemetry};
+use std::sync::OnceLock;
 
 use crate::counters::SharedCounters;
+use crate::telemetry::StatsFds;
 
 /// The most vCPUs pvspin manages in one VM (KVM's own `KVM_MAX_VCPUS` on x86 is 1024 or 4096).
 pub const MAX_VCPUS: usize = 4096;
@@ -114,6 +126,21 @@ pub enum Error {
     /// A KVM quirk could not be changed.
     #[error("configuring KVM quirks: {0}")]
     Quirk(#[from] QuirkError),
+    /// The paravirt plan was refused or could not be applied.
+    #[error("paravirt plan: {0}")]
+    Plan(#[from] PlanError),
+    /// `KVM_SET_CPUID2` failed.
+    #[error("KVM_SET_CPUID2 on vCPU {index}: {source}")]
+    SetCpuid {
+        /// The vCPU.
+        index: usize,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// `configure_vcpu` before `configure_vm`.
+    #[error("configure_vm must be called before configure_vcpu")]
+    VmNotConfigured,
 }
 
 /// Builds a [`PvSpin`].
@@ -122,6 +149,7 @@ pub struct PvSpinBuilder {
     vcpus: Option<usize>,
     interrupter: Option<Arc<dyn VcpuInterrupter>>,
     keep_hypercall_quirk: bool,
+    paravirt: Option<PlanRequest>,
 }
 
 impl PvSpinBuilder {
@@ -144,6 +172,16 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Configures KVM's own paravirt machinery (for stock guests' PV spinlocks) from the VM's
+    /// placement: the CPUID 0x40000001 features and hints, exit disabling, halt polling,
+    /// enforcement of the PV CPUID, quirks. Validated in [`PvSpin::configure_vm`], which
+    /// refuses an invalid combination naming the rule. Without it, pvspin only turns the
+    /// FIX_HYPERCALL_INSN quirk off and passes the VMM's CPUID through.
+    pub fn paravirt(mut self, request: PlanRequest) -> Self {
+        self.paravirt = Some(request);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -157,6 +195,12 @@ impl PvSpinBuilder {
         Ok(PvSpin {
             interrupter,
             keep_hypercall_quirk: self.keep_hypercall_quirk,
+            paravirt: self.paravirt,
+            plan: OnceLock::new(),
+            stats: StatsFds::new(vcpus),
+            cells: (0..vcpus)
+                .map(|_| Arc::new(VcpuCounterCell::new()))
+                .collect(),
             counters: (0..vcpus).map(|_| Arc::default()).collect(),
             configured: (0..vcpus)
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
@@ -166,10 +210,12 @@ impl PvSpinBuilder {
 }
 
 /// What [`PvSpin::configure_vm`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct VmSetup {
     /// Whether KVM's FIX_HYPERCALL_INSN quirk is now off.
     pub hypercall_quirk_disabled: bool,
+    /// The paravirt plan and what applying its VM stage did, when one was requested.
+    pub plan: Option<(Plan, AppliedVm)>,
 }
 
 /// pvspin for one VM: the composed parts and the hooks' shared state.
@@ -177,6 +223,11 @@ pub struct VmSetup {
 pub struct PvSpin {
     interrupter: Arc<dyn VcpuInterrupter>,
     keep_hypercall_quirk: bool,
+    paravirt: Option<PlanRequest>,
+    /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
+    plan: OnceLock<Option<Plan>>,
+    stats: StatsFds,
+    cells: Vec<Arc<VcpuCounterCell>>,
     counters: Vec<Arc<SharedCounters>>,
     configured: Vec<std::sync::atomic::AtomicBool>,
 }
@@ -192,30 +243,72 @@ impl PvSpin {
         self.counters.len()
     }
 
-    /// VM-stage setup: call after creating the VM, before creating any vCPU.
-    pub fn configure_vm(&self, vm: &VmFd) -> Result<VmSetup, Error> {
-        let hypercall_quirk_disabled = if self.keep_hypercall_quirk {
-            false
-        } else {
-            quirks::disable_fix_hypercall_insn(vm)?;
-            true
+    /// VM-stage setup: call after creating the VM, before creating any vCPU. Applies the
+    /// paravirt plan's VM stage (or, without one, turns the FIX_HYPERCALL_INSN quirk off).
+    pub fn configure_vm(&self, kvm: &Kvm, vm: &VmFd) -> Result<VmSetup, Error> {
+        self.stats.open_vm(vm);
+        let setup = match &self.paravirt {
+            Some(request) => {
+                let host = pvspin_kvm::plan::HostCaps::probe(kvm, vm)?;
+                let plan = Plan::new(request, &host)?;
+                let applied = pvspin_kvm::plan::apply_vm(&plan, vm, 0)?;
+                VmSetup {
+                    hypercall_quirk_disabled: plan.disable_fix_hypercall_quirk,
+                    plan: Some((plan, applied)),
+                }
+            }
+            None if self.keep_hypercall_quirk => VmSetup {
+                hypercall_quirk_disabled: false,
+                plan: None,
+            },
+            None => {
+                quirks::disable_fix_hypercall_insn(vm)?;
+                VmSetup {
+                    hypercall_quirk_disabled: true,
+                    plan: None,
+                }
+            }
         };
-        Ok(VmSetup {
-            hypercall_quirk_disabled,
-        })
+        let _ = self
+            .plan
+            .set(setup.plan.as_ref().map(|(plan, _)| plan.clone()));
+        Ok(setup)
     }
 
-    /// vCPU-stage setup: call once per vCPU after creating it. The returned hooks belong to
-    /// that vCPU's thread.
-    pub fn configure_vcpu(&self, index: usize, _vcpu: &VcpuFd) -> Result<VcpuHooks, Error> {
+    /// vCPU-stage setup: call once per vCPU after creating it, before its first `KVM_RUN`.
+    /// `cpuid` is the CPUID the VMM wants the vCPU to have; pvspin edits it (the paravirt
+    /// plan's leaf 0x40000001) and sets it with `KVM_SET_CPUID2`. The returned hooks belong
+    /// to that vCPU's thread.
+    pub fn configure_vcpu(
+        &self,
+        index: usize,
+        vcpu: &VcpuFd,
+        cpuid: &mut CpuId,
+    ) -> Result<(VcpuHooks, Option<AppliedVcpu>), Error> {
         let configured = self.configured.get(index).ok_or(ConfigError::VcpuIndex {
             index,
             vcpus: self.vcpus(),
         })?;
+        let plan = self.plan.get().ok_or(Error::VmNotConfigured)?;
         if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return Err(ConfigError::VcpuConfiguredTwice(index).into());
         }
-        Ok(VcpuHooks::new(index, self.counters[index].clone()))
+        let applied = match plan {
+            Some(plan) => Some(pvspin_kvm::plan::apply_vcpu(plan, vcpu, cpuid)?),
+            None => {
+                vcpu.set_cpuid2(cpuid)
+                    .map_err(|source| Error::SetCpuid { index, source })?;
+                None
+            }
+        };
+        self.stats.open_vcpu(index, vcpu);
+        Ok((VcpuHooks::new(index, self.counters[index].clone()), applied))
+    }
+
+    /// Everything pvspin and KVM count, per vCPU: pvspin's counters merged with KVM's binary
+    /// statistics (for vCPUs, the change since `configure_vcpu`). Readable at any time.
+    pub fn telemetry(&self) -> VmTelemetry {
+        self.stats.telemetry(&self.cells)
     }
 
     /// Forces vCPU `index` out of `KVM_RUN` through the VMM's [`VcpuInterrupter`].
@@ -294,6 +387,7 @@ mod tests {
             .unwrap();
         pvspin.interrupt(1);
         pvspin.interrupt(2);
+        assert_eq!(pvspin.telemetry().vcpus.len(), 2);
         assert_eq!(interrupter.0.load(std::sync::atomic::Ordering::Relaxed), 1);
         assert!(pvspin.vcpu_counters(1).is_some());
         assert!(pvspin.vcpu_counters(2).is_none());

@@ -108,9 +108,18 @@ pub struct VmArgs {
     /// Do not copy the guest's console to stdout.
     #[arg(long)]
     pub quiet: bool,
+    /// Where the vCPUs run: pvspin then applies KVM's paravirt plan for that placement
+    /// (CPUID 0x40000001, exit disabling, halt polling) and prints it, or refuses.
+    #[arg(long, value_parser = parse_placement)]
+    pub placement: Option<pvspin::Placement>,
     /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
     #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
     pub cpuid_leaves: Vec<u32>,
+}
+
+fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
+    text.parse()
+        .map_err(|err: pvspin::PlanError| err.to_string())
 }
 
 fn parse_u32(text: &str) -> Result<u32, String> {
@@ -130,6 +139,33 @@ pub struct RunArgs {
     /// Busy host threads competing with the vCPUs for host CPUs.
     #[arg(long, default_value_t = 0)]
     pub hogs: u32,
+    /// After the run, print pvspin's and KVM's per-vCPU counters.
+    #[arg(long)]
+    pub stats: bool,
+    /// Format of --stats and --stats-file.
+    #[arg(long, value_enum, default_value_t = StatsFormatArg::Json)]
+    pub stats_format: StatsFormatArg,
+    /// Also write the counters to this file.
+    #[arg(long)]
+    pub stats_file: Option<std::path::PathBuf>,
+}
+
+/// Formats of the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StatsFormatArg {
+    /// One JSON document.
+    Json,
+    /// Prometheus text exposition format.
+    Prometheus,
+}
+
+impl From<StatsFormatArg> for pvspin::TelemetryFormat {
+    fn from(arg: StatsFormatArg) -> Self {
+        match arg {
+            StatsFormatArg::Json => pvspin::TelemetryFormat::Json,
+            StatsFormatArg::Prometheus => pvspin::TelemetryFormat::Prometheus,
+        }
+    }
 }
 
 /// Options of `bench`.
@@ -162,6 +198,7 @@ impl VmArgs {
             timeout_ms: self.timeout_ms,
             echo_console: !self.quiet,
             cpuid_leaves: std::array::from_fn(|i| self.cpuid_leaves.get(i).copied().unwrap_or(0)),
+            placement: self.placement,
         }
     }
 }
@@ -184,8 +221,11 @@ where
     match cli.command {
         Command::Run(args) => match vmm::run(&args.vm.config(args.hogs)) {
             Ok(report) => {
+                for line in &report.plan {
+                    print_stdout(&format!("pvspin {line}"));
+                }
                 print_stdout(&format!("{}\n{}", report.summary_line(), report.to_json()));
-                0
+                print_telemetry(&args, &report)
             }
             Err(err) => {
                 eprintln!("pvspin-vmm: {err}");
@@ -209,6 +249,24 @@ where
             }
         }
     }
+}
+
+/// `--stats` and `--stats-file`; returns the exit code.
+fn print_telemetry(args: &RunArgs, report: &crate::RunReport) -> i32 {
+    let Some(telemetry) = &report.telemetry else {
+        return 0;
+    };
+    let format = args.stats_format.into();
+    if args.stats {
+        print_stdout(telemetry.render(format).trim_end());
+    }
+    if let Some(path) = &args.stats_file {
+        if let Err(err) = telemetry.write_to(path, format) {
+            eprintln!("pvspin-vmm: cannot write {}: {err}", path.display());
+            return 1;
+        }
+    }
+    0
 }
 
 /// Prints a line; a closed stdout (`| head`) is not an error worth a panic.

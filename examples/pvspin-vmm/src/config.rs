@@ -31,6 +31,8 @@ pub struct RunConfig {
     pub echo_console: bool,
     /// CPUID leaves the `cpuid` workload executes and reports (0 = unused).
     pub cpuid_leaves: [u32; CPUID_QUERIES],
+    /// Where the vCPUs run, for KVM's paravirt plan (`None`: no plan, CPUID passed through).
+    pub placement: Option<pvspin::Placement>,
 }
 
 impl Default for RunConfig {
@@ -48,6 +50,7 @@ impl Default for RunConfig {
             timeout_ms: 300_000,
             echo_console: true,
             cpuid_leaves: [0x4000_0000, 0x4000_0001, 0, 0],
+            placement: None,
         }
     }
 }

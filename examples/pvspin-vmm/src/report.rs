@@ -112,6 +112,11 @@ pub struct RunReport {
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
     pub per_vcpu: Vec<VcpuReport>,
+    /// The paravirt plan pvspin applied (`--placement`), one line per stage.
+    pub plan: Vec<String>,
+    /// pvspin's counters merged with KVM's statistics (printed with `--stats`).
+    #[serde(skip)]
+    pub telemetry: Option<pvspin::VmTelemetry>,
     /// The guest's console output.
     #[serde(skip)]
     pub console: String,
@@ -157,6 +162,8 @@ impl RunReport {
                 .map(|(leaf, regs)| (*leaf, *regs))
                 .collect(),
             per_vcpu,
+            plan: Vec::new(),
+            telemetry: None,
             console,
         }
     }

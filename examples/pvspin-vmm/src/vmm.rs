@@ -36,6 +36,9 @@ pub enum RunError {
     /// The host could not set the VM up.
     #[error("setting up the VM: {0}")]
     Setup(String),
+    /// pvspin refused the configuration (exit code 2).
+    #[error("pvspin refused the configuration: {0}")]
+    Refused(String),
     /// Guest memory could not be prepared.
     #[error("preparing guest memory: {0}")]
     Memory(#[from] MemoryError),
@@ -85,7 +88,7 @@ impl RunError {
     /// The process exit code for this error: 2 for invalid configuration, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Config(_) => 2,
+            RunError::Config(_) | RunError::Refused(_) => 2,
             _ => 1,
         }
     }
@@ -308,14 +311,25 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
         .map(|i| Arc::new(VcpuShared::new(i)))
         .collect();
-    let pvspin = PvSpin::builder()
+    let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
-        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())))
+        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
+    if let Some(placement) = config.placement {
+        let mut request = pvspin::PlanRequest::new(placement, config.vcpus);
+        request.host_cpus = std::thread::available_parallelism()
+            .ok()
+            .and_then(|n| u32::try_from(n.get()).ok());
+        builder = builder.paravirt(request);
+    }
+    let pvspin = builder
         .build()
-        .map_err(|err| RunError::Setup(format!("pvspin: {err}")))?;
-    pvspin
-        .configure_vm(&vm)
-        .map_err(|err| RunError::Setup(format!("pvspin VM setup: {err}")))?;
+        .map_err(|err| RunError::Refused(err.to_string()))?;
+    let vm_setup = pvspin.configure_vm(&kvm, &vm).map_err(pvspin_error)?;
+    let mut plan_lines = Vec::new();
+    if let Some((plan, applied)) = &vm_setup.plan {
+        plan_lines.push(format!("plan: {plan}"));
+        plan_lines.push(format!("applied to the VM: {applied}"));
+    }
     let host_addr = vm_memory::GuestMemoryBackend::get_host_address(&memory, GuestAddress(0))
         .map_err(|err| RunError::Setup(format!("guest memory has no host mapping: {err}")))?
         as u64;
@@ -341,16 +355,19 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported_cpuid.clone();
         set_initial_apic_id(&mut cpuid, index);
-        vcpu.set_cpuid2(&cpuid)
-            .map_err(setup_err("KVM_SET_CPUID2"))?;
+        let (hooks, applied) = pvspin
+            .configure_vcpu(index as usize, &vcpu, &mut cpuid)
+            .map_err(pvspin_error)?;
+        if let (Some(applied), 0) = (applied, index) {
+            plan_lines.push(format!(
+                "applied to vCPU 0 (and likewise the others): {applied}"
+            ));
+        }
         let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
         vcpu.set_sregs(&memory::initial_sregs(sregs))
             .map_err(setup_err("KVM_SET_SREGS"))?;
         vcpu.set_regs(&memory::initial_regs(index, entry))
             .map_err(setup_err("KVM_SET_REGS"))?;
-        let hooks = pvspin
-            .configure_vcpu(index as usize, &vcpu)
-            .map_err(|err| RunError::Setup(format!("pvspin vCPU setup: {err}")))?;
         vcpus.push((vcpu, hooks));
     }
     let tsc_khz = vcpus
@@ -465,6 +482,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         }
     }
     hogs.stop();
+    let telemetry = pvspin.telemetry();
     let reports: Vec<VcpuReport> = shared
         .iter()
         .map(|vcpu| VcpuReport::collect(vcpu, &memory, pvspin.vcpu_counters(vcpu.index as usize)))
@@ -506,7 +524,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         }
     }
     let params = memory::read_boot_params(&memory).unwrap_or_default();
-    Ok(RunReport::new(
+    let mut report = RunReport::new(
         config,
         &params,
         tsc_khz,
@@ -514,7 +532,23 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         reports,
         console.captured(),
         &bus,
-    ))
+    );
+    report.plan = plan_lines;
+    report.telemetry = Some(telemetry);
+    Ok(report)
+}
+
+/// Sorts pvspin's setup errors: refusals of the configuration (exit code 2) from failures.
+#[allow(clippy::needless_pass_by_value)] // a `map_err` adapter: it receives the error by value
+fn pvspin_error(err: pvspin::Error) -> RunError {
+    match err {
+        pvspin::Error::Config(_)
+        | pvspin::Error::Plan(pvspin::PlanError::Kvm { .. } | pvspin::PlanError::Quirk(_)) => {
+            RunError::Setup(format!("pvspin: {err}"))
+        }
+        pvspin::Error::Plan(_) => RunError::Refused(err.to_string()),
+        _ => RunError::Setup(format!("pvspin: {err}")),
+    }
 }
 
 /// CPUID leaf 1 EBX[31:24] is the vCPU's initial APIC ID, which KVM's supported table
