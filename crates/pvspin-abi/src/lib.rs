@@ -416,8 +416,8 @@ mod tests {
     #[test]
     fn shared_page_gpa_is_pfn_times_page() {
         assert_eq!(shared_page_gpa(0), 0);
-        assert_eq!(shared_page_gpa(0x80), 0x80_000);
-        assert_eq!(shared_page_gpa(u32::MAX), 0xffff_ffff_000);
+        assert_eq!(shared_page_gpa(0x80), 0x8_0000);
+        assert_eq!(shared_page_gpa(u32::MAX), 0xfff_ffff_f000);
     }
 
     #[test]
