@@ -10,4 +10,5 @@
 //! kick setup and the statistics reader are not implemented yet.
 #![deny(missing_docs)]
 
+pub mod irqchip;
 pub mod quirks;
