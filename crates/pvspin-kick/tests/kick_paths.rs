@@ -172,9 +172,9 @@ enum End {
 fn run_vcpu(
     mut vcpu: VcpuFd,
     id: u32,
-    dev: Arc<KickDevice>,
-    stop: Arc<AtomicBool>,
-    ready: mpsc::Sender<()>,
+    dev: &KickDevice,
+    stop: &AtomicBool,
+    ready: &mpsc::Sender<()>,
 ) -> End {
     loop {
         if stop.load(Ordering::SeqCst) {
@@ -319,7 +319,7 @@ fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: 
         let (dev, stop, tx) = (dev.clone(), stop.clone(), ready_tx.clone());
         running.handles.push((
             1,
-            thread::spawn(move || run_vcpu(waiter_fd, 1, dev, stop, tx)),
+            thread::spawn(move || run_vcpu(waiter_fd, 1, &dev, &stop, &tx)),
         ));
     }
     ready_rx
@@ -332,7 +332,7 @@ fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: 
         let (dev, stop) = (dev.clone(), stop.clone());
         running.handles.push((
             0,
-            thread::spawn(move || run_vcpu(kicker_fd, 0, dev, stop, ready_tx)),
+            thread::spawn(move || run_vcpu(kicker_fd, 0, &dev, &stop, &ready_tx)),
         ));
     }
     let kicker = running
