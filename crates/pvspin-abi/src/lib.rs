@@ -303,7 +303,10 @@ mod tests {
         bytes[4..8].copy_from_slice(&SIGNATURE_ECX.to_le_bytes());
         bytes[8..12].copy_from_slice(&SIGNATURE_EDX.to_le_bytes());
         assert_eq!(&bytes, &SIGNATURE);
+        // The values docs/abi.md gives to guest authors.
         assert_eq!(SIGNATURE_EBX, 0x7073_7670);
+        assert_eq!(SIGNATURE_ECX, 0x7670_6e69);
+        assert_eq!(SIGNATURE_EDX, 0x6e69_7073);
     }
 
     #[test]
