@@ -206,7 +206,7 @@ pub mod doorbell {
     //! next `HLT` returns at once (one remembered kick, not a counter). A kick may also end a
     //! halt for no reason the guest can see (a spurious wake-up), so `pv_wait` callers must
     //! re-check their condition, exactly as with KVM. The target index is the vCPU's index,
-    //! which in a pvspin VMM equals its initial APIC ID (CPUID.01H:EBX[31:24]). A kick naming
+    //! which in a pvspin VMM equals its initial APIC ID (CPUID.01H:EBX bits 31..24). A kick naming
     //! an index `>= nr_vcpus` wakes nobody.
 
     /// Default first port of the doorbell range (the VMM may choose another; guests read it
