@@ -28,8 +28,34 @@ const PORT_READY: u16 = 0x600;
 const PORT_WOKE: u16 = 0x601;
 const PORT_KICKED: u16 = 0x602;
 const NR_VCPUS: u32 = 2;
+const ROUNDS_GPA: usize = 0x2004;
+const SPURIOUS_GPA: usize = 0x2010;
+const ORDER_GPA: usize = 0x2014;
+const ACK_GPA: usize = 0x2018;
+const PINGPONG: u64 = 0x3000;
+const PINGPONG_KICKER: u64 = PINGPONG;
+const PINGPONG_WAITER: u64 = PINGPONG + 0x36;
+
+/// `tests/guest/pingpong.S`, assembled (the file says how). Many rounds of: the waiter
+/// publishes `ready`, halts (`cli; hlt`) and, once woken by the kick of its round, acks; the
+/// kicker waits for `ready`, writes `kicked`, rings the doorbell and waits for the ack. With
+/// order 1 the waiter halts only after the kick's `OUT` has completed (kick before halt).
+const PINGPONG_CODE: [u8; 116] = [
+    0x66, 0x31, 0xc9, 0x66, 0x41, 0x66, 0x3b, 0x0e, 0x04, 0x20, 0x77, 0x23, 0x66, 0x39, 0x0e, 0x08,
+    0x20, 0x75, 0xf9, 0x66, 0x89, 0x0e, 0x0c, 0x20, 0x66, 0xa1, 0x00, 0x20, 0xba, 0x40, 0x0a, 0x66,
+    0xef, 0x66, 0x89, 0x0e, 0x1c, 0x20, 0x66, 0x39, 0x0e, 0x18, 0x20, 0x75, 0xf9, 0xeb, 0xd4, 0xba,
+    0x02, 0x06, 0xee, 0xf4, 0xeb, 0xfd, 0x66, 0x31, 0xc9, 0x66, 0x41, 0x66, 0x3b, 0x0e, 0x04, 0x20,
+    0x77, 0x2b, 0x66, 0x89, 0x0e, 0x08, 0x20, 0x66, 0x83, 0x3e, 0x14, 0x20, 0x00, 0x74, 0x07, 0x66,
+    0x39, 0x0e, 0x1c, 0x20, 0x75, 0xf9, 0xfa, 0xf4, 0x66, 0x39, 0x0e, 0x0c, 0x20, 0x74, 0x07, 0x66,
+    0xff, 0x06, 0x10, 0x20, 0xeb, 0xf0, 0x66, 0x89, 0x0e, 0x18, 0x20, 0xeb, 0xcc, 0xba, 0x01, 0x06,
+    0xee, 0xf4, 0xeb, 0xfd,
+];
 
 fn guest_code(mem: &mut [u8]) {
+    assert_eq!(
+        DEFAULT_PORT, 0x0a40,
+        "pingpong.S hard-codes the doorbell port"
+    );
     let [lo, hi] = DEFAULT_PORT.to_le_bytes();
     let kicker32 = [
         0xba, lo, hi, // mov dx, DEFAULT_PORT
@@ -60,6 +86,7 @@ fn guest_code(mem: &mut [u8]) {
         (KICKER_32, &kicker32[..]),
         (KICKER_8, &kicker8[..]),
         (WAITER, &waiter[..]),
+        (PINGPONG, &PINGPONG_CODE[..]),
     ] {
         let at = usize::try_from(at).unwrap();
         mem[at..at + code.len()].copy_from_slice(code);
@@ -81,12 +108,22 @@ fn kvm_or_skip(name: &str) -> Option<Kvm> {
 struct Guest {
     vm: VmFd,
     vcpus: Vec<VcpuFd>,
-    _mem: Mem,
+    mem: Mem,
 }
 
 /// Anonymous guest memory, unmapped on drop (after the VM fd is gone).
 struct Mem {
     ptr: *mut libc::c_void,
+}
+
+impl Mem {
+    fn read_u32(&self, gpa: usize) -> u32 {
+        assert!(gpa + 4 <= MEM_SIZE);
+        // SAFETY: `gpa + 4 <= MEM_SIZE`, so the offset stays inside the live mapping.
+        let p = unsafe { self.ptr.cast::<u8>().add(gpa) };
+        // SAFETY: in bounds (above) and readable; unaligned-safe read of guest-written memory.
+        unsafe { std::ptr::read_unaligned(p.cast::<u32>()) }
+    }
 }
 
 impl Drop for Mem {
@@ -96,7 +133,7 @@ impl Drop for Mem {
     }
 }
 
-fn make_guest(kvm: &Kvm, irqchip_on: bool, kicker_entry: u64, target: u32) -> Guest {
+fn make_guest(kvm: &Kvm, irqchip_on: bool, entries: [u64; 2], data: &[(usize, u32)]) -> Guest {
     let vm = kvm.create_vm().expect("KVM_CREATE_VM");
     // SAFETY: a fresh anonymous private mapping; the result is checked below.
     let ptr = unsafe {
@@ -115,7 +152,9 @@ fn make_guest(kvm: &Kvm, irqchip_on: bool, kicker_entry: u64, target: u32) -> Gu
     // before the guest runs.
     let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), MEM_SIZE) };
     guest_code(bytes);
-    bytes[TARGET_GPA..TARGET_GPA + 4].copy_from_slice(&target.to_le_bytes());
+    for (gpa, v) in data {
+        bytes[*gpa..*gpa + 4].copy_from_slice(&v.to_le_bytes());
+    }
     let region = kvm_bindings::kvm_userspace_memory_region {
         slot: 0,
         guest_phys_addr: 0,
@@ -123,7 +162,7 @@ fn make_guest(kvm: &Kvm, irqchip_on: bool, kicker_entry: u64, target: u32) -> Gu
         userspace_addr: ptr as u64,
         flags: 0,
     };
-    // SAFETY: the region is a valid mapping that outlives the VM (Guest drops vm before _mem).
+    // SAFETY: the region is a valid mapping that outlives the VM (the Guest/Outcome field order drops the VM first).
     unsafe { vm.set_user_memory_region(region) }.expect("KVM_SET_USER_MEMORY_REGION");
     if irqchip_on {
         irqchip::create_irqchip(&vm).expect("irqchip");
@@ -136,7 +175,7 @@ fn make_guest(kvm: &Kvm, irqchip_on: bool, kicker_entry: u64, target: u32) -> Gu
         sregs.cs.selector = 0;
         vcpu.set_sregs(&sregs).expect("set sregs");
         let regs = kvm_bindings::kvm_regs {
-            rip: if id == 0 { kicker_entry } else { WAITER },
+            rip: entries[usize::try_from(id).unwrap()],
             rflags: 2,
             rsp: 0xf000 - u64::from(id) * 0x400,
             ..Default::default()
@@ -152,11 +191,7 @@ fn make_guest(kvm: &Kvm, irqchip_on: bool, kicker_entry: u64, target: u32) -> Gu
             irqchip::refresh_lapic(v).expect("lapic refresh");
         }
     }
-    Guest {
-        vm,
-        vcpus,
-        _mem: mem,
-    }
+    Guest { vm, vcpus, mem }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -276,23 +311,27 @@ struct Outcome {
     kicker: End,
     dev: Arc<KickDevice>,
     /// Dropped last: the VM (held by a signal-msi device) must go before its memory.
-    _mem: Mem,
+    mem: Mem,
 }
 
-/// Runs one scenario: the waiter halts, then the kicker rings the doorbell with `target`.
-/// `expect_wake` decides how long to wait for the waiter (5 s if a wake is expected, 300 ms
-/// otherwise) before the watchdog stops it.
-fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: bool) -> Outcome {
+/// Runs one scenario: the waiter starts (and, for the simple guest, reports ready: 50 ms
+/// later) the kicker starts.
+/// Waits up to 30 s for the kicker and then up to `wake_limit` for the waiter before the
+/// watchdog stops what is left.
+fn scenario(
+    kvm: &Kvm,
+    path: Path,
+    entries: [u64; 2],
+    data: &[(usize, u32)],
+    park_timeout: Option<Duration>,
+    wake_limit: Duration,
+) -> Outcome {
     register_signal_handler(SIGRTMIN(), on_signal).expect("signal handler");
     let irq = !matches!(path, Path::Userspace);
-    let Guest {
-        vm,
-        mut vcpus,
-        _mem: mem,
-    } = make_guest(kvm, irq, kicker_entry, target);
+    let Guest { vm, mut vcpus, mem } = make_guest(kvm, irq, entries, data);
     let cfg = KickConfig {
         nr_vcpus: NR_VCPUS,
-        park_timeout: Some(Duration::from_secs(1)),
+        park_timeout,
         ..KickConfig::default()
     };
     let vm = Arc::new(vm);
@@ -322,12 +361,15 @@ fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: 
             thread::spawn(move || run_vcpu(waiter_fd, 1, &dev, &stop, &tx)),
         ));
     }
-    ready_rx
-        .recv_timeout(Duration::from_secs(10))
-        .expect("waiter never reported ready");
-    // Give the waiter time to reach its HLT (a few emulated instructions), so this is mostly
-    // a kick during the halt; a kick before it must work too (pv_unhalted is latched).
-    thread::sleep(Duration::from_millis(50));
+    // The simple waiter reports ready with an OUT; the ping-pong guests synchronise in memory.
+    if entries[1] == WAITER {
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("waiter never reported ready");
+        // Give the waiter time to reach its HLT (a few emulated instructions), so this is
+        // mostly a kick during the halt; a kick before it must work too (it is latched).
+        thread::sleep(Duration::from_millis(50));
+    }
     {
         let (dev, stop) = (dev.clone(), stop.clone());
         running.handles.push((
@@ -335,15 +377,17 @@ fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: 
             thread::spawn(move || run_vcpu(kicker_fd, 0, &dev, &stop, &ready_tx)),
         ));
     }
-    let kicker = running
-        .wait(0, Duration::from_secs(10))
-        .expect("kicker did not finish");
-    let limit = if expect_wake {
-        Duration::from_secs(5)
-    } else {
-        Duration::from_millis(300)
+    let kicker = running.wait(0, Duration::from_secs(30));
+    let waiter = match running.wait(1, wake_limit) {
+        Some(e) => e,
+        None => running
+            .stop_all()
+            .into_iter()
+            .find(|(v, _)| *v == 1)
+            .map(|(_, e)| e)
+            .unwrap(),
     };
-    let waiter = match running.wait(1, limit) {
+    let kicker = match kicker {
         Some(e) => e,
         None => running.stop_all().pop().map(|(_, e)| e).unwrap(),
     };
@@ -352,7 +396,7 @@ fn scenario(kvm: &Kvm, path: Path, kicker_entry: u64, target: u32, expect_wake: 
         waiter,
         kicker,
         dev,
-        _mem: mem,
+        mem,
     }
 }
 
@@ -360,7 +404,14 @@ fn check_valid_kick_wakes(name: &str, path: Path) {
     let Some(kvm) = kvm_or_skip(name) else {
         return;
     };
-    let o = scenario(&kvm, path, KICKER_32, 1, true);
+    let o = scenario(
+        &kvm,
+        path,
+        [KICKER_32, WAITER],
+        &[(TARGET_GPA, 1)],
+        Some(Duration::from_secs(1)),
+        Duration::from_secs(5),
+    );
     assert_eq!(o.kicker, End::Kicked, "{path:?}");
     assert_eq!(o.waiter, End::Woke, "{path:?}");
     let s = o.dev.stats();
@@ -380,7 +431,14 @@ fn check_bad_kick_wakes_nobody(name: &str, path: Path, entry: u64, target: u32, 
     let Some(kvm) = kvm_or_skip(name) else {
         return;
     };
-    let o = scenario(&kvm, path, entry, target, false);
+    let o = scenario(
+        &kvm,
+        path,
+        [entry, WAITER],
+        &[(TARGET_GPA, target)],
+        Some(Duration::from_secs(1)),
+        Duration::from_millis(300),
+    );
     assert_eq!(o.kicker, End::Kicked, "{path:?}");
     assert_eq!(o.waiter, End::Stopped, "{path:?}: the waiter must not wake");
     let s = o.dev.stats();
@@ -446,4 +504,97 @@ fn in_kernel_one_byte_kick_wakes_nobody() {
         1,
         Reject::WrongWidth,
     );
+}
+
+/// Many rounds of halt and kick. With no park timeout, a lost wake-up hangs the waiter until
+/// the watchdog, and the test fails.
+fn check_pingpong(name: &str, path: Path, kick_before_halt: bool) {
+    let Some(kvm) = kvm_or_skip(name) else {
+        return;
+    };
+    let rounds = 300;
+    let o = scenario(
+        &kvm,
+        path,
+        [PINGPONG_KICKER, PINGPONG_WAITER],
+        &[
+            (TARGET_GPA, 1),
+            (ROUNDS_GPA, rounds),
+            (ORDER_GPA, u32::from(kick_before_halt)),
+        ],
+        None,
+        Duration::from_secs(30),
+    );
+    let acked = o.mem.read_u32(ACK_GPA);
+    assert_eq!(
+        o.kicker,
+        End::Kicked,
+        "{path:?}: kicker (acked {acked} rounds)"
+    );
+    assert_eq!(
+        o.waiter,
+        End::Woke,
+        "{path:?}: waiter (acked {acked} rounds)"
+    );
+    assert_eq!(acked, rounds);
+    let spurious = o.mem.read_u32(SPURIOUS_GPA);
+    let s = o.dev.stats();
+    eprintln!("{name}: {rounds} rounds, {spurious} spurious wakes, {s:?}");
+    assert_eq!(s.rejected_total(), 0, "{s:?}");
+    let rounds = u64::from(rounds);
+    match path {
+        Path::InKernel => assert_eq!(s.accesses, 0, "{s:?}"),
+        Path::SignalMsi => assert_eq!((s.kicks, s.msi_delivered), (rounds, rounds), "{s:?}"),
+        Path::Userspace => {
+            assert_eq!(s.kicks, rounds, "{s:?}");
+            assert_eq!(s.woke_parked + s.latched, rounds, "{s:?}");
+            assert_eq!(s.coalesced, 0, "{s:?}");
+            if kick_before_halt {
+                // Every kick came before the HLT exit, so it was latched, never woke a sleeper.
+                assert_eq!(s.latched, rounds, "{s:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn in_kernel_pingpong_kick_during_halt() {
+    check_pingpong("in_kernel_pingpong_kick_during_halt", Path::InKernel, false);
+}
+
+#[test]
+fn in_kernel_pingpong_kick_before_halt() {
+    check_pingpong("in_kernel_pingpong_kick_before_halt", Path::InKernel, true);
+}
+
+#[test]
+fn signal_msi_pingpong_kick_during_halt() {
+    check_pingpong(
+        "signal_msi_pingpong_kick_during_halt",
+        Path::SignalMsi,
+        false,
+    );
+}
+
+#[test]
+fn signal_msi_pingpong_kick_before_halt() {
+    check_pingpong(
+        "signal_msi_pingpong_kick_before_halt",
+        Path::SignalMsi,
+        true,
+    );
+}
+
+#[test]
+fn userspace_pingpong_kick_during_halt() {
+    check_pingpong(
+        "userspace_pingpong_kick_during_halt",
+        Path::Userspace,
+        false,
+    );
+}
+
+#[test]
+fn userspace_pingpong_kick_before_halt() {
+    check_pingpong("userspace_pingpong_kick_before_halt", Path::Userspace, true);
 }
