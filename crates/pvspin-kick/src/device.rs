@@ -80,6 +80,9 @@ pub enum KickError {
         /// The vCPU count asked for.
         nr_vcpus: u32,
     },
+    /// Rule: at most [`MAX_VCPUS`] vCPUs (KVM's x86 limit).
+    #[error("invalid kick configuration: nr_vcpus must be at most {MAX_VCPUS} (got {0})")]
+    TooManyVcpus(u32),
     /// A VMM call named a vCPU the device does not know (a VMM bug, not guest input).
     #[error("vCPU {vcpu} does not exist (the device has {nr_vcpus})")]
     NoSuchVcpu {
@@ -92,6 +95,9 @@ pub enum KickError {
     #[error("handle_hlt is only for the userspace kick path (this device uses {0:?})")]
     NotUserspacePath(KickPath),
 }
+
+/// The most vCPUs a device accepts (KVM's `KVM_MAX_VCPUS` on x86).
+pub const MAX_VCPUS: u32 = 4096;
 
 /// Configuration of a [`KickDevice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,6 +277,9 @@ impl KickDevice {
         if cfg.nr_vcpus == 0 {
             return Err(KickError::NoVcpus);
         }
+        if cfg.nr_vcpus > MAX_VCPUS {
+            return Err(KickError::TooManyVcpus(cfg.nr_vcpus));
+        }
         if u32::from(cfg.port) + u32::from(PORT_COUNT) > 0x1_0000 {
             return Err(KickError::PortRange {
                 port: cfg.port,
@@ -312,9 +321,8 @@ impl KickDevice {
 
     /// As [`KickDevice::userspace`], with the log limiter's clock injected (tests, fuzzing).
     pub fn userspace_with_clock(cfg: KickConfig, clock: Box<dyn Clock>) -> Result<Self, KickError> {
-        let latches = (0..cfg.nr_vcpus.min(1 << 16))
-            .map(|_| WakeLatch::new())
-            .collect();
+        Self::validate(&cfg, KickPath::Userspace)?;
+        let latches = (0..cfg.nr_vcpus).map(|_| WakeLatch::new()).collect();
         Self::build(cfg, Waker::Userspace(latches), KickPath::Userspace, clock)
     }
 
@@ -664,6 +672,11 @@ mod tests {
         ));
         assert!(KickDevice::in_kernel(cfg(256), None).is_ok());
         assert!(KickDevice::userspace(cfg(1000)).is_ok());
+        assert!(KickDevice::userspace(cfg(MAX_VCPUS)).is_ok());
+        assert_eq!(
+            KickDevice::userspace(cfg(MAX_VCPUS + 1)).unwrap_err(),
+            KickError::TooManyVcpus(MAX_VCPUS + 1)
+        );
         // Errors name the rule.
         assert!(KickError::NoVcpus.to_string().contains("at least 1"));
     }

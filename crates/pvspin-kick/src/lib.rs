@@ -52,7 +52,7 @@ pub use decode::{decode, Command, Reject};
 #[cfg(not(loom))]
 pub use device::{
     Delivery, Handled, KickConfig, KickDevice, KickError, KickPath, KickStats, PioOutcome,
-    RemrdSink, SinkError,
+    RemrdSink, SinkError, MAX_VCPUS,
 };
 #[cfg(not(loom))]
 pub use latch::ParkPolicy;

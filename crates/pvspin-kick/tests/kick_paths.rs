@@ -181,15 +181,10 @@ fn make_guest(kvm: &Kvm, irqchip_on: bool, entries: [u64; 2], data: &[(usize, u3
             ..Default::default()
         };
         vcpu.set_regs(&regs).expect("set regs");
-        if irqchip_on && id > 0 {
-            irqchip::set_runnable(&vcpu).expect("mp state");
-        }
         vcpus.push(vcpu);
     }
     if irqchip_on {
-        for v in &vcpus {
-            irqchip::refresh_lapic(v).expect("lapic refresh");
-        }
+        irqchip::finish_vcpus(&vcpus, true).expect("MP state and LAPIC refresh");
     }
     Guest { vm, vcpus, mem }
 }

@@ -86,6 +86,22 @@ pub fn refresh_lapic(vcpu: &VcpuFd) -> Result<(), IrqchipError> {
     vcpu.set_lapic(&lapic).map_err(kvm("KVM_SET_LAPIC"))
 }
 
+/// The setup every vCPU needs once all vCPUs exist: `KVM_SET_MP_STATE(RUNNABLE)` on the APs
+/// (index > 0) when `aps_runnable` (guests that start all vCPUs at once, without INIT/SIPI),
+/// then [`refresh_lapic`] on every vCPU. `vcpus` in index order.
+pub fn finish_vcpus<'a>(
+    vcpus: impl IntoIterator<Item = &'a VcpuFd>,
+    aps_runnable: bool,
+) -> Result<(), IrqchipError> {
+    for (i, v) in vcpus.into_iter().enumerate() {
+        if aps_runnable && i > 0 {
+            set_runnable(v)?;
+        }
+        refresh_lapic(v)?;
+    }
+    Ok(())
+}
+
 /// The MSI address for physical destination `apic_id`.
 pub fn msi_address(apic_id: u32) -> Result<u32, IrqchipError> {
     if apic_id > MAX_MSI_APIC_ID {
