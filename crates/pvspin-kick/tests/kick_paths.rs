@@ -237,14 +237,14 @@ fn run_vcpu(
 }
 
 struct Running {
-    handles: Vec<(u32, JoinHandle<End>)>,
+    handles: Vec<(u32, JoinHandle<(End, Instant)>)>,
     stop: Arc<AtomicBool>,
     dev: Arc<KickDevice>,
 }
 
 impl Running {
     /// Waits up to `limit` for `vcpu`'s thread to end on its own.
-    fn wait(&mut self, vcpu: u32, limit: Duration) -> Option<End> {
+    fn wait(&mut self, vcpu: u32, limit: Duration) -> Option<(End, Instant)> {
         let start = Instant::now();
         while start.elapsed() < limit {
             let i = self.handles.iter().position(|(v, _)| *v == vcpu)?;
@@ -259,7 +259,7 @@ impl Running {
 
     /// Stops every remaining vCPU thread: stop flag, latch shutdown, then a signal every 10 ms
     /// until the thread ends (bounded).
-    fn stop_all(&mut self) -> Vec<(u32, End)> {
+    fn stop_all(&mut self) -> Vec<(u32, (End, Instant))> {
         self.stop.store(true, Ordering::SeqCst);
         self.dev.shutdown();
         let mut out = Vec::new();
@@ -305,6 +305,8 @@ struct Outcome {
     waiter: End,
     kicker: End,
     dev: Arc<KickDevice>,
+    /// From the kicker thread's start to the waiter thread's end (or the watchdog's stop).
+    elapsed: Duration,
     /// Dropped last: the VM (held by a signal-msi device) must go before its memory.
     mem: Mem,
 }
@@ -353,7 +355,7 @@ fn scenario(
         let (dev, stop, tx) = (dev.clone(), stop.clone(), ready_tx.clone());
         running.handles.push((
             1,
-            thread::spawn(move || run_vcpu(waiter_fd, 1, &dev, &stop, &tx)),
+            thread::spawn(move || (run_vcpu(waiter_fd, 1, &dev, &stop, &tx), Instant::now())),
         ));
     }
     // The simple waiter reports ready with an OUT; the ping-pong guests synchronise in memory.
@@ -365,11 +367,17 @@ fn scenario(
         // mostly a kick during the halt; a kick before it must work too (it is latched).
         thread::sleep(Duration::from_millis(50));
     }
+    let started = Instant::now();
     {
         let (dev, stop) = (dev.clone(), stop.clone());
         running.handles.push((
             0,
-            thread::spawn(move || run_vcpu(kicker_fd, 0, &dev, &stop, &ready_tx)),
+            thread::spawn(move || {
+                (
+                    run_vcpu(kicker_fd, 0, &dev, &stop, &ready_tx),
+                    Instant::now(),
+                )
+            }),
         ));
     }
     let kicker = running.wait(0, Duration::from_secs(30));
@@ -382,15 +390,18 @@ fn scenario(
             .map(|(_, e)| e)
             .unwrap(),
     };
+    let (waiter, waiter_end) = waiter;
+    let elapsed = waiter_end.saturating_duration_since(started);
     let kicker = match kicker {
-        Some(e) => e,
-        None => running.stop_all().pop().map(|(_, e)| e).unwrap(),
+        Some((e, _)) => e,
+        None => running.stop_all().pop().map(|(_, (e, _))| e).unwrap(),
     };
     drop(running);
     Outcome {
         waiter,
         kicker,
         dev,
+        elapsed,
         mem,
     }
 }
@@ -534,7 +545,11 @@ fn check_pingpong(name: &str, path: Path, kick_before_halt: bool) {
     assert_eq!(acked, rounds);
     let spurious = o.mem.read_u32(SPURIOUS_GPA);
     let s = o.dev.stats();
-    eprintln!("{name}: {rounds} rounds, {spurious} spurious wakes, {s:?}");
+    eprintln!(
+        "{name}: {rounds} rounds in {:?} ({:.1} us per round), {spurious} spurious wakes, {s:?}",
+        o.elapsed,
+        o.elapsed.as_secs_f64() * 1e6 / f64::from(rounds)
+    );
     assert_eq!(s.rejected_total(), 0, "{s:?}");
     let rounds = u64::from(rounds);
     match path {
