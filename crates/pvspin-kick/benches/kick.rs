@@ -23,10 +23,10 @@ fn bench_decode(c: &mut Criterion) {
     let valid = 3u32.to_le_bytes();
     let bad = 99u32.to_le_bytes();
     g.bench_function("kick_valid", |b| {
-        b.iter(|| decode(black_box(0), black_box(&valid), black_box(8)))
+        b.iter(|| decode(black_box(0), black_box(&valid), black_box(8)));
     });
     g.bench_function("kick_no_such_vcpu", |b| {
-        b.iter(|| decode(black_box(0), black_box(&bad), black_box(8)))
+        b.iter(|| decode(black_box(0), black_box(&bad), black_box(8)));
     });
     g.finish();
 }
@@ -44,10 +44,10 @@ fn bench_device(c: &mut Criterion) {
         b.iter(|| {
             black_box(dev.handle_pio_write(DEFAULT_PORT, black_box(&valid)));
             black_box(dev.try_take_kick(3).unwrap())
-        })
+        });
     });
     g.bench_function("rejected_write", |b| {
-        b.iter(|| black_box(dev.handle_pio_write(DEFAULT_PORT, black_box(&bad))))
+        b.iter(|| black_box(dev.handle_pio_write(DEFAULT_PORT, black_box(&bad))));
     });
     g.finish();
 }
@@ -83,7 +83,7 @@ fn roundtrip(c: &mut Criterion, name: &str, policy: ParkPolicy) {
             ping.shutdown();
             echo.join().unwrap();
             elapsed
-        })
+        });
     });
 }
 
