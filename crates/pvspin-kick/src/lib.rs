@@ -1,10 +1,59 @@
 //! The pvspin kick device: the doorbell a guest rings to wake a halted vCPU.
 //!
 //! KVM's own `KVM_HC_KICK_CPU` hypercall never reaches a userspace VMM, so pvspin's kick is a
-//! port-I/O doorbell (the layout is in `pvspin-abi`). This crate decodes doorbell writes, with
-//! every guest value bounds-checked, and wakes the target through one of three paths: in-kernel
-//! (ioeventfd + irqfd to a REMRD MSI), signal-msi (`KVM_SIGNAL_MSI` after a userspace exit) or
-//! userspace (a per-vCPU latch parked on by `KVM_EXIT_HLT`).
+//! port-I/O doorbell (the layout is in `pvspin-abi` and `docs/abi.md`): a 32-bit `OUT` of the
+//! target vCPU index to the KICK port. This crate decodes doorbell writes, with every guest
+//! value bounds-checked ([`decode()`], [`Reject`]), counts and rate-limits what it ignores, and
+//! wakes the target through one of three paths ([`KickPath`]):
 //!
-//! **Not implemented yet.**
+//! - **in-kernel**: the KICK port is an ioeventfd per target (datamatch = target) wired to an
+//!   irqfd routed to a REMRD MSI at the target's APIC ID; KVM latches `pv_unhalted` exactly as
+//!   for `KVM_HC_KICK_CPU`, and no userspace exit happens ([`kvm::setup_in_kernel`]);
+//! - **signal-msi**: the doorbell exits to userspace and the device calls `KVM_SIGNAL_MSI`
+//!   with the same REMRD MSI ([`RemrdSink`], implemented for `kvm_ioctls::VmFd`);
+//! - **userspace**: no in-kernel irqchip; `KVM_EXIT_HLT` parks the vCPU thread on its
+//!   [`WakeLatch`], and a kick sets the latch (a kick before the halt is remembered).
+//!
+//! # What the VMM calls, and when
+//!
+//! | stage | in-kernel | signal-msi | userspace |
+//! |---|---|---|---|
+//! | VM created | `pvspin_kvm::irqchip::create_irqchip`; [`KickDevice::in_kernel`]; [`kvm::setup_in_kernel`] | `create_irqchip`; [`KickDevice::signal_msi`] with the `VmFd` | [`KickDevice::userspace`] |
+//! | each vCPU created | CPUID: the leaves of [`KickDevice::cpuid_info`]; APs: `pvspin_kvm::irqchip::set_runnable` (guests without INIT/SIPI) | same | CPUID only |
+//! | all vCPUs created | `pvspin_kvm::irqchip::refresh_lapic` on every vCPU | same | - |
+//! | `KVM_EXIT_IO` out | [`KickDevice::handle_pio_write`] (only bad writes arrive) | same (every kick arrives) | same |
+//! | `KVM_EXIT_IO` in | [`KickDevice::handle_pio_read`] | same | same |
+//! | `KVM_EXIT_HLT` | (never exits) | (never exits) | [`KickDevice::handle_hlt`] |
+//! | stop | signal + `immediate_exit` | same | [`KickDevice::shutdown`], then as the others |
+//!
+//! Loom model of the latch: `RUSTFLAGS="--cfg loom" cargo test -p pvspin-kick --release --lib
+//! loom`.
+//!
+//! **Not implemented yet:** the reserved SPIN and SHARED_PAGE commands are decoded and, when
+//! the configuration enables them, forwarded to the VMM ([`Handled::Forward`]); nothing acts on
+//! them yet. vCPU index and APIC ID are assumed equal (an ABI rule), and the MSI paths address
+//! at most 256 vCPUs (xAPIC physical destination).
 #![deny(missing_docs)]
+
+mod sync;
+
+#[cfg(not(loom))]
+pub mod decode;
+#[cfg(not(loom))]
+pub mod device;
+#[cfg(not(loom))]
+pub mod kvm;
+pub mod latch;
+#[cfg(not(loom))]
+pub mod ratelimit;
+
+#[cfg(not(loom))]
+pub use decode::{decode, Command, Reject};
+#[cfg(not(loom))]
+pub use device::{
+    Delivery, Handled, KickConfig, KickDevice, KickError, KickPath, KickStats, PioOutcome,
+    RemrdSink, SinkError, MAX_VCPUS,
+};
+#[cfg(not(loom))]
+pub use latch::ParkPolicy;
+pub use latch::{KickResult, ParkOutcome, WakeLatch};

@@ -6,8 +6,9 @@
 //! (`KVM_GET_STATS_FD`, [`stats`]); and the telemetry snapshot that merges pvspin's own
 //! counters with KVM's, rendered as JSON or Prometheus text ([`telemetry`]).
 //!
-//! **Implemented:** [`quirks`], [`plan`], [`stats`], [`telemetry`]. **Not implemented here
-//! yet:** the kick setup (in-kernel irqchip, MP state of the APs, LAPIC refresh).
+//! **Implemented:** [`quirks`], [`plan`], [`stats`], [`telemetry`], and [`irqchip`]: the setup
+//! the in-kernel and signal-msi kick paths need (in-kernel irqchip, MP state of the APs, LAPIC
+//! refresh, ioeventfd + irqfd routes to REMRD MSIs).
 //!
 //! # The order KVM requires
 //!
@@ -50,6 +51,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod irqchip;
 pub mod plan;
 pub mod quirks;
 pub mod stats;
