@@ -57,7 +57,11 @@
 
 mod counters;
 mod hooks;
+mod kick;
 mod telemetry;
+
+pub use kick::KickOptions;
+pub use pvspin_kick::{KickPath, KickStats};
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -141,6 +145,12 @@ pub enum Error {
     /// `configure_vcpu` before `configure_vm`.
     #[error("configure_vm must be called before configure_vcpu")]
     VmNotConfigured,
+    /// The kick device could not be set up.
+    #[error("kick device: {0}")]
+    Kick(String),
+    /// The irqchip could not be finished after the vCPUs were created.
+    #[error("finishing the irqchip after creating the vCPUs: {0}")]
+    Irqchip(#[from] pvspin_kvm::irqchip::IrqchipError),
 }
 
 /// Builds a [`PvSpin`].
@@ -150,6 +160,7 @@ pub struct PvSpinBuilder {
     interrupter: Option<Arc<dyn VcpuInterrupter>>,
     keep_hypercall_quirk: bool,
     paravirt: Option<PlanRequest>,
+    kick: Option<KickOptions>,
 }
 
 impl PvSpinBuilder {
@@ -182,6 +193,14 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Gives the guest pvspin's kick doorbell (pv_kick for PV spinlocks; see `docs/abi.md`),
+    /// woken through `options.path`. The in-kernel and signal-msi paths create an in-kernel
+    /// irqchip in [`PvSpin::configure_vm`] and need [`PvSpin::vcpus_created`].
+    pub fn kick(mut self, options: KickOptions) -> Self {
+        self.kick = Some(options);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -196,6 +215,8 @@ impl PvSpinBuilder {
             interrupter,
             keep_hypercall_quirk: self.keep_hypercall_quirk,
             paravirt: self.paravirt,
+            kick_options: self.kick,
+            kick: OnceLock::new(),
             plan: OnceLock::new(),
             stats: StatsFds::new(vcpus),
             cells: (0..vcpus)
@@ -224,10 +245,13 @@ pub struct PvSpin {
     interrupter: Arc<dyn VcpuInterrupter>,
     keep_hypercall_quirk: bool,
     paravirt: Option<PlanRequest>,
+    kick_options: Option<KickOptions>,
+    /// The kick device, made by `configure_vm`.
+    kick: OnceLock<Arc<kick::KickState>>,
     /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
     plan: OnceLock<Option<Plan>>,
     stats: StatsFds,
-    cells: Vec<Arc<VcpuCounterCell>>,
+    cells: Arc<[Arc<VcpuCounterCell>]>,
     counters: Vec<Arc<SharedCounters>>,
     configured: Vec<std::sync::atomic::AtomicBool>,
 }
@@ -269,10 +293,42 @@ impl PvSpin {
                 }
             }
         };
+        if let Some(options) = self.kick_options {
+            let state = kick::KickState::configure_vm(options, self.vcpus(), vm)?;
+            let _ = self.kick.set(Arc::new(state));
+        }
         let _ = self
             .plan
             .set(setup.plan.as_ref().map(|(plan, _)| plan.clone()));
         Ok(setup)
+    }
+
+    /// After every vCPU exists, before any runs: with an in-kernel irqchip (the in-kernel and
+    /// signal-msi kick paths), makes the APs runnable and refreshes each LAPIC (KVM's APIC-ID
+    /// map is stale until then, and MSIs to APIC ID 1 and up reach nobody). A no-op otherwise.
+    pub fn vcpus_created<'a>(
+        &self,
+        vcpus: impl IntoIterator<Item = &'a VcpuFd>,
+    ) -> Result<(), Error> {
+        if let Some(kick) = self.kick.get() {
+            if kick.device.path() != KickPath::Userspace {
+                pvspin_kvm::irqchip::finish_vcpus(vcpus, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The VM is stopping: releases every vCPU thread parked in pvspin (userspace kick path)
+    /// for good. Call before interrupting the vCPU threads to join them.
+    pub fn shutdown(&self) {
+        if let Some(kick) = self.kick.get() {
+            kick.device.shutdown();
+        }
+    }
+
+    /// The kick device's counters (kicks, rejected guest writes per reason), if it exists.
+    pub fn kick_stats(&self) -> Option<KickStats> {
+        self.kick.get().map(|kick| kick.device.stats())
     }
 
     /// vCPU-stage setup: call once per vCPU after creating it, before its first `KVM_RUN`.
@@ -293,6 +349,9 @@ impl PvSpin {
         if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return Err(ConfigError::VcpuConfiguredTwice(index).into());
         }
+        if let Some(kick) = self.kick.get() {
+            kick.add_cpuid(cpuid)?;
+        }
         let applied = match plan {
             Some(plan) => Some(pvspin_kvm::plan::apply_vcpu(plan, vcpu, cpuid)?),
             None => {
@@ -302,7 +361,13 @@ impl PvSpin {
             }
         };
         self.stats.open_vcpu(index, vcpu);
-        Ok((VcpuHooks::new(index, self.counters[index].clone()), applied))
+        let hooks = VcpuHooks::new(
+            index,
+            self.counters[index].clone(),
+            self.cells.clone(),
+            self.kick.get().cloned(),
+        );
+        Ok((hooks, applied))
     }
 
     /// Everything pvspin and KVM count, per vCPU: pvspin's counters merged with KVM's binary
@@ -314,6 +379,9 @@ impl PvSpin {
     /// Forces vCPU `index` out of `KVM_RUN` through the VMM's [`VcpuInterrupter`].
     pub fn interrupt(&self, index: usize) {
         if index < self.vcpus() {
+            if let Some(kick) = self.kick.get() {
+                kick.device.interrupt(u32::try_from(index).unwrap_or(u32::MAX));
+            }
             self.interrupter.interrupt(index);
         }
     }

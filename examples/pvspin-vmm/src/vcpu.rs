@@ -229,8 +229,8 @@ impl VcpuRunner {
 
     fn step(&mut self) -> Step {
         self.hooks.before_run();
-        let exit = self.vcpu.run();
-        let outcome = self.hooks.handle_exit(&exit);
+        let mut exit = self.vcpu.run();
+        let outcome = self.hooks.handle_exit(&mut exit);
         let step = match (outcome, exit) {
             (ExitOutcome::Handled, _) => Step::Continue,
             (ExitOutcome::NotHandled, Ok(exit)) => handle_exit(&self.shared, &self.bus, exit),
