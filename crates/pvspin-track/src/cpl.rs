@@ -76,8 +76,10 @@ mod tests {
     use super::*;
 
     fn sregs(cr0: u64, ss_dpl: u8, cs_dpl: u8) -> kvm_sregs {
-        let mut s = kvm_sregs::default();
-        s.cr0 = cr0;
+        let mut s = kvm_sregs {
+            cr0,
+            ..Default::default()
+        };
         s.ss.dpl = ss_dpl;
         s.cs.dpl = cs_dpl;
         s

@@ -154,7 +154,7 @@ mod tests {
         );
         // Address arithmetic must not wrap.
         assert!(matches!(
-            steal_time_gpa(u64::MAX & !0x3e, u64::MAX),
+            steal_time_gpa(!0x3e, u64::MAX),
             Err(StealTimeError::OutOfBounds { .. })
         ));
     }
