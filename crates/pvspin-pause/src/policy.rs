@@ -48,6 +48,13 @@ pub trait VcpuView {
     }
     /// One vCPU's facts; only called with `v < len()`.
     fn snapshot(&self, v: usize) -> VcpuSnapshot;
+    /// The lowest index in `from..to` that may be ready (runnable, not on a CPU); a superset
+    /// is fine, the policy confirms with [`snapshot`](Self::snapshot). The default returns
+    /// every index; a board with a ready bitmap skips 64 vCPUs per word.
+    #[inline]
+    fn next_candidate(&self, from: usize, to: usize) -> Option<usize> {
+        (from < to).then_some(from)
+    }
     /// Marks `v` spinning or not.
     fn set_spinning(&self, v: usize, spinning: bool);
     /// Sets `v`'s eligibility bit.
@@ -57,11 +64,17 @@ pub trait VcpuView {
 }
 
 impl VcpuView for VcpuBoard {
+    #[inline]
     fn len(&self) -> usize {
         VcpuBoard::len(self)
     }
+    #[inline]
     fn snapshot(&self, v: usize) -> VcpuSnapshot {
         VcpuBoard::snapshot(self, v).unwrap_or(VcpuSnapshot::from_raw(0))
+    }
+    #[inline]
+    fn next_candidate(&self, from: usize, to: usize) -> Option<usize> {
+        self.next_maybe_ready(from, to, false)
     }
     fn set_spinning(&self, v: usize, spinning: bool) {
         VcpuBoard::set_spinning(self, v, spinning);
@@ -92,6 +105,9 @@ impl<M: pvspin_track::GuestBytes + ?Sized> VcpuView for StealTimeView<'_, M> {
         self.board
             .observe_steal_time(v, self.mem)
             .unwrap_or(VcpuSnapshot::from_raw(0))
+    }
+    fn next_candidate(&self, from: usize, to: usize) -> Option<usize> {
+        self.board.next_maybe_ready(from, to, true)
     }
     fn set_spinning(&self, v: usize, spinning: bool) {
         self.board.set_spinning(v, spinning);
@@ -163,7 +179,7 @@ pub enum HintStatus {
 /// Counters of one decision, per skip rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ScanStats {
-    /// Candidates examined (self included).
+    /// vCPUs examined (self included); a view with a ready bitmap skips the others unseen.
     pub examined: u32,
     /// Skipped: running.
     pub running: u32,
@@ -227,6 +243,7 @@ impl Default for PolicyConfig {
 }
 
 /// Ready: runnable but not on a CPU (KVM's `ready`).
+#[inline]
 fn is_ready(s: VcpuSnapshot) -> bool {
     s.is_preempted() || (s.is_halted() && s.has_pending_kick())
 }
@@ -338,50 +355,57 @@ impl DirectedYield {
         let me_in_kernel = view.snapshot(me).in_kernel();
         let start = (self.last_boosted.load(Ordering::Relaxed) % nr) + 1;
         let st = &mut out.stats;
-        for i in 0..nr {
-            let idx = (start + i) % nr;
-            st.examined += 1;
-            if idx == me {
-                continue;
-            }
-            let s = view.snapshot(idx);
-            if s.is_running() {
-                st.running += 1;
-                continue;
-            }
-            if s.is_halted() && !s.has_pending_kick() {
-                st.halted_no_kick += 1;
-                continue;
-            }
-            if !is_ready(s) {
-                st.not_ready += 1;
-                continue;
-            }
-            if self.cfg.kernel_mode_filter
-                && me_in_kernel
-                && s.is_preempted()
-                && !s.has_pending_kick()
-                && !s.preempted_in_kernel()
-            {
-                st.user_mode += 1;
-                continue;
-            }
-            if s.is_spinning() && !view.toggle_dy_eligible(idx) {
-                st.ineligible += 1;
-                continue;
-            }
-            match boost(idx) {
-                BoostOutcome::Boosted => {
-                    // Store the index, not the loop counter (KVM v6.13's bug).
-                    self.last_boosted.store(idx, Ordering::Relaxed);
-                    return Decision::YieldTo(idx, Reason::Candidate);
+        // Round robin without a division per step: start..nr, then 0..start.
+        for (lo, hi) in [(start, nr), (0, start.min(nr))] {
+            let mut i = lo;
+            while let Some(idx) = view.next_candidate(i, hi) {
+                if idx < i || idx >= hi {
+                    break; // a view outside its contract: stop rather than loop
                 }
-                BoostOutcome::NotBoosted => st.not_boosted += 1,
-                BoostOutcome::NothingElseRunnable => {
-                    st.failures += 1;
-                    failures += 1;
-                    if failures >= self.cfg.max_failures {
-                        return Decision::Nothing(Reason::FailuresExhausted);
+                i = idx + 1;
+                st.examined += 1;
+                if idx == me {
+                    continue;
+                }
+                let s = view.snapshot(idx);
+                if s.is_running() {
+                    st.running += 1;
+                    continue;
+                }
+                if s.is_halted() && !s.has_pending_kick() {
+                    st.halted_no_kick += 1;
+                    continue;
+                }
+                if !is_ready(s) {
+                    st.not_ready += 1;
+                    continue;
+                }
+                if self.cfg.kernel_mode_filter
+                    && me_in_kernel
+                    && s.is_preempted()
+                    && !s.has_pending_kick()
+                    && !s.preempted_in_kernel()
+                {
+                    st.user_mode += 1;
+                    continue;
+                }
+                if s.is_spinning() && !view.toggle_dy_eligible(idx) {
+                    st.ineligible += 1;
+                    continue;
+                }
+                match boost(idx) {
+                    BoostOutcome::Boosted => {
+                        // Store the index, not the loop counter (KVM v6.13's bug).
+                        self.last_boosted.store(idx, Ordering::Relaxed);
+                        return Decision::YieldTo(idx, Reason::Candidate);
+                    }
+                    BoostOutcome::NotBoosted => st.not_boosted += 1,
+                    BoostOutcome::NothingElseRunnable => {
+                        st.failures += 1;
+                        failures += 1;
+                        if failures >= self.cfg.max_failures {
+                            return Decision::Nothing(Reason::FailuresExhausted);
+                        }
                     }
                 }
             }

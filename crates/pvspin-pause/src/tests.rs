@@ -475,3 +475,40 @@ fn steal_time_view_sees_host_preemption() {
         Decision::YieldTo(1, Reason::Hint)
     );
 }
+
+#[test]
+fn board_bitmap_scan_decides_like_a_full_scan() {
+    // The same states as a board (ready bitmap) and as a hand view (every index examined):
+    // every spinner, hint and round-robin position must give the same decision.
+    let n = 150;
+    let b = VcpuBoard::new(n).unwrap();
+    for i in 0..n {
+        b.on_exit(i, Some(if i % 7 == 0 { 3 } else { 0 }));
+        match i % 9 {
+            0 | 4 => b.park(i),
+            1 => b.on_halt(i),
+            2 => {
+                b.on_halt(i);
+                b.kick(i);
+            }
+            3 => {
+                b.park(i);
+                b.set_spinning(i, true);
+            }
+            5 => b.on_stop(i),
+            _ => b.on_enter_run(i),
+        }
+    }
+    let hand = Hand::new((0..n).map(|i| b.snapshot(i).unwrap()).collect());
+    let pb = policy();
+    let ph = policy();
+    for round in 0..400usize {
+        let spinner = (round * 37) % n;
+        let hint = (round % 3 == 0).then_some(((round * 11) % (n + 5)) as u32);
+        let nb = pb.decide(&b, &note(spinner, hint));
+        let nh = ph.decide(&hand, &note(spinner, hint));
+        assert_eq!(nb.decision, nh.decision, "round {round}");
+        assert_eq!(nb.hint, nh.hint);
+        assert!(nb.stats.examined <= nh.stats.examined);
+    }
+}
