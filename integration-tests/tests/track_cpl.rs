@@ -42,7 +42,7 @@ fn program() -> Vec<u8> {
     c.extend_from_slice(&[
         0xb0, 0x55, // mov al, 'U'
         0xee, // out dx, al              (exit 2, CPL 3)
-        0xeb, 0xfe, // jmp $ (never reached by the test)
+        0xeb, 0xfb, // jmp back to the mov: OUTs at CPL 3 forever (the cost measurement)
     ]);
     c
 }
@@ -63,13 +63,23 @@ fn seg(selector: u16, type_: u8, dpl: u8, l: u8, db: u8) -> kvm_segment {
     }
 }
 
-#[test]
-fn cpl_from_sync_regs_matches_guest_mode() {
-    let Some(kvm) = pvspin_integration_tests::kvm_or_skip("cpl_from_sync_regs_matches_guest_mode")
-    else {
-        return;
-    };
-    cpl::check_sync_sregs(&kvm).expect("KVM_CAP_SYNC_REGS with sregs");
+/// A VM with the program loaded and one vCPU at its first instruction, in long mode.
+struct Guest {
+    vm: Option<kvm_ioctls::VmFd>,
+    vcpu: Option<kvm_ioctls::VcpuFd>,
+    host: *mut libc::c_void,
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        self.vcpu.take();
+        self.vm.take();
+        // SAFETY: the mapping made in `guest`, no longer used by the (dropped) VM.
+        unsafe { libc::munmap(self.host, MEM_SIZE) };
+    }
+}
+
+fn guest(kvm: &kvm_ioctls::Kvm) -> Guest {
     let vm = kvm.create_vm().unwrap();
 
     // SAFETY: anonymous private mapping with no address hint; checked for failure below.
@@ -119,7 +129,7 @@ fn cpl_from_sync_regs_matches_guest_mode() {
     // vCPU are dropped before munmap).
     unsafe { vm.set_user_memory_region(region) }.unwrap();
 
-    let mut vcpu = vm.create_vcpu(0).unwrap();
+    let vcpu = vm.create_vcpu(0).unwrap();
     let mut sregs = vcpu.get_sregs().unwrap();
     sregs.cr3 = PML4 as u64;
     sregs.cr4 = 1 << 5; // PAE
@@ -136,8 +146,23 @@ fn cpl_from_sync_regs_matches_guest_mode() {
     regs.rsp = KSTACK;
     regs.rflags = 2;
     vcpu.set_regs(&regs).unwrap();
+    Guest {
+        vm: Some(vm),
+        vcpu: Some(vcpu),
+        host,
+    }
+}
 
-    cpl::enable_sync_sregs(&mut vcpu);
+#[test]
+fn cpl_from_sync_regs_matches_guest_mode() {
+    let Some(kvm) = pvspin_integration_tests::kvm_or_skip("cpl_from_sync_regs_matches_guest_mode")
+    else {
+        return;
+    };
+    cpl::check_sync_sregs(&kvm).expect("KVM_CAP_SYNC_REGS with sregs");
+    let mut g = guest(&kvm);
+    let vcpu = g.vcpu.as_mut().unwrap();
+    cpl::enable_sync_sregs(vcpu);
     let board = VcpuBoard::new(1).unwrap();
 
     let mut seen = vec![];
@@ -148,7 +173,7 @@ fn cpl_from_sync_regs_matches_guest_mode() {
             other => panic!("unexpected exit {other:?}"),
         };
         // The measurement: sync registers only.
-        let c = cpl::cpl_from_sync_regs(&vcpu);
+        let c = cpl::cpl_from_sync_regs(vcpu);
         board.on_exit(0, Some(c));
         // Cross-check with the ioctl pvspin-track avoids.
         let real = vcpu.get_sregs().unwrap();
@@ -164,8 +189,65 @@ fn cpl_from_sync_regs_matches_guest_mode() {
         seen,
         [((PORT, vec![b'L']), Some(0)), ((PORT, vec![b'U']), Some(3)),]
     );
-    drop(vcpu);
-    drop(vm);
-    // SAFETY: the mapping from above, no longer used by the (dropped) VM or by `mem`.
-    unsafe { libc::munmap(host, MEM_SIZE) };
+}
+
+/// Cost of knowing the CPL at each exit: plain exits, exits with `KVM_SYNC_X86_SREGS`, and
+/// exits followed by a `KVM_GET_SREGS` ioctl. A measurement, not a check: run it with
+/// `cargo test -p pvspin-integration-tests --test track_cpl -- --ignored --nocapture`.
+#[test]
+#[ignore = "measurement; prints medians"]
+fn measure_cpl_cost_per_exit() {
+    let Some(kvm) = pvspin_integration_tests::kvm_or_skip("measure_cpl_cost_per_exit") else {
+        return;
+    };
+    const EXITS: usize = 3000;
+    const ROUNDS: usize = 5;
+    let mut g = guest(&kvm);
+    let vcpu = g.vcpu.as_mut().unwrap();
+    // Reach the CPL-3 loop first.
+    for _ in 0..2 {
+        assert!(matches!(vcpu.run().unwrap(), VcpuExit::IoOut(..)));
+    }
+    let run = |vcpu: &mut kvm_ioctls::VcpuFd, mode: u8| -> f64 {
+        let t = std::time::Instant::now();
+        let mut sum = 0u32;
+        for _ in 0..EXITS {
+            assert!(matches!(vcpu.run().unwrap(), VcpuExit::IoOut(..)));
+            sum += u32::from(match mode {
+                0 => 0,
+                1 => cpl::cpl_from_sync_regs(vcpu),
+                _ => cpl::cpl_from_sregs(&vcpu.get_sregs().unwrap()),
+            });
+        }
+        if mode != 0 {
+            assert_eq!(sum, 3 * EXITS as u32);
+        }
+        t.elapsed().as_secs_f64() * 1e6 / EXITS as f64
+    };
+    let med = |vcpu: &mut kvm_ioctls::VcpuFd, mode: u8| {
+        let mut v: Vec<f64> = (0..ROUNDS).map(|_| run(vcpu, mode)).collect();
+        v.sort_by(f64::total_cmp);
+        v[ROUNDS / 2]
+    };
+    let plain = med(vcpu, 0);
+    let ioctl = med(vcpu, 2);
+    cpl::enable_sync_sregs(vcpu);
+    let sync = med(vcpu, 1);
+    // The two reads alone, without the exits around them.
+    let per = |f: &mut dyn FnMut() -> u8| {
+        let t = std::time::Instant::now();
+        let mut sum = 0u32;
+        for _ in 0..EXITS {
+            sum += u32::from(f());
+        }
+        assert_eq!(sum, 3 * EXITS as u32);
+        t.elapsed().as_secs_f64() * 1e6 / EXITS as f64
+    };
+    let read_sync = per(&mut || cpl::cpl_from_sync_regs(vcpu));
+    let read_ioctl = per(&mut || cpl::cpl_from_sregs(&vcpu.get_sregs().unwrap()));
+    println!("us per read alone: sync regs {read_sync:.3}, KVM_GET_SREGS {read_ioctl:.3}");
+    println!(
+        "us per exit (median of {ROUNDS} x {EXITS}): plain {plain:.2}, sync sregs {sync:.2}, \
+         KVM_GET_SREGS per exit {ioctl:.2}"
+    );
 }
