@@ -23,7 +23,7 @@ pub mod sched;
 
 pub use actuator::{
     by_name, by_name_or_fallback, Actuator, ActuatorError, FifoBoost, NiceBoost, YieldOnly,
-    YieldReport,
+    YieldReport, DEFAULT_ACTUATOR,
 };
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
 
