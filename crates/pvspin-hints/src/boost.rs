@@ -203,6 +203,19 @@ impl Inner {
     }
 
     fn watchdog(&self) {
+        // A SCHED_FIFO target that keeps running would starve a fair-class watchdog on its
+        // CPU: run it one real-time priority above the boost (permission was probed). It
+        // only ever sleeps or restores.
+        if let BoostKind::Fifo(p) = self.kind {
+            let me = crate::sched::current_tid();
+            let rt = SchedPolicy {
+                policy: libc::SCHED_FIFO,
+                priority: (p + 1).min(99),
+            };
+            if let Err(e) = set_policy(me, rt) {
+                log::warn!("pvspin-hints: boost watchdog stays in the fair class: {e}");
+            }
+        }
         let tick = (self.deadline / 2).max(Duration::from_micros(200));
         let mut stop = lock(&self.stop);
         loop {

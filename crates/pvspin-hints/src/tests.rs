@@ -181,6 +181,54 @@ fn deadline_restores_without_the_target() {
 }
 
 #[test]
+fn deadline_holds_against_a_busy_fifo_target() {
+    // The worst case: the boosted thread never blocks and never exits. If the watchdog
+    // shares its CPU, only a watchdog that outranks the boost can end it (on a machine with
+    // more CPUs the scheduler may run the watchdog elsewhere, so this bounds the restore
+    // time either way rather than proving the priority). The target's own loop is bounded
+    // by wall time, so nothing can stay real-time past the test.
+    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(3)) else {
+        return;
+    };
+    let (tid_tx, tid_rx) = channel();
+    let (go_tx, go_rx) = channel::<()>();
+    let busy = std::thread::spawn(move || {
+        pin_to_cpu(0);
+        tid_tx.send(current_tid()).unwrap();
+        let _ = go_rx.recv_timeout(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let mut restored_after = None;
+        while t0.elapsed() < Duration::from_millis(500) {
+            if restored_after.is_none()
+                && get_policy(current_tid()).unwrap().policy == libc::SCHED_OTHER
+            {
+                restored_after = Some(t0.elapsed());
+            }
+            std::hint::spin_loop();
+        }
+        restored_after
+    });
+    let tid = tid_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(t.boost(0, tid).unwrap(), BoostResult::Applied);
+    go_tx.send(()).unwrap();
+    let restored_after = busy.join().unwrap().expect("still SCHED_FIFO after 500 ms");
+    assert!(
+        restored_after < Duration::from_millis(200),
+        "restored after {restored_after:?}"
+    );
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: all-zero is a valid, empty cpu_set_t.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is within the set's size.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
+    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    assert_eq!(r, 0);
+}
+
+#[test]
 fn drop_restores() {
     let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(100)) else {
         return;
