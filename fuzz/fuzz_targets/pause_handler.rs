@@ -3,7 +3,7 @@
 //! Invariants: the decision never names the spinner, a running vCPU, or an index out of
 //! range; the booster is asked at most once per vCPU plus the hint and reports at most
 //! `max_failures` failures; the spinner leaves with its spinning and eligibility bits clear;
-//! the round-robin position stays in range.
+//! the round-robin position stays in range; no more vCPUs are examined than the budget allows.
 #![no_main]
 
 use std::cell::Cell;
@@ -70,6 +70,10 @@ fuzz_target!(|data: &[u8]| {
         kernel_mode_filter: flags & 2 != 0,
         yield_self_when_no_candidate: flags & 4 != 0,
         max_failures: u32::from(b.u8() % 5) + 1,
+        scan_budget: match b.u8() {
+            0 => u32::MAX,
+            x => u32::from(x),
+        },
     };
     let policy = DirectedYield::new(cfg).unwrap();
     let view = View((0..n).map(|_| Cell::new(b.u32())).collect());
@@ -105,6 +109,8 @@ fuzz_target!(|data: &[u8]| {
         });
         assert!(asked <= n + 1, "asked {asked} times for {n} vCPUs");
         assert!(failures <= cfg.max_failures);
+        assert!(out.stats.examined <= cfg.scan_budget);
+        assert!(out.stats.examined as usize <= n);
         assert_eq!(out.stats.failures, failures);
         if let Decision::YieldTo(t, _) = out.decision {
             assert!(t < n && t != spinner);

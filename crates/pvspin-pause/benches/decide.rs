@@ -1,11 +1,12 @@
 //! Decision cost per notification at 8, 64 and 1024 vCPUs.
 //!
 //! Two board shapes: "worst" (every other vCPU running, the only candidate just before the
-//! spinner in round-robin order, so the scan examines every vCPU) and "mixed" (a quarter of
-//! the vCPUs preempted, some halted, some spinning).
+//! spinner in round-robin order), "mixed" (a quarter of the vCPUs preempted, some halted,
+//! some spinning), "hint" (the guest names a preempted vCPU) and "steal_time_full_scan"
+//! (every vCPU has a steal-time area, none preempted: one guest-memory byte read per vCPU).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pvspin_pause::{DirectedYield, PolicyConfig, SpinNotification};
+use pvspin_pause::{DirectedYield, PolicyConfig, SpinNotification, StealTimeView};
 use pvspin_track::VcpuBoard;
 
 fn worst(n: usize) -> VcpuBoard {
@@ -66,6 +67,20 @@ fn bench(c: &mut Criterion) {
         let note_m = SpinNotification { spinner: 4, ..note };
         g.bench_with_input(BenchmarkId::new("mixed", n), &n, |bch, _| {
             bch.iter(|| p.decide(std::hint::black_box(&m), &note_m));
+        });
+        // Every vCPU registered steal time and none is preempted: the scan must read every
+        // vCPU's byte in guest memory (the worst case of the steal-time view).
+        let st = worst(n);
+        let mem = vec![0u8; n * 64];
+        for v in 0..n {
+            st.set_steal_time_gpa(v, Some(v as u64 * 64));
+        }
+        g.bench_with_input(BenchmarkId::new("steal_time_full_scan", n), &n, |bch, _| {
+            let view = StealTimeView {
+                board: &st,
+                mem: mem.as_slice(),
+            };
+            bch.iter(|| p.decide(std::hint::black_box(&view), &note));
         });
         let hint = SpinNotification {
             waiting_for: Some((n - 1) as u32),

@@ -21,8 +21,8 @@ pub mod policy;
 pub mod window;
 
 pub use policy::{
-    BoostOutcome, Decision, DirectedYield, HintStatus, Outcome, PolicyConfig, PolicyError, Reason,
-    ScanStats, SpinNotification, StealTimeView, VcpuView,
+    BadHintCounters, BoostOutcome, Decision, DirectedYield, HintStatus, Outcome, PolicyConfig,
+    PolicyError, Reason, ScanStats, SpinNotification, StealTimeView, VcpuView,
 };
 pub use window::{grow_window, shrink_window, SpinWindows, WindowConfig, WindowError};
 

@@ -20,7 +20,7 @@
 //! During the decision the spinner is marked spinning; afterwards its eligibility bit is
 //! cleared, so its next spin episode starts "not eligible", as in KVM.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use pvspin_track::{VcpuBoard, VcpuSnapshot};
 use thiserror::Error;
@@ -101,11 +101,13 @@ impl<M: pvspin_track::GuestBytes + ?Sized> VcpuView for StealTimeView<'_, M> {
     fn len(&self) -> usize {
         self.board.len()
     }
+    #[inline]
     fn snapshot(&self, v: usize) -> VcpuSnapshot {
         self.board
             .observe_steal_time(v, self.mem)
             .unwrap_or(VcpuSnapshot::from_raw(0))
     }
+    #[inline]
     fn next_candidate(&self, from: usize, to: usize) -> Option<usize> {
         self.board.next_maybe_ready(from, to, true)
     }
@@ -195,6 +197,8 @@ pub struct ScanStats {
     pub not_boosted: u32,
     /// Booster said "nothing else runnable".
     pub failures: u32,
+    /// The scan stopped at `scan_budget` vCPUs examined.
+    pub budget_exhausted: bool,
 }
 
 /// A decision with its explanation.
@@ -214,6 +218,9 @@ pub enum PolicyError {
     /// `max_failures` must be at least 1.
     #[error("rule: max_failures must be at least 1 (KVM uses 3)")]
     ZeroFailures,
+    /// `scan_budget` must be at least 1.
+    #[error("rule: scan_budget must be at least 1 (u32::MAX for no limit)")]
+    ZeroBudget,
 }
 
 /// Policy knobs.
@@ -229,6 +236,10 @@ pub struct PolicyConfig {
     pub yield_self_when_no_candidate: bool,
     /// "Nothing else runnable" answers before giving up (KVM: 3).
     pub max_failures: u32,
+    /// At most this many vCPUs examined per decision (KVM: unlimited, `u32::MAX`). Bounds the
+    /// cost when every vCPU must be looked at (all have steal-time areas, whose bytes are
+    /// read one by one); the next decision continues the round robin where this one stopped.
+    pub scan_budget: u32,
 }
 
 impl Default for PolicyConfig {
@@ -238,6 +249,7 @@ impl Default for PolicyConfig {
             kernel_mode_filter: true,
             yield_self_when_no_candidate: true,
             max_failures: 3,
+            scan_budget: 128,
         }
     }
 }
@@ -248,11 +260,25 @@ fn is_ready(s: VcpuSnapshot) -> bool {
     s.is_preempted() || (s.is_halted() && s.has_pending_kick())
 }
 
+/// Counts of guest hints the policy could not use because they were malformed (a guest bug
+/// or a hostile guest; each kind is logged once). Hints naming a vCPU that is merely not
+/// ready are normal and only reported in [`Outcome::hint`].
+#[derive(Debug, Default)]
+pub struct BadHintCounters {
+    /// Hints naming a vCPU index that does not exist.
+    pub out_of_range: AtomicU64,
+    /// Hints naming the spinner itself.
+    pub self_hint: AtomicU64,
+    logged_out_of_range: AtomicBool,
+    logged_self_hint: AtomicBool,
+}
+
 /// The per-VM directed-yield policy. Shared by all vCPU threads (`&self`, lock-free).
 #[derive(Debug)]
 pub struct DirectedYield {
     cfg: PolicyConfig,
     last_boosted: AtomicUsize,
+    bad_hints: BadHintCounters,
 }
 
 impl DirectedYield {
@@ -261,15 +287,40 @@ impl DirectedYield {
         if cfg.max_failures == 0 {
             return Err(PolicyError::ZeroFailures);
         }
+        if cfg.scan_budget == 0 {
+            return Err(PolicyError::ZeroBudget);
+        }
         Ok(DirectedYield {
             cfg,
             last_boosted: AtomicUsize::new(0),
+            bad_hints: BadHintCounters::default(),
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> PolicyConfig {
         self.cfg
+    }
+
+    /// Malformed hints seen so far.
+    pub fn bad_hints(&self) -> &BadHintCounters {
+        &self.bad_hints
+    }
+
+    fn count_bad_hint(&self, spinner: usize, hint: u32, status: HintStatus) {
+        let b = &self.bad_hints;
+        let (count, logged) = match status {
+            HintStatus::OutOfRange => (&b.out_of_range, &b.logged_out_of_range),
+            HintStatus::SelfHint => (&b.self_hint, &b.logged_self_hint),
+            _ => return,
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+        if !logged.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "pvspin-pause: vCPU {spinner} sent an unusable hint {hint} ({status:?}); \
+                 counted, logged once"
+            );
+        }
     }
 
     /// The index of the last vCPU boosted (the scan starts after it).
@@ -348,6 +399,7 @@ impl DirectedYield {
                 }
                 HintStatus::NotBoosted
             };
+            self.count_bad_hint(me, hint.unwrap_or(0), out.hint);
             if failures >= self.cfg.max_failures {
                 return Decision::Nothing(Reason::FailuresExhausted);
             }
@@ -356,11 +408,18 @@ impl DirectedYield {
         let start = (self.last_boosted.load(Ordering::Relaxed) % nr) + 1;
         let st = &mut out.stats;
         // Round robin without a division per step: start..nr, then 0..start.
-        for (lo, hi) in [(start, nr), (0, start.min(nr))] {
+        'scan: for (lo, hi) in [(start, nr), (0, start.min(nr))] {
             let mut i = lo;
             while let Some(idx) = view.next_candidate(i, hi) {
                 if idx < i || idx >= hi {
                     break; // a view outside its contract: stop rather than loop
+                }
+                if st.examined >= self.cfg.scan_budget {
+                    // Continue from `idx` next time.
+                    let before = idx.checked_sub(1).unwrap_or(nr - 1);
+                    self.last_boosted.store(before, Ordering::Relaxed);
+                    st.budget_exhausted = true;
+                    break 'scan;
                 }
                 i = idx + 1;
                 st.examined += 1;

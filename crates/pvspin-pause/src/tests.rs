@@ -126,6 +126,40 @@ fn config_rule_max_failures() {
 }
 
 #[test]
+fn config_rule_scan_budget() {
+    let cfg = PolicyConfig {
+        scan_budget: 0,
+        ..Default::default()
+    };
+    assert_eq!(
+        DirectedYield::new(cfg).unwrap_err(),
+        PolicyError::ZeroBudget
+    );
+}
+
+#[test]
+fn rule2_scan_budget_bounds_work_and_round_robin_continues() {
+    let p = DirectedYield::new(PolicyConfig {
+        scan_budget: 3,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut v = vec![running(0); 10];
+    v[8] = preempted(true);
+    let h = Hand::new(v);
+    // Scan order from last_boosted 0: 1 2 3 | 4 5 6 | 7 8 -> found on the third decision.
+    for _ in 0..2 {
+        let o = p.decide(&h, &note(0, None));
+        assert_eq!(o.decision, Decision::YieldSelf(Reason::NoCandidate));
+        assert!(o.stats.budget_exhausted);
+        assert_eq!(o.stats.examined, 3);
+    }
+    let o = p.decide(&h, &note(0, None));
+    assert_eq!(o.decision, Decision::YieldTo(8, Reason::Candidate));
+    assert!(!o.stats.budget_exhausted);
+}
+
+#[test]
 fn rule0_too_few_vcpus_and_bad_spinner() {
     let p = policy();
     let one = Hand::new(vec![running(0)]);
@@ -189,6 +223,12 @@ fn rule1_bad_hints_fall_through_to_scan() {
         assert_eq!(o.hint, status, "hint {hint}");
         assert_eq!(o.decision, Decision::YieldTo(1, Reason::Candidate));
     }
+    let bad = p.bad_hints();
+    assert_eq!(
+        bad.out_of_range.load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+    assert_eq!(bad.self_hint.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
 
 #[test]

@@ -467,6 +467,7 @@ impl VcpuBoard {
     }
 
     /// `v`'s steal-time area, if registered.
+    #[inline]
     pub fn steal_time_gpa(&self, v: usize) -> Option<u64> {
         self.steal_gpas
             .get(v)
@@ -477,6 +478,7 @@ impl VcpuBoard {
     /// Reads `v`'s steal-time `preempted` byte (when it has an area and is inside `KVM_RUN`)
     /// and records the result: on the transition to preempted, "preempted in kernel" is cached
     /// from the CPL of its last exit. Returns the updated snapshot. Any thread may call it.
+    #[inline]
     pub fn observe_steal_time<M: GuestBytes + ?Sized>(
         &self,
         v: usize,
@@ -491,6 +493,10 @@ impl VcpuBoard {
             return Some(VcpuSnapshot(cur));
         };
         let preempted = read_preempted(mem, gpa);
+        if preempted == (cur & PREEMPTED != 0) {
+            // Nothing changed (the common case): no read-modify-write.
+            return Some(VcpuSnapshot(cur));
+        }
         let r = w.fetch_update(Ordering::AcqRel, Ordering::Acquire, |x| {
             // Only a vCPU still in the same KVM_RUN is updated; an exit in between wins.
             if VcpuState::from_bits(x) != VcpuState::InGuest {

@@ -103,6 +103,7 @@ impl StealTime {
 
 /// Whether a `preempted` byte says "preempted" (bit 0). Bit 1 (TLB flush request) and the
 /// other bits, which KVM never sets, are ignored.
+#[inline]
 pub fn preempted_from_byte(byte: u8) -> bool {
     byte & KVM_VCPU_PREEMPTED != 0
 }
@@ -115,6 +116,7 @@ pub trait GuestBytes {
 
 /// A flat guest memory that starts at GPA 0 (tests, simple VMMs).
 impl GuestBytes for [u8] {
+    #[inline]
     fn read_u8(&self, gpa: u64) -> Option<u8> {
         usize::try_from(gpa).ok().and_then(|i| self.get(i).copied())
     }
@@ -122,6 +124,7 @@ impl GuestBytes for [u8] {
 
 /// Reads the `preempted` byte of the area at `gpa` (validated beforehand with
 /// [`steal_time_gpa`]; a failed read is "not preempted").
+#[inline]
 pub fn read_preempted<M: GuestBytes + ?Sized>(mem: &M, gpa: u64) -> bool {
     gpa.checked_add(PREEMPTED_OFFSET as u64)
         .and_then(|a| mem.read_u8(a))
