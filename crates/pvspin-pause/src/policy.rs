@@ -239,6 +239,9 @@ pub struct PolicyConfig {
     /// At most this many vCPUs examined per decision (KVM: unlimited, `u32::MAX`). Bounds the
     /// cost when every vCPU must be looked at (all have steal-time areas, whose bytes are
     /// read one by one); the next decision continues the round robin where this one stopped.
+    /// Default 64: about 0.7 us with steal-time reads on the loaded development machine, so
+    /// a decision stays under 1 us at any vCPU count. vCPUs the board's ready bitmap skips
+    /// are not examined and do not count.
     pub scan_budget: u32,
 }
 
@@ -249,7 +252,7 @@ impl Default for PolicyConfig {
             kernel_mode_filter: true,
             yield_self_when_no_candidate: true,
             max_failures: 3,
-            scan_budget: 128,
+            scan_budget: 64,
         }
     }
 }
