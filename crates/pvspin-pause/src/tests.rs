@@ -552,3 +552,45 @@ fn board_bitmap_scan_decides_like_a_full_scan() {
         assert!(nb.stats.examined <= nh.stats.examined);
     }
 }
+
+#[test]
+fn concurrent_spinners_and_state_changes_keep_the_invariants() {
+    // Four vCPU threads each alternate between changing their own state and deciding as a
+    // spinner on one shared board and policy. Bounded: a fixed number of rounds.
+    let n = 4;
+    let b = std::sync::Arc::new(VcpuBoard::new(n).unwrap());
+    let p = std::sync::Arc::new(policy());
+    let threads: Vec<_> = (0..n)
+        .map(|me| {
+            let (b, p) = (b.clone(), p.clone());
+            std::thread::spawn(move || {
+                let mut yielded_to = 0u32;
+                for round in 0..5_000usize {
+                    b.on_exit(me, Some(if round % 3 == 0 { 3 } else { 0 }));
+                    match (round + me) % 4 {
+                        0 => b.park(me),
+                        1 => {
+                            b.unpark(me);
+                            b.on_enter_run(me);
+                        }
+                        2 => b.on_halt(me),
+                        _ => b.kick((me + 1) % n),
+                    }
+                    b.on_exit(me, Some(0));
+                    let o = p.decide(&*b, &note(me, Some((round % (n + 1)) as u32)));
+                    if let Decision::YieldTo(t, _) = o.decision {
+                        assert!(t < n && t != me);
+                        yielded_to += 1;
+                    }
+                    assert!(p.last_boosted() < n);
+                }
+                yielded_to
+            })
+        })
+        .collect();
+    let total: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(
+        total > 0,
+        "some decision must have found a parked or kicked vCPU"
+    );
+}
