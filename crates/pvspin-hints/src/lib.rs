@@ -1,9 +1,31 @@
-//! pvspin vCPU scheduler hints.
+//! pvspin vCPU scheduler hints: host-thread actuators.
 //!
-//! Reads the per-vCPU hint pages the guest shares (holding a lock, spinning on one, in a
-//! critical section), keeps the per-vCPU board, and acts on it: a host-thread actuator
-//! (bounded priority boosts that are always restored, affinity) and a run-slot scheduler for
-//! VMMs that gate their vCPU threads.
+//! Userspace has no `yield_to()`. [`actuator`] gives a spinning vCPU's thread three ways to
+//! favour the vCPU it waits for ([`YieldOnly`], [`NiceBoost`], [`FifoBoost`], built by name
+//! with [`by_name`]); [`boost`] keeps every priority boost bounded by a deadline and restores
+//! it on the target's next exit or kick, on errors, at shutdown and on drop; [`sched`] wraps
+//! the Linux calls on thread ids.
 //!
-//! **Not implemented yet.**
+//! What the embedding VMM calls: each vCPU thread registers its [`sched::current_tid`]
+//! (pvspin-track's board keeps it); on a `YieldTo(x)` decision the spinner's thread calls
+//! [`Actuator::yield_to`]`(x, tid_of_x)`; on `YieldSelf`, [`Actuator::yield_self`]; every
+//! vCPU thread calls [`Actuator::on_target_exit`]`(v)` after each return from `KVM_RUN` and
+//! when it is woken by a kick; the VMM calls [`Actuator::restore_all`] at shutdown.
+//!
+//! **Not implemented yet:** reading guest hint pages, affinity actuators, and a run-slot
+//! scheduler for VMMs that gate their vCPU threads. The side-by-side measurement of the three
+//! actuators needs the example VMM and its guests.
 #![deny(missing_docs)]
+
+pub mod actuator;
+pub mod boost;
+pub mod sched;
+
+pub use actuator::{
+    by_name, by_name_or_fallback, Actuator, ActuatorError, FifoBoost, NiceBoost, YieldOnly,
+    YieldReport, DEFAULT_ACTUATOR,
+};
+pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+
+#[cfg(test)]
+mod tests;

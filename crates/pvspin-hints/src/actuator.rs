@@ -1,0 +1,219 @@
+//! What "yield to vCPU X" means in userspace, where there is no `yield_to()`.
+//!
+//! * [`YieldOnly`]: the spinner's thread calls `sched_yield()`; X is not touched.
+//! * [`NiceBoost`]: X's thread gets a lower nice value (bounded, see [`BoostTracker`]), then
+//!   the spinner yields.
+//! * [`FifoBoost`]: X's thread becomes `SCHED_FIFO` at priority 1 (bounded), then the
+//!   spinner yields. Refused at construction when the process may not do it.
+//!
+//! [`by_name`] builds one from "yield", "nice" or "fifo", so an embedding VMM can compare them
+//! from a command line; [`by_name_or_fallback`] steps down fifo -> nice -> yield when a boost
+//! is not permitted instead of failing. Which one is best on a given host is measured with the
+//! VMM's guests (not done here); until then the default ([`DEFAULT_ACTUATOR`]) is
+//! `YieldOnly`, the one measured to help on these machines (kvm-on-these-machines.md §8).
+//!
+//! A host-thread stand-in (`examples/actuators.rs`: threads pinned to one CPU contending for
+//! a lock that names its holder) gave, on the shared, loaded development machine, medians of
+//! 3 runs in us of wall time per acquisition (4 threads: yield 7.6 / 14.7, nice 7.8 / 7.9,
+//! fifo 5.5 / 7.0; 8 threads: yield 10.2, nice 15.2, fifo 7.0). FIFO came out ahead in
+//! every run, but the spread between identical runs is up to 2x, the lock is not a guest's,
+//! and a FIFO boost that lands on a thread that has meanwhile become a spinner starves the
+//! holder until the deadline: not enough to change the default without the VMM's numbers.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+use crate::sched::yield_now;
+
+/// The actuator an embedding VMM should use unless it measured better: see the module docs.
+pub const DEFAULT_ACTUATOR: &str = "yield";
+
+/// Default boost deadline: a few host time slices' worth of lock hold time.
+pub const DEFAULT_BOOST_DEADLINE: Duration = Duration::from_millis(2);
+/// Default nice value of a [`NiceBoost`].
+pub const DEFAULT_BOOST_NICE: i32 = -10;
+
+/// What one actuation did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct YieldReport {
+    /// The target was boosted (or its boost extended). `false` for [`YieldOnly`], when the
+    /// target thread is unknown or gone, and when its own priority was already higher.
+    pub boosted: bool,
+    /// The spinner's thread was actually descheduled by its yield (its context-switch count
+    /// moved): feed it to the spin window's `on_scheduled_out`.
+    pub descheduled: bool,
+}
+
+/// Errors building an actuator.
+#[derive(Debug, Error)]
+pub enum ActuatorError {
+    /// Unknown name.
+    #[error("rule: actuator name must be one of yield, nice, fifo; got {0:?}")]
+    UnknownName(String),
+    /// The boost tracker refused (permission, configuration).
+    #[error(transparent)]
+    Boost(#[from] BoostError),
+}
+
+/// A host-thread actuator. Shared by all vCPU threads of a VM.
+pub trait Actuator: Send + Sync + std::fmt::Debug {
+    /// "yield", "nice" or "fifo".
+    fn name(&self) -> &'static str;
+    /// On the spinner's thread: boost vCPU `target` (thread `tid`, 0 when unknown), then
+    /// yield. Never fails: a boost that cannot be applied is reported as not boosted.
+    fn yield_to(&self, target: usize, tid: i32) -> YieldReport;
+    /// On the spinner's thread: an undirected yield.
+    fn yield_self(&self) -> YieldReport {
+        YieldReport {
+            boosted: false,
+            descheduled: yield_now(),
+        }
+    }
+    /// On vCPU `v`'s own thread at each exit, and when it is kicked: end its boost.
+    fn on_target_exit(&self, v: usize);
+    /// Shutdown: end every boost (also done on drop).
+    fn restore_all(&self);
+}
+
+/// `sched_yield()` only.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct YieldOnly;
+
+impl Actuator for YieldOnly {
+    fn name(&self) -> &'static str {
+        "yield"
+    }
+    fn yield_to(&self, _target: usize, _tid: i32) -> YieldReport {
+        self.yield_self()
+    }
+    fn on_target_exit(&self, _v: usize) {}
+    fn restore_all(&self) {}
+}
+
+fn boost_then_yield(t: &BoostTracker, target: usize, tid: i32) -> YieldReport {
+    let boosted = match t.boost(target, tid) {
+        Ok(BoostResult::Applied | BoostResult::Extended) => true,
+        Ok(BoostResult::AlreadyHigher) => false,
+        Err(e) => {
+            log::debug!("pvspin-hints: boost of vCPU {target} failed: {e}");
+            false
+        }
+    };
+    YieldReport {
+        boosted,
+        descheduled: yield_now(),
+    }
+}
+
+/// A nice-level boost of the target, then a yield.
+#[derive(Debug)]
+pub struct NiceBoost {
+    tracker: BoostTracker,
+}
+
+impl NiceBoost {
+    /// For `n` vCPUs; `nice` within -20..=19, `deadline` within 1 us..=100 ms.
+    pub fn new(n: usize, nice: i32, deadline: Duration) -> Result<NiceBoost, ActuatorError> {
+        Ok(NiceBoost {
+            tracker: BoostTracker::new(n, BoostKind::Nice(nice), deadline)?,
+        })
+    }
+    /// The tracker (statistics, `is_boosted`).
+    pub fn tracker(&self) -> &BoostTracker {
+        &self.tracker
+    }
+}
+
+impl Actuator for NiceBoost {
+    fn name(&self) -> &'static str {
+        "nice"
+    }
+    fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
+        boost_then_yield(&self.tracker, target, tid)
+    }
+    fn on_target_exit(&self, v: usize) {
+        self.tracker.restore(v);
+    }
+    fn restore_all(&self) {
+        self.tracker.restore_all();
+    }
+}
+
+/// A `SCHED_FIFO` boost of the target at the lowest real-time priority, then a yield.
+#[derive(Debug)]
+pub struct FifoBoost {
+    tracker: BoostTracker,
+}
+
+impl FifoBoost {
+    /// For `n` vCPUs, at `SCHED_FIFO` priority 1; refuses with `NotPermitted` when the process
+    /// may not use real-time scheduling.
+    pub fn new(n: usize, deadline: Duration) -> Result<FifoBoost, ActuatorError> {
+        Ok(FifoBoost {
+            tracker: BoostTracker::new(n, BoostKind::Fifo(1), deadline)?,
+        })
+    }
+    /// The tracker (statistics, `is_boosted`).
+    pub fn tracker(&self) -> &BoostTracker {
+        &self.tracker
+    }
+}
+
+impl Actuator for FifoBoost {
+    fn name(&self) -> &'static str {
+        "fifo"
+    }
+    fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
+        boost_then_yield(&self.tracker, target, tid)
+    }
+    fn on_target_exit(&self, v: usize) {
+        self.tracker.restore(v);
+    }
+    fn restore_all(&self) {
+        self.tracker.restore_all();
+    }
+}
+
+/// Builds an actuator by name ("yield", "nice", "fifo") for `n` vCPUs with the default
+/// deadline and nice value.
+pub fn by_name(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
+    match name {
+        "yield" => Ok(Box::new(YieldOnly)),
+        "nice" => Ok(Box::new(NiceBoost::new(
+            n,
+            DEFAULT_BOOST_NICE,
+            DEFAULT_BOOST_DEADLINE,
+        )?)),
+        "fifo" => Ok(Box::new(FifoBoost::new(n, DEFAULT_BOOST_DEADLINE)?)),
+        other => Err(ActuatorError::UnknownName(other.to_string())),
+    }
+}
+
+/// Like [`by_name`], but a boost that is not permitted steps down (fifo -> nice -> yield)
+/// with a warning instead of failing. Unknown names still fail.
+pub fn by_name_or_fallback(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
+    let chain: &[&str] = match name {
+        "fifo" => &["fifo", "nice", "yield"],
+        "nice" => &["nice", "yield"],
+        "yield" => &["yield"],
+        other => return Err(ActuatorError::UnknownName(other.to_string())),
+    };
+    let mut last = None;
+    for &c in chain {
+        match by_name(c, n) {
+            Ok(a) => {
+                if c != name {
+                    log::warn!("pvspin-hints: {name} actuator refused, using {c}");
+                }
+                return Ok(a);
+            }
+            Err(e) => {
+                log::warn!("pvspin-hints: {c} actuator unavailable: {e}");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| ActuatorError::UnknownName(name.to_string())))
+}

@@ -1,0 +1,325 @@
+//! Boosts on real threads. The targets only ever block on a channel (bounded waits), so a
+//! real-time boost cannot starve anything, and they exit when their test ends, taking any
+//! boost with them.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::sched::{current_tid, get_nice, get_policy};
+use crate::*;
+
+enum Cmd {
+    Restore(usize),
+    Quit,
+}
+
+/// A thread that blocks on commands; `Restore(v)` runs `restore(v)` on it.
+struct Target {
+    tid: i32,
+    tx: Sender<Cmd>,
+    done: Receiver<bool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Target {
+    fn spawn(restore: Arc<dyn Fn(usize) -> bool + Send + Sync>) -> Target {
+        let (tx, rx) = channel::<Cmd>();
+        let (tid_tx, tid_rx) = channel();
+        let (done_tx, done) = channel();
+        let handle = std::thread::spawn(move || {
+            tid_tx.send(current_tid()).unwrap();
+            while let Ok(cmd) = rx.recv_timeout(Duration::from_secs(10)) {
+                match cmd {
+                    Cmd::Restore(v) => {
+                        let _ = done_tx.send(restore(v));
+                    }
+                    Cmd::Quit => break,
+                }
+            }
+        });
+        let tid = tid_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        Target {
+            tid,
+            tx,
+            done,
+            handle: Some(handle),
+        }
+    }
+
+    fn restore_on_target(&self, v: usize) -> bool {
+        self.tx.send(Cmd::Restore(v)).unwrap();
+        self.done.recv_timeout(Duration::from_secs(5)).unwrap()
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Cmd::Quit);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    f()
+}
+
+fn tracker(kind: BoostKind, deadline: Duration) -> Option<Arc<BoostTracker>> {
+    match BoostTracker::new(2, kind, deadline) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(BoostError::NotPermitted { .. }) if !is_root() => {
+            eprintln!("SKIPPED boost test: not permitted without root");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn restorer(t: &Arc<BoostTracker>) -> Arc<dyn Fn(usize) -> bool + Send + Sync> {
+    let t = t.clone();
+    Arc::new(move |v| t.restore(v))
+}
+
+#[test]
+fn config_rules() {
+    let d = Duration::from_millis(2);
+    for (n, kind, dl) in [
+        (0, BoostKind::Nice(-5), d),
+        (1, BoostKind::Nice(-21), d),
+        (1, BoostKind::Fifo(0), d),
+        (1, BoostKind::Fifo(100), d),
+        (1, BoostKind::Nice(-5), Duration::ZERO),
+        (1, BoostKind::Nice(-5), Duration::from_secs(1)),
+    ] {
+        assert!(
+            matches!(BoostTracker::new(n, kind, dl), Err(BoostError::Config(_))),
+            "{n} {kind:?} {dl:?}"
+        );
+    }
+    assert!(matches!(
+        by_name("sched_ext", 1),
+        Err(ActuatorError::UnknownName(_))
+    ));
+    assert!(matches!(
+        by_name_or_fallback("bogus", 1),
+        Err(ActuatorError::UnknownName(_))
+    ));
+}
+
+#[test]
+fn nice_boost_applies_and_target_exit_restores() {
+    let Some(t) = tracker(BoostKind::Nice(-7), Duration::from_millis(100)) else {
+        return;
+    };
+    let target = Target::spawn(restorer(&t));
+    let before = get_nice(target.tid).unwrap();
+    assert_eq!(t.boost(1, target.tid).unwrap(), BoostResult::Applied);
+    assert_eq!(get_nice(target.tid).unwrap(), -7);
+    assert!(t.is_boosted(1));
+    assert_eq!(t.boost(1, target.tid).unwrap(), BoostResult::Extended);
+    assert!(target.restore_on_target(1));
+    assert_eq!(get_nice(target.tid).unwrap(), before);
+    assert!(!t.is_boosted(1));
+    assert!(!target.restore_on_target(1), "second restore is a no-op");
+    assert_eq!(
+        t.stats()
+            .restored_by_target
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn fifo_boost_applies_and_restores_policy_and_nice() {
+    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(100)) else {
+        return;
+    };
+    let target = Target::spawn(restorer(&t));
+    // A non-default nice must survive the FIFO round trip.
+    crate::sched::set_nice(target.tid, 3).unwrap();
+    assert_eq!(t.boost(0, target.tid).unwrap(), BoostResult::Applied);
+    let p = get_policy(target.tid).unwrap();
+    assert_eq!((p.policy, p.priority), (libc::SCHED_FIFO, 1));
+    assert!(target.restore_on_target(0));
+    let p = get_policy(target.tid).unwrap();
+    assert_eq!((p.policy, p.priority), (libc::SCHED_OTHER, 0));
+    assert_eq!(get_nice(target.tid).unwrap(), 3);
+}
+
+#[test]
+fn deadline_restores_without_the_target() {
+    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(3)) else {
+        return;
+    };
+    let target = Target::spawn(restorer(&t));
+    assert_eq!(t.boost(0, target.tid).unwrap(), BoostResult::Applied);
+    assert!(wait_until(Duration::from_secs(2), || {
+        get_policy(target.tid).unwrap().policy == libc::SCHED_OTHER
+    }));
+    assert!(!t.is_boosted(0));
+    assert_eq!(
+        t.stats()
+            .restored_by_deadline
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn deadline_holds_against_a_busy_fifo_target() {
+    // The worst case: the boosted thread never blocks and never exits. If the watchdog
+    // shares its CPU, only a watchdog that outranks the boost can end it (on a machine with
+    // more CPUs the scheduler may run the watchdog elsewhere, so this bounds the restore
+    // time either way rather than proving the priority). The target's own loop is bounded
+    // by wall time, so nothing can stay real-time past the test.
+    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(3)) else {
+        return;
+    };
+    let (tid_tx, tid_rx) = channel();
+    let (go_tx, go_rx) = channel::<()>();
+    let busy = std::thread::spawn(move || {
+        pin_to_cpu(0);
+        tid_tx.send(current_tid()).unwrap();
+        let _ = go_rx.recv_timeout(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let mut restored_after = None;
+        while t0.elapsed() < Duration::from_millis(500) {
+            if restored_after.is_none()
+                && get_policy(current_tid()).unwrap().policy == libc::SCHED_OTHER
+            {
+                restored_after = Some(t0.elapsed());
+            }
+            std::hint::spin_loop();
+        }
+        restored_after
+    });
+    let tid = tid_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(t.boost(0, tid).unwrap(), BoostResult::Applied);
+    go_tx.send(()).unwrap();
+    let restored_after = busy.join().unwrap().expect("still SCHED_FIFO after 500 ms");
+    assert!(
+        restored_after < Duration::from_millis(200),
+        "restored after {restored_after:?}"
+    );
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: all-zero is a valid, empty cpu_set_t.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is within the set's size.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
+    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    assert_eq!(r, 0);
+}
+
+#[test]
+fn drop_restores() {
+    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(100)) else {
+        return;
+    };
+    let target = Target::spawn(Arc::new(|_| false));
+    assert_eq!(t.boost(1, target.tid).unwrap(), BoostResult::Applied);
+    assert_eq!(get_policy(target.tid).unwrap().policy, libc::SCHED_FIFO);
+    drop(t);
+    assert_eq!(get_policy(target.tid).unwrap().policy, libc::SCHED_OTHER);
+}
+
+#[test]
+fn restore_all_and_errors_leave_nothing_boosted() {
+    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+        return;
+    };
+    assert!(matches!(t.boost(5, 1), Err(BoostError::NoSuchVcpu(5))));
+    assert!(matches!(t.boost(0, 0), Err(BoostError::NoThread(0))));
+    assert!(matches!(t.boost(0, i32::MAX), Err(BoostError::Sched(_))));
+    assert!(!t.is_boosted(0));
+    let a = Target::spawn(Arc::new(|_| false));
+    let b = Target::spawn(Arc::new(|_| false));
+    t.boost(0, a.tid).unwrap();
+    t.boost(1, b.tid).unwrap();
+    t.restore_all();
+    assert_eq!(get_nice(a.tid).unwrap(), 0);
+    assert_eq!(get_nice(b.tid).unwrap(), 0);
+    assert!(!t.is_boosted(0) && !t.is_boosted(1));
+}
+
+#[test]
+fn new_thread_for_a_vcpu_restores_the_old_one() {
+    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+        return;
+    };
+    let a = Target::spawn(Arc::new(|_| false));
+    let b = Target::spawn(Arc::new(|_| false));
+    t.boost(0, a.tid).unwrap();
+    assert_eq!(t.boost(0, b.tid).unwrap(), BoostResult::Applied);
+    assert_eq!(get_nice(a.tid).unwrap(), 0);
+    assert_eq!(get_nice(b.tid).unwrap(), -5);
+}
+
+#[test]
+fn already_higher_is_left_alone() {
+    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+        return;
+    };
+    let a = Target::spawn(Arc::new(|_| false));
+    crate::sched::set_nice(a.tid, -8).unwrap();
+    assert_eq!(t.boost(0, a.tid).unwrap(), BoostResult::AlreadyHigher);
+    assert!(!t.is_boosted(0));
+    assert_eq!(get_nice(a.tid).unwrap(), -8);
+}
+
+#[test]
+fn actuators_by_name_boost_and_restore() {
+    for name in ["yield", "nice", "fifo"] {
+        let act: Arc<dyn Actuator> = match by_name(name, 2) {
+            Ok(a) => Arc::from(a),
+            Err(e) if !is_root() => {
+                eprintln!("SKIPPED {name}: {e}");
+                continue;
+            }
+            Err(e) => panic!("{name}: {e}"),
+        };
+        assert_eq!(act.name(), name);
+        let a2 = act.clone();
+        let target = Target::spawn(Arc::new(move |v| {
+            a2.on_target_exit(v);
+            true
+        }));
+        let r = act.yield_to(1, target.tid);
+        assert_eq!(r.boosted, name != "yield", "{name}");
+        target.restore_on_target(1);
+        assert_eq!(get_nice(target.tid).unwrap(), 0, "{name}");
+        assert_eq!(
+            get_policy(target.tid).unwrap().policy,
+            libc::SCHED_OTHER,
+            "{name}"
+        );
+        // Unknown thread: no boost, no panic.
+        assert!(!act.yield_to(0, 0).boosted);
+        act.restore_all();
+    }
+}
+
+#[test]
+fn fallback_gives_fifo_when_permitted() {
+    let a = by_name_or_fallback("fifo", 1).unwrap();
+    if is_root() {
+        assert_eq!(a.name(), "fifo");
+    }
+}
