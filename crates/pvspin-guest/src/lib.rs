@@ -319,8 +319,10 @@ mod tests {
         assert_eq!(SpinConfig::EMULATED.validate(), Ok(SpinConfig::EMULATED));
         assert_eq!(SpinConfig::HARDWARE.validate(), Ok(SpinConfig::HARDWARE));
         const {
-            assert!(SpinConfig::EMULATED.spin_threshold * 100 < SpinConfig::HARDWARE.spin_threshold)
-        };
+            assert!(
+                SpinConfig::EMULATED.spin_threshold * 100 < SpinConfig::HARDWARE.spin_threshold
+            );
+        }
         let zero = SpinConfig {
             spin_threshold: 0,
             halt: true,
