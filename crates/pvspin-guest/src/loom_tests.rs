@@ -138,7 +138,8 @@ fn lock_model<L: RawPvLock + Send + Sync + 'static>(
         assert_eq!(value.with(|v| unsafe { *v }), threads);
         let stats = domain.total_stats();
         assert_eq!(stats.kicks, domain.ops().stats().kicks);
-        assert!(stats.kicks <= stats.halts);
+        // A kick needs a published Halted (it may race the halt itself).
+        assert!(stats.kicks <= stats.slowpath);
     });
 }
 

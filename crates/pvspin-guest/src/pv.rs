@@ -9,6 +9,7 @@ use core::sync::atomic::{AtomicU64, AtomicU8 as CoreAtomicU8, Ordering as CoreOr
 use crate::pv_queued::McsNode;
 use crate::pv_ticket::TicketWaitSlot;
 use crate::sync::AtomicU8;
+#[cfg(not(loom))]
 use crate::RawSpinLock;
 
 /// The hardware side of pv_wait / pv_kick: what a PV lock needs from its platform.
