@@ -205,7 +205,6 @@ impl<const N: usize> HostPvOps<N> {
     }
 }
 
-#[cfg(not(loom))]
 impl<const N: usize> Default for HostPvOps<N> {
     fn default() -> Self {
         Self::new()
@@ -223,15 +222,16 @@ impl<const N: usize> PvOps for HostPvOps<N> {
             self.injected_spurious.fetch_add(1, CoreOrdering::Relaxed);
             return;
         }
+        // The guest's `cli; cmp; hlt`: the condition is checked first, and a kick may land
+        // between the check and the park (the halt); only the latch keeps it from being lost,
+        // as KVM's `pv_unhalted` does for the guest.
+        if ptr.load(Ordering::SeqCst) != val {
+            return;
+        }
         let mut kicked = cpu
             .kicked
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // The guest's `cli; cmp; hlt`: the condition is checked with the latch held, and a kick
-        // must take the latch, so no kick falls between the check and the park.
-        if ptr.load(Ordering::SeqCst) != val {
-            return;
-        }
         if *kicked {
             self.latched.fetch_add(1, CoreOrdering::Relaxed);
         } else {

@@ -168,7 +168,6 @@ impl PvQueuedLock {
     }
 }
 
-#[cfg(not(loom))]
 impl Default for PvQueuedLock {
     fn default() -> Self {
         Self::new()

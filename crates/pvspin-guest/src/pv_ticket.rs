@@ -171,7 +171,6 @@ impl PvTicketLock {
     }
 }
 
-#[cfg(not(loom))]
 impl Default for PvTicketLock {
     fn default() -> Self {
         Self::new()
