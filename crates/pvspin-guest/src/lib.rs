@@ -25,7 +25,7 @@
 //!   domain so they are [`RawSpinLock`]s and work in a `static` [`SpinMutex`].
 //! - Counters per vCPU ([`PvDomain::cpu_stats`], [`PvDomain::total_stats`]): slow-path
 //!   entries, halts, spurious wakeups, kicks sent, contended unlocks that needed no kick.
-//! - Backends: [`host::HostPvOps`] (feature `std`; host threads park on a latch that
+//! - Backends: `host::HostPvOps` (feature `std`; host threads park on a latch that
 //!   remembers early kicks; injects spurious wakeups) and, on x86-64, [`x86::HaltPvOps`]
 //!   (`cli; if *ptr == val { hlt }`) around a [`x86::PvPlatform`] the guest writes.
 //!
@@ -72,7 +72,7 @@
 //! Both PV locks use the same handshake: the waiter stores Halted, `fence(SeqCst)`, re-checks
 //! its lock condition and only then `pv_wait`s on its state byte; the unlocker stores the
 //! handover, `fence(SeqCst)`, and kicks if it sees Halted. The loom model (`src/loom_tests.rs`)
-//! runs the real lock code on the loom-modelled [`host::HostPvOps`] latch and checks every
+//! runs the real lock code on the loom-modelled `host::HostPvOps` latch and checks every
 //! interleaving for a lost wakeup (a deadlock), a double holder and data races:
 //!
 //! ```text

@@ -17,7 +17,7 @@ use crate::RawSpinLock;
 /// Implementations:
 /// - the guest's, over the pvspin ABI: see [`crate::x86::HaltPvOps`] for `wait` and the
 ///   crate docs for `kick` (a doorbell write, encoded by the embedding guest);
-/// - [`crate::host::HostPvOps`] (feature `std`): host threads park and are unparked, for
+/// - `host::HostPvOps` (feature `std`): host threads park and are unparked, for
 ///   tests; under `--cfg loom` it is loom-modelled.
 ///
 /// The lock algorithms rely on exactly these guarantees:
