@@ -347,6 +347,20 @@ mod tests {
     }
 
     #[test]
+    fn without_halting_it_is_a_plain_mcs_lock() {
+        let config = SpinConfig {
+            spin_threshold: 1,
+            halt: false,
+        };
+        let stats = pv_hammer::<PvQueuedLock>(3, 100, config, 0);
+        assert_eq!(
+            (stats.slowpath, stats.halts, stats.kicks),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+    }
+
+    #[test]
     fn unlocker_kicks_only_halted_successor_in_queue_order() {
         let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
             Arc::new(PvDomain::new(HostPvOps::new(), small()));

@@ -355,6 +355,63 @@ mod tests {
     }
 
     #[test]
+    fn unlock_kicks_only_the_waiter_of_this_lock() {
+        // CPU 1 halts on lock B and CPU 2 on lock A, both for ticket 1: unlocking A must kick
+        // CPU 2 only, though CPU 1's slot holds the same ticket number.
+        let domain: Arc<PvDomain<HostPvOps<3>, 3>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), small()));
+        let (a, b) = (Arc::new(PvTicketLock::new()), Arc::new(PvTicketLock::new()));
+        bind_current_thread(0);
+        a.lock(domain.pv());
+        b.lock(domain.pv());
+        let spawn_waiter = |cpu: u32, lock: &Arc<PvTicketLock>| {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let on_b = spawn_waiter(1, &b);
+        let on_a = spawn_waiter(2, &a);
+        let mut tries = 0;
+        while domain.ops().parked(1) == 0 || domain.ops().parked(2) == 0 {
+            tries += 1;
+            assert!(tries < 20_000, "waiters never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // SAFETY: the main thread holds `a`.
+        unsafe { a.unlock(domain.pv()) };
+        on_a.join().unwrap();
+        assert_eq!(domain.ops().kicks_to(2), 1);
+        assert_eq!(
+            domain.ops().kicks_to(1),
+            0,
+            "woke the waiter of another lock"
+        );
+        // SAFETY: the main thread holds `b`.
+        unsafe { b.unlock(domain.pv()) };
+        on_b.join().unwrap();
+        assert_eq!(domain.ops().kicks_to(1), 1);
+        assert_eq!(domain.ops().stats().timeouts, 0);
+    }
+
+    #[test]
+    fn without_halting_it_is_a_plain_ticket_lock() {
+        let config = SpinConfig {
+            spin_threshold: 1,
+            halt: false,
+        };
+        let stats = pv_hammer::<PvTicketLock>(3, 100, config, 0);
+        assert_eq!(
+            (stats.slowpath, stats.halts, stats.kicks),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+    }
+
+    #[test]
     fn tickets_wrap_around() {
         let domain: PvDomain<HostPvOps<1>, 1> = PvDomain::new(HostPvOps::new(), small());
         bind_current_thread(0);
