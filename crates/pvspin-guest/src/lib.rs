@@ -31,20 +31,37 @@
 //!
 //! # A guest's PV locks
 //!
-//! ```ignore
-//! use pvspin_guest::{pv_static, x86::{HaltPvOps, PvPlatform}, PvDomain, SpinConfig,
-//!                    SpinMutex, StaticPvQueuedLock, StaticPvTicketLock};
+//! ```no_run
+//! # #[cfg(target_arch = "x86_64")] mod guest {
+//! use pvspin_guest::x86::{HaltPvOps, PvPlatform};
+//! use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinMutex};
+//! use pvspin_guest::{StaticPvQueuedLock, StaticPvTicketLock};
 //!
-//! struct Doorbell; // the guest's: cpu_id() from its per-CPU data, kick() = doorbell write
-//! impl PvPlatform for Doorbell { /* ... */ }
+//! /// The guest's platform: its vCPU index and the kick doorbell of the pvspin ABI.
+//! pub struct Doorbell;
+//! impl PvPlatform for Doorbell {
+//!     fn cpu_id(&self) -> u32 {
+//!         0 // e.g. a per-CPU variable set at boot
+//!     }
+//!     fn kick(&self, cpu: u32) {
+//!         let _ = cpu; // one port write, encoded as pvspin-abi says
+//!     }
+//! }
 //!
 //! // SAFETY: the guest kernel runs at CPL 0 on a host that latches kicks.
 //! static PV: PvDomain<HaltPvOps<Doorbell>, 4> =
 //!     PvDomain::new(unsafe { HaltPvOps::new(Doorbell) }, SpinConfig::EMULATED);
-//! pv_static!(GuestPv: HaltPvOps<Doorbell> = PV);
+//! pv_static!(pub GuestPv: HaltPvOps<Doorbell> = PV);
+//!
 //! static COUNTER: SpinMutex<StaticPvTicketLock<GuestPv>, u64> = SpinMutex::new(0);
-//! static LIST: SpinMutex<StaticPvQueuedLock<GuestPv>, [u32; 8]> = SpinMutex::new([0; 8]);
-//! // ... *COUNTER.lock() += 1; PV.total_stats().kicks ...
+//! static TABLE: SpinMutex<StaticPvQueuedLock<GuestPv>, [u32; 8]> = SpinMutex::new([0; 8]);
+//!
+//! pub fn work() -> u64 {
+//!     *COUNTER.lock() += 1;
+//!     TABLE.lock()[0] += 1;
+//!     PV.total_stats().kicks // or PV.cpu_stats(cpu), for the guest's report
+//! }
+//! # }
 //! ```
 //!
 //! An invalid [`SpinConfig`] or `N` in a `static` [`PvDomain`] is a compile-time error.
