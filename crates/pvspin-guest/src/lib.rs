@@ -1,34 +1,142 @@
 //! The reference guest side of pvspin, `no_std`.
 //!
 //! The same code runs in two places: inside guest programs (bare-metal x86-64, see
-//! `examples/pvspin-vmm/guest`) and on host threads in this crate's unit tests, so the lock
-//! algorithms are tested natively before they ever run in a VM.
+//! `examples/pvspin-vmm/guest`) and on host threads in this crate's unit tests and loom model,
+//! so the lock algorithms are tested natively before they ever run in a VM.
 //!
-//! What exists now:
+//! # What exists
+//!
+//! Plain spinlocks (PAUSE in a loop, no paravirtual slow path):
 //! - [`TicketLock`]: a fair FIFO spinlock (the lock whose waiters suffer most from lock-holder
 //!   and lock-waiter preemption).
 //! - [`TasLock`]: an unfair test-and-test-and-set lock.
-//! - [`SpinMutex`]: data guarded by either.
+//! - [`SpinMutex`]: data guarded by any [`RawSpinLock`].
 //!
-//! Both spin plainly (PAUSE in a loop); they have no paravirtual slow path yet. **Not
-//! implemented yet:** pv_wait / pv_kick over the pvspin ABI, the PV ticket and PV queued
-//! (MCS) locks, spin notifications and hint-page writes.
+//! Paravirtual locks (spin up to a threshold, then halt; the unlocker kicks a halted waiter):
+//! - [`PvTicketLock`]: ticket lock; a waiter past the threshold publishes "halted waiting for
+//!   ticket t of lock L" in its vCPU's slot and halts; the unlocker scans the slots for the
+//!   halted holder of the next ticket and kicks it (Linux's old pv ticketlock).
+//! - [`PvQueuedLock`]: MCS queued lock with per-vCPU nodes in state Running/Halted; the
+//!   unlocker hands over to its successor and kicks it only if it is Halted, only at unlock
+//!   time (the pv qspinlock's `vcpu_halted` protocol, without lock stealing).
+//! - [`PvOps`]: the backend trait (pv_wait, pv_kick, cpu id). [`PvDomain`]: the backend, the
+//!   [`SpinConfig`] and the per-vCPU state of `N` vCPUs (waiting slots, MCS nodes, counters),
+//!   no allocation. [`PvStatic`] / [`pv_static!`] / [`StaticPv`]: bind PV locks to a static
+//!   domain so they are [`RawSpinLock`]s and work in a `static` [`SpinMutex`].
+//! - Counters per vCPU ([`PvDomain::cpu_stats`], [`PvDomain::total_stats`]): slow-path
+//!   entries, halts, spurious wakeups, kicks sent, contended unlocks that needed no kick.
+//! - Backends: `host::HostPvOps` (feature `std`; host threads park on a latch that
+//!   remembers early kicks; injects spurious wakeups) and, on x86-64, [`x86::HaltPvOps`]
+//!   (`cli; if *ptr == val { hlt }`) around a [`x86::PvPlatform`] the guest writes.
 //!
-//! Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so nothing here
-//! uses floats or `core::fmt` number formatting.
+//! # A guest's PV locks
+//!
+//! ```no_run
+//! # #[cfg(target_arch = "x86_64")] mod guest {
+//! use pvspin_guest::x86::{HaltPvOps, PvPlatform};
+//! use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinMutex};
+//! use pvspin_guest::{StaticPvQueuedLock, StaticPvTicketLock};
+//!
+//! /// The guest's platform: its vCPU index and the kick doorbell of the pvspin ABI.
+//! pub struct Doorbell;
+//! impl PvPlatform for Doorbell {
+//!     fn cpu_id(&self) -> u32 {
+//!         0 // e.g. a per-CPU variable set at boot
+//!     }
+//!     fn kick(&self, cpu: u32) {
+//!         let _ = cpu; // one port write, encoded as pvspin-abi says
+//!     }
+//! }
+//!
+//! // SAFETY: the guest kernel runs at CPL 0 on a host that latches kicks.
+//! static PV: PvDomain<HaltPvOps<Doorbell>, 4> =
+//!     PvDomain::new(unsafe { HaltPvOps::new(Doorbell) }, SpinConfig::EMULATED);
+//! pv_static!(pub GuestPv: HaltPvOps<Doorbell> = PV);
+//!
+//! static COUNTER: SpinMutex<StaticPvTicketLock<GuestPv>, u64> = SpinMutex::new(0);
+//! static TABLE: SpinMutex<StaticPvQueuedLock<GuestPv>, [u32; 8]> = SpinMutex::new([0; 8]);
+//!
+//! pub fn work() -> u64 {
+//!     *COUNTER.lock() += 1;
+//!     TABLE.lock()[0] += 1;
+//!     PV.total_stats().kicks // or PV.cpu_stats(cpu), for the guest's report
+//! }
+//! # }
+//! ```
+//!
+//! An invalid [`SpinConfig`] or `N` in a `static` [`PvDomain`] is a compile-time error.
+//!
+//! # What the guest backend must do
+//!
+//! [`PvOps`] documents the contract. Over the pvspin ABI:
+//! - `wait(ptr, val)`: with interrupts masked, re-check `*ptr == val` and `hlt` only if it
+//!   holds ([`x86::halt_if_eq`] does this). The host must latch a kick that arrives before
+//!   the `hlt` (KVM's `pv_unhalted`; pvspin's kick device does so on every path), which is what
+//!   makes check-then-halt free of lost wakeups. Returning early is always allowed.
+//! - `kick(cpu)`: one doorbell write naming vCPU `cpu` (the encoding is `pvspin-abi`'s; the
+//!   guest maps the domain index to whatever the ABI names, e.g. an APIC ID). Fire and forget.
+//! - `cpu_id()`: this vCPU's index `0..N`, e.g. from a per-CPU variable set at boot.
+//!
+//! # Spin thresholds
+//!
+//! [`SpinConfig::EMULATED`] spins 128 times before halting: on the development machines every
+//! guest instruction is emulated (about 0.5 us), so that is a few hundred microseconds, about
+//! the cost of a halt and kick. [`SpinConfig::HARDWARE`] is Linux's `SPIN_THRESHOLD` (32768).
+//! `halt: false` makes the PV locks plain spinning locks, for comparisons.
+//!
+//! # No lost wakeups
+//!
+//! Both PV locks use the same handshake: the waiter stores Halted, `fence(SeqCst)`, re-checks
+//! its lock condition and only then `pv_wait`s on its state byte; the unlocker stores the
+//! handover, `fence(SeqCst)`, and kicks if it sees Halted. The loom model (`src/loom_tests.rs`)
+//! runs the real lock code on the loom-modelled `host::HostPvOps` latch and checks every
+//! interleaving for a lost wakeup (a deadlock), a double holder and data races:
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom" cargo test -p pvspin-guest --release loom
+//! ```
+//!
+//! # Not implemented yet
+//!
+//! Spin notifications and hint-page writes (need the ABI), lock stealing in the queued lock,
+//! and checking a preempted predecessor before halting (Linux's `pv_wait_early`, reverted
+//! there too). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
+//! nothing here uses floats or `core::fmt` number formatting.
 #![no_std]
 #![deny(missing_docs)]
 
-#[cfg(test)]
+#[cfg(any(test, feature = "std"))]
 extern crate std;
 
+#[cfg(any(test, feature = "std"))]
+pub mod host;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod mutex;
+mod pv;
+mod pv_queued;
+mod pv_ticket;
+mod sync;
 mod tas;
 mod ticket;
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+pub mod x86;
 
 pub use mutex::{SpinMutex, SpinMutexGuard};
+pub use pv::{
+    Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
+    SpinConfig, StaticPv, MAX_CPUS, NODES_PER_CPU,
+};
+pub use pv_queued::{McsNode, PvQueuedLock};
+pub use pv_ticket::PvTicketLock;
+pub use sync::AtomicU8;
 pub use tas::TasLock;
 pub use ticket::TicketLock;
+
+/// A [`PvTicketLock`] on the static domain `D`, usable in a [`SpinMutex`].
+pub type StaticPvTicketLock<D> = StaticPv<PvTicketLock, D>;
+/// A [`PvQueuedLock`] on the static domain `D`, usable in a [`SpinMutex`].
+pub type StaticPvQueuedLock<D> = StaticPv<PvQueuedLock, D>;
 
 /// A raw spinlock: mutual exclusion without data.
 ///
@@ -58,28 +166,29 @@ pub unsafe trait RawSpinLock {
     fn is_locked(&self) -> bool;
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests_common {
+    use core::cell::UnsafeCell;
     use std::sync::Arc;
     use std::vec::Vec;
 
-    use crate::{RawSpinLock, SpinMutex};
+    use crate::host::{bind_current_thread, HostPvOps, HostStats};
+    use crate::{PvDomain, RawPvLock, RawSpinLock, SpinConfig, SpinMutex};
 
     /// `threads` threads each take the lock `rounds` times and do a torn read-modify-write
-    /// inside; any overlap of two holders loses an update and fails the final count.
+    /// inside; any overlap of two holders loses an update and fails the final count. Thread
+    /// `i` is bound to CPU `i` of the host PV backend (ignored by non-PV locks).
     pub(crate) fn hammer<L: RawSpinLock + Send + Sync + 'static>(threads: usize, rounds: u64) {
         let mutex: Arc<SpinMutex<L, u64>> = Arc::new(SpinMutex::new(0));
         let workers: Vec<_> = (0..threads)
-            .map(|_| {
+            .map(|cpu| {
                 let mutex = mutex.clone();
                 std::thread::spawn(move || {
+                    bind_current_thread(u32::try_from(cpu).unwrap());
                     for round in 0..rounds {
                         let mut guard = mutex.lock();
                         let seen = core::hint::black_box(*guard);
-                        // Widen the window in which a second holder would lose this update.
-                        for _ in 0..(round % 32) {
-                            core::hint::black_box(());
-                        }
+                        torn_window(round);
                         *guard = seen + 1;
                     }
                 })
@@ -89,5 +198,176 @@ mod tests_common {
             worker.join().unwrap();
         }
         assert_eq!(*mutex.lock(), threads as u64 * rounds);
+    }
+
+    /// Widens the window in which a second holder would lose an update.
+    fn torn_window(round: u64) {
+        for _ in 0..(round % 32) {
+            core::hint::black_box(());
+        }
+    }
+
+    /// What a [`pv_hammer`] run did.
+    #[derive(Debug)]
+    #[allow(dead_code)] // fields are read through Debug in assertion messages
+    pub(crate) struct HammerStats {
+        pub slowpath: u64,
+        pub halts: u64,
+        pub spurious: u64,
+        pub kicks: u64,
+        pub no_kick: u64,
+        pub backend_kicks: u64,
+        pub injected_spurious: u64,
+        pub backend: HostStats,
+    }
+
+    struct Guarded<L> {
+        lock: L,
+        value: UnsafeCell<u64>,
+    }
+
+    // SAFETY: `value` is only touched with `lock` held.
+    unsafe impl<L: Sync> Sync for Guarded<L> {}
+
+    /// [`hammer`] for a PV lock on a host-thread domain of 4 CPUs (`threads <= 4`), with a
+    /// backend injecting a spurious wakeup every `spurious_every` waits (0: none). Also checks
+    /// that no park timed out (a lost wakeup) and no CPU id was out of range.
+    pub(crate) fn pv_hammer<L: RawPvLock + Send + Sync + 'static>(
+        threads: usize,
+        rounds: u64,
+        config: SpinConfig,
+        spurious_every: u64,
+    ) -> HammerStats {
+        assert!(threads <= 4);
+        let domain: Arc<PvDomain<HostPvOps<4>, 4>> = Arc::new(PvDomain::new(
+            HostPvOps::with_spurious_every(spurious_every),
+            config,
+        ));
+        let guarded = Arc::new(Guarded {
+            lock: L::UNLOCKED,
+            value: UnsafeCell::new(0),
+        });
+        let start = Arc::new(std::sync::Barrier::new(threads));
+        let workers: Vec<_> = (0..threads)
+            .map(|cpu| {
+                let (domain, guarded, start) = (domain.clone(), guarded.clone(), start.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(u32::try_from(cpu).unwrap());
+                    start.wait();
+                    for round in 0..rounds {
+                        guarded.lock.lock(domain.pv());
+                        // SAFETY: we hold the lock.
+                        let seen = core::hint::black_box(unsafe { *guarded.value.get() });
+                        torn_window(round);
+                        // A holder that gives up its core now and then (a preempted lock
+                        // holder) makes the others queue past the spin threshold and halt.
+                        if round % 8 == 0 {
+                            std::thread::yield_now();
+                        }
+                        // SAFETY: we hold the lock.
+                        unsafe { *guarded.value.get() = seen + 1 };
+                        // SAFETY: we hold the lock, on this thread.
+                        unsafe { guarded.lock.unlock(domain.pv()) };
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        assert!(!guarded.lock.is_locked());
+        // SAFETY: every worker has finished.
+        assert_eq!(unsafe { *guarded.value.get() }, threads as u64 * rounds);
+        let pv = domain.total_stats();
+        let backend = domain.ops().stats();
+        assert_eq!(backend.timeouts, 0, "lost wakeup: {backend:?}");
+        assert_eq!(
+            (backend.bad_kicks, backend.bad_waits),
+            (0, 0),
+            "{backend:?}"
+        );
+        assert_eq!(domain.bad_cpu_count(), 0);
+        assert_eq!(pv.halts, backend.waits, "{pv:?} {backend:?}");
+        std::eprintln!("pv_hammer: {pv:?} {backend:?}");
+        HammerStats {
+            slowpath: pv.slowpath,
+            halts: pv.halts,
+            spurious: pv.spurious,
+            kicks: pv.kicks,
+            no_kick: pv.no_kick,
+            backend_kicks: backend.kicks,
+            injected_spurious: backend.injected_spurious,
+            backend,
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::host::HostPvOps;
+    use crate::tests_common::hammer;
+    use crate::{
+        PvConfigError, PvDomain, SpinConfig, SpinMutex, StaticPvQueuedLock, StaticPvTicketLock,
+    };
+
+    const TEST_CONFIG: SpinConfig = SpinConfig {
+        spin_threshold: 8,
+        halt: true,
+    };
+
+    // How a guest declares its PV locks: one static domain, a marker naming it, static mutexes.
+    static DOMAIN: PvDomain<HostPvOps<3>, 3> = PvDomain::new(HostPvOps::new(), TEST_CONFIG);
+    crate::pv_static!(TestPv: HostPvOps<3> = DOMAIN);
+    static COUNTER: SpinMutex<StaticPvQueuedLock<TestPv>, u64> = SpinMutex::new(0);
+
+    #[test]
+    fn static_domain_mutexes_exclude() {
+        crate::host::bind_current_thread(0);
+        *COUNTER.lock() += 1;
+        assert_eq!(*COUNTER.lock(), 1);
+        hammer::<StaticPvTicketLock<TestPv>>(3, 300);
+        hammer::<StaticPvQueuedLock<TestPv>>(3, 300);
+        assert_eq!(DOMAIN.ops().stats().timeouts, 0);
+        assert_eq!(DOMAIN.bad_cpu_count(), 0);
+    }
+
+    #[test]
+    fn config_presets_are_valid_and_rules_are_enforced() {
+        assert_eq!(SpinConfig::EMULATED.validate(), Ok(SpinConfig::EMULATED));
+        assert_eq!(SpinConfig::HARDWARE.validate(), Ok(SpinConfig::HARDWARE));
+        const {
+            assert!(
+                SpinConfig::EMULATED.spin_threshold * 100 < SpinConfig::HARDWARE.spin_threshold
+            );
+        }
+        let zero = SpinConfig {
+            spin_threshold: 0,
+            halt: true,
+        };
+        assert_eq!(zero.validate(), Err(PvConfigError::ZeroSpinThreshold));
+        let huge = SpinConfig {
+            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD + 1,
+            halt: true,
+        };
+        assert_eq!(huge.validate(), Err(PvConfigError::SpinThresholdTooLarge));
+        assert_eq!(
+            PvDomain::<_, 1>::try_new(HostPvOps::<1>::new(), zero).unwrap_err(),
+            PvConfigError::ZeroSpinThreshold
+        );
+        assert_eq!(
+            PvDomain::<_, 0>::try_new(HostPvOps::<0>::new(), TEST_CONFIG).unwrap_err(),
+            PvConfigError::NoCpus
+        );
+        assert!(std::format!("{}", PvConfigError::NoCpus).contains("at least 1 CPU"));
+    }
+
+    #[test]
+    #[should_panic(expected = "spin_threshold must be at least 1")]
+    fn invalid_config_panics_in_new() {
+        let zero = SpinConfig {
+            spin_threshold: 0,
+            halt: false,
+        };
+        let _ = PvDomain::<_, 1>::new(HostPvOps::<1>::new(), zero);
     }
 }

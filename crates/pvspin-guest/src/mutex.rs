@@ -73,7 +73,7 @@ impl<L: RawSpinLock, T> Drop for SpinMutexGuard<'_, L, T> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::{TasLock, TicketLock};

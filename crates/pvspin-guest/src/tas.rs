@@ -58,7 +58,7 @@ unsafe impl RawSpinLock for TasLock {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::tests_common::hammer;

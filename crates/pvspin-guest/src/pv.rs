@@ -1,0 +1,519 @@
+//! The paravirtual slow path shared by the PV locks: the backend trait ([`PvOps`]), the spin
+//! policy ([`SpinConfig`]), the per-vCPU state ([`PvDomain`]) and the glue that lets a PV lock
+//! live in a `static` [`SpinMutex`](crate::SpinMutex) ([`PvStatic`], [`StaticPv`]).
+
+use core::fmt;
+use core::marker::PhantomData;
+use core::sync::atomic::{AtomicU64, AtomicU8 as CoreAtomicU8, Ordering as CoreOrdering};
+
+use crate::pv_queued::McsNode;
+use crate::pv_ticket::TicketWaitSlot;
+use crate::sync::AtomicU8;
+#[cfg(not(loom))]
+use crate::RawSpinLock;
+
+/// The hardware side of pv_wait / pv_kick: what a PV lock needs from its platform.
+///
+/// Implementations:
+/// - the guest's, over the pvspin ABI: see [`crate::x86::HaltPvOps`] for `wait` and the
+///   crate docs for `kick` (a doorbell write, encoded by the embedding guest);
+/// - `host::HostPvOps` (feature `std`): host threads park and are unparked, for
+///   tests; under `--cfg loom` it is loom-modelled.
+///
+/// The lock algorithms rely on exactly these guarantees:
+/// - `wait(ptr, val)` returns at the latest after a `kick` of this CPU that happens after the
+///   caller stored `val` in `*ptr` (a kick that arrives before the halt is remembered, like
+///   KVM's `pv_unhalted`); it may return at any time for no reason (spurious wakeup); it does
+///   not block at all if `*ptr != val` when it checks.
+/// - `kick(cpu)` makes `cpu`'s current or next `wait` return. Kicking a running CPU is harmless
+///   (its next `wait` may return at once). It must not block for long.
+/// - `cpu_id()` is this CPU's index in the [`PvDomain`] (`0..N`), stable while a lock is held or
+///   awaited.
+pub trait PvOps: Sync {
+    /// Halts this CPU unless `*ptr != val`; returns on a kick, or spuriously.
+    fn wait(&self, ptr: &AtomicU8, val: u8);
+
+    /// Wakes `cpu` from its current `wait`, or makes its next `wait` return at once.
+    fn kick(&self, cpu: u32);
+
+    /// This CPU's index in the domain, `0..N`.
+    fn cpu_id(&self) -> u32;
+}
+
+/// Errors of PV lock configuration; each names the rule that was broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PvConfigError {
+    /// `spin_threshold` was 0.
+    ZeroSpinThreshold,
+    /// `spin_threshold` was above [`SpinConfig::MAX_SPIN_THRESHOLD`].
+    SpinThresholdTooLarge,
+    /// The domain had no CPUs.
+    NoCpus,
+    /// The domain had more than [`MAX_CPUS`] CPUs.
+    TooManyCpus,
+}
+
+impl PvConfigError {
+    /// The broken rule, as a static string (no number formatting, so usable in guests).
+    pub const fn rule(self) -> &'static str {
+        match self {
+            Self::ZeroSpinThreshold => "spin_threshold must be at least 1",
+            Self::SpinThresholdTooLarge => {
+                "spin_threshold must be at most SpinConfig::MAX_SPIN_THRESHOLD (2^24)"
+            }
+            Self::NoCpus => "a PV domain must have at least 1 CPU",
+            Self::TooManyCpus => "a PV domain must have at most MAX_CPUS (4096) CPUs",
+        }
+    }
+}
+
+// Hand-written rather than thiserror: the workspace's thiserror has its `std` feature on, and
+// this crate must build for bare-metal guests.
+impl fmt::Display for PvConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.rule())
+    }
+}
+
+impl core::error::Error for PvConfigError {}
+
+/// The most vCPUs a [`PvDomain`] may have.
+pub const MAX_CPUS: usize = 4096;
+
+/// When a waiter stops spinning and halts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpinConfig {
+    /// Spin iterations (one load and one PAUSE each) before a waiter publishes itself halted
+    /// and calls `pv_wait`; after a spurious wakeup it spins this much again.
+    pub spin_threshold: u32,
+    /// Whether waiters halt at all. `false` turns the PV locks into plain spinning locks (the
+    /// unlocker then never scans or kicks), for side-by-side comparisons.
+    pub halt: bool,
+}
+
+impl SpinConfig {
+    /// The largest accepted `spin_threshold`.
+    pub const MAX_SPIN_THRESHOLD: u32 = 1 << 24;
+
+    /// For guests whose every instruction is emulated (about 0.5 us each, the development
+    /// machines): 128 spins, a few hundred microseconds, about the cost of one halt and kick.
+    pub const EMULATED: Self = Self {
+        spin_threshold: 128,
+        halt: true,
+    };
+
+    /// For hardware-virtualized guests: Linux's `SPIN_THRESHOLD` (`1 << 15`).
+    pub const HARDWARE: Self = Self {
+        spin_threshold: 1 << 15,
+        halt: true,
+    };
+
+    /// Checks the rules; returns the config unchanged when it follows them.
+    pub const fn validate(self) -> Result<Self, PvConfigError> {
+        if self.spin_threshold == 0 {
+            Err(PvConfigError::ZeroSpinThreshold)
+        } else if self.spin_threshold > Self::MAX_SPIN_THRESHOLD {
+            Err(PvConfigError::SpinThresholdTooLarge)
+        } else {
+            Ok(self)
+        }
+    }
+}
+
+impl Default for SpinConfig {
+    fn default() -> Self {
+        Self::EMULATED
+    }
+}
+
+/// Slow-path event counters of one vCPU (written only by that vCPU).
+#[derive(Debug, Default)]
+pub struct PvStats {
+    slowpath: AtomicU64,
+    halts: AtomicU64,
+    spurious: AtomicU64,
+    kicks: AtomicU64,
+    no_kick: AtomicU64,
+}
+
+impl PvStats {
+    const fn new() -> Self {
+        Self {
+            slowpath: AtomicU64::new(0),
+            halts: AtomicU64::new(0),
+            spurious: AtomicU64::new(0),
+            kicks: AtomicU64::new(0),
+            no_kick: AtomicU64::new(0),
+        }
+    }
+
+    #[inline]
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, CoreOrdering::Relaxed);
+    }
+
+    pub(crate) fn slowpath(&self) {
+        Self::bump(&self.slowpath);
+    }
+    pub(crate) fn halt(&self) {
+        Self::bump(&self.halts);
+    }
+    pub(crate) fn spurious(&self) {
+        Self::bump(&self.spurious);
+    }
+    pub(crate) fn kick(&self) {
+        Self::bump(&self.kicks);
+    }
+    pub(crate) fn no_kick(&self) {
+        Self::bump(&self.no_kick);
+    }
+
+    /// A snapshot of the counters.
+    pub fn snapshot(&self) -> PvStatsSnapshot {
+        let load = |c: &AtomicU64| c.load(CoreOrdering::Relaxed);
+        PvStatsSnapshot {
+            slowpath: load(&self.slowpath),
+            halts: load(&self.halts),
+            spurious: load(&self.spurious),
+            kicks: load(&self.kicks),
+            no_kick: load(&self.no_kick),
+        }
+    }
+}
+
+/// Slow-path event counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PvStatsSnapshot {
+    /// Waits that spun past the threshold (entered the halt path).
+    pub slowpath: u64,
+    /// `pv_wait` calls (halt attempts; the backend may return without halting).
+    pub halts: u64,
+    /// Returns from `pv_wait` that did not find the lock handed over (spurious wakeups, or a
+    /// kick meant for an earlier wait).
+    pub spurious: u64,
+    /// Kicks sent by unlockers on this vCPU.
+    pub kicks: u64,
+    /// Contended unlocks that found the next waiter running, so sent no kick.
+    pub no_kick: u64,
+}
+
+impl PvStatsSnapshot {
+    /// The element-wise sum (saturating).
+    pub const fn add(self, other: Self) -> Self {
+        Self {
+            slowpath: self.slowpath.saturating_add(other.slowpath),
+            halts: self.halts.saturating_add(other.halts),
+            spurious: self.spurious.saturating_add(other.spurious),
+            kicks: self.kicks.saturating_add(other.kicks),
+            no_kick: self.no_kick.saturating_add(other.no_kick),
+        }
+    }
+}
+
+/// MCS nodes per vCPU: how many [`PvQueuedLock`](crate::PvQueuedLock)s one vCPU may hold or
+/// wait for at once (nesting, like Linux's four per-CPU qnodes).
+pub const NODES_PER_CPU: usize = 4;
+
+/// The PV state of one vCPU: its ticket-lock waiting slot, its MCS nodes and its counters.
+#[derive(Debug)]
+#[repr(align(64))]
+pub struct PvCpu {
+    pub(crate) ticket: TicketWaitSlot,
+    pub(crate) nodes: [McsNode; NODES_PER_CPU],
+    /// Bitmask of free `nodes`; touched only by this vCPU (atomic so that an interrupt
+    /// handler on this vCPU cannot take the same node).
+    free_nodes: CoreAtomicU8,
+    pub(crate) stats: PvStats,
+}
+
+const ALL_NODES_FREE: u8 = (1 << NODES_PER_CPU) - 1;
+
+impl PvCpu {
+    #[cfg(not(loom))]
+    const fn new() -> Self {
+        Self {
+            ticket: TicketWaitSlot::new(),
+            nodes: [const { McsNode::new() }; NODES_PER_CPU],
+            free_nodes: CoreAtomicU8::new(ALL_NODES_FREE),
+            stats: PvStats::new(),
+        }
+    }
+
+    #[cfg(loom)]
+    fn new() -> Self {
+        Self {
+            ticket: TicketWaitSlot::new(),
+            nodes: core::array::from_fn(|_| McsNode::new()),
+            free_nodes: CoreAtomicU8::new(ALL_NODES_FREE),
+            stats: PvStats::new(),
+        }
+    }
+
+    /// Takes a free MCS node; `None` when all [`NODES_PER_CPU`] are in use.
+    pub(crate) fn alloc_node(&self) -> Option<usize> {
+        let mut free = self.free_nodes.load(CoreOrdering::Relaxed);
+        loop {
+            if free == 0 {
+                return None;
+            }
+            let index = free.trailing_zeros() as usize;
+            match self.free_nodes.compare_exchange_weak(
+                free,
+                free & !(1 << index),
+                CoreOrdering::Relaxed,
+                CoreOrdering::Relaxed,
+            ) {
+                Ok(_) => return Some(index),
+                Err(now) => free = now,
+            }
+        }
+    }
+
+    /// Returns a node taken with `alloc_node`.
+    pub(crate) fn free_node(&self, index: usize) {
+        self.free_nodes.fetch_or(1 << index, CoreOrdering::Relaxed);
+    }
+
+    /// This vCPU's counters.
+    pub fn stats(&self) -> PvStatsSnapshot {
+        self.stats.snapshot()
+    }
+}
+
+/// Everything the PV locks of one guest share: the backend, the spin policy and the per-vCPU
+/// state of `N` vCPUs (no allocation; put it in a `static`).
+///
+/// Every PV lock must always be used with the same domain.
+#[derive(Debug)]
+pub struct PvDomain<O, const N: usize> {
+    ops: O,
+    config: SpinConfig,
+    cpus: [PvCpu; N],
+    /// Slow-path entries by a CPU whose id was not below `N` (it spins instead of halting).
+    bad_cpu: AtomicU64,
+}
+
+impl<O, const N: usize> PvDomain<O, N> {
+    const fn check(config: SpinConfig) -> Result<(), PvConfigError> {
+        if N == 0 {
+            return Err(PvConfigError::NoCpus);
+        }
+        if N > MAX_CPUS {
+            return Err(PvConfigError::TooManyCpus);
+        }
+        match config.validate() {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A domain for `N` vCPUs.
+    ///
+    /// # Panics
+    ///
+    /// If `config` or `N` breaks a rule of [`PvConfigError`]; in a `static` initializer that
+    /// is a compile-time error. [`PvDomain::try_new`] returns the error instead.
+    #[cfg(not(loom))]
+    pub const fn new(ops: O, config: SpinConfig) -> Self {
+        if let Err(e) = Self::check(config) {
+            panic!("{}", e.rule());
+        }
+        Self {
+            ops,
+            config,
+            cpus: [const { PvCpu::new() }; N],
+            bad_cpu: AtomicU64::new(0),
+        }
+    }
+
+    /// A domain for `N` vCPUs (under loom, whose atomics are not `const`).
+    #[cfg(loom)]
+    pub fn new(ops: O, config: SpinConfig) -> Self {
+        if let Err(e) = Self::check(config) {
+            panic!("{}", e.rule());
+        }
+        Self {
+            ops,
+            config,
+            cpus: core::array::from_fn(|_| PvCpu::new()),
+            bad_cpu: AtomicU64::new(0),
+        }
+    }
+
+    /// Like [`PvDomain::new`], but returns the broken rule instead of panicking.
+    pub fn try_new(ops: O, config: SpinConfig) -> Result<Self, PvConfigError> {
+        Self::check(config)?;
+        Ok(Self::new(ops, config))
+    }
+
+    /// The view the PV lock methods take.
+    pub fn pv(&self) -> Pv<'_, O> {
+        Pv {
+            ops: &self.ops,
+            config: self.config,
+            cpus: &self.cpus,
+            bad_cpu: &self.bad_cpu,
+        }
+    }
+
+    /// The backend.
+    pub fn ops(&self) -> &O {
+        &self.ops
+    }
+
+    /// The spin policy.
+    pub fn config(&self) -> SpinConfig {
+        self.config
+    }
+
+    /// The counters of vCPU `cpu`, if it exists.
+    pub fn cpu_stats(&self, cpu: u32) -> Option<PvStatsSnapshot> {
+        self.cpus.get(cpu as usize).map(PvCpu::stats)
+    }
+
+    /// The counters summed over all vCPUs.
+    pub fn total_stats(&self) -> PvStatsSnapshot {
+        self.cpus
+            .iter()
+            .fold(PvStatsSnapshot::default(), |sum, cpu| sum.add(cpu.stats()))
+    }
+
+    /// Slow-path entries by a CPU whose id was out of range (it spun instead of halting, or,
+    /// for the queued lock, panicked).
+    pub fn bad_cpu_count(&self) -> u64 {
+        self.bad_cpu.load(CoreOrdering::Relaxed)
+    }
+}
+
+/// A borrowed view of a [`PvDomain`]: what the PV lock methods take. Cheap to copy.
+#[derive(Debug)]
+pub struct Pv<'a, O> {
+    pub(crate) ops: &'a O,
+    pub(crate) config: SpinConfig,
+    pub(crate) cpus: &'a [PvCpu],
+    bad_cpu: &'a AtomicU64,
+}
+
+impl<O> Clone for Pv<'_, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<O> Copy for Pv<'_, O> {}
+
+impl<O: PvOps> Pv<'_, O> {
+    /// This CPU's id and state, or `None` (counted) if the backend's id is out of range.
+    pub(crate) fn this_cpu(&self) -> Option<(u32, &PvCpu)> {
+        let id = self.ops.cpu_id();
+        match self.cpus.get(id as usize) {
+            Some(cpu) => Some((id, cpu)),
+            None => {
+                self.bad_cpu.fetch_add(1, CoreOrdering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+/// A PV lock: like [`RawSpinLock`], but its methods take the [`Pv`] domain view.
+///
+/// # Safety
+///
+/// Same contract as [`RawSpinLock`], for callers that always pass the same domain.
+pub unsafe trait RawPvLock {
+    /// An unlocked lock, for statics.
+    #[cfg(not(loom))]
+    const UNLOCKED: Self;
+
+    /// Waits (spinning, then halting) until the lock is taken.
+    fn lock<O: PvOps>(&self, pv: Pv<'_, O>);
+
+    /// Takes the lock if it is free; never waits.
+    fn try_lock<O: PvOps>(&self, pv: Pv<'_, O>) -> bool;
+
+    /// Releases the lock, kicking the next waiter if it halted.
+    ///
+    /// # Safety
+    ///
+    /// The caller must hold the lock, on this CPU.
+    unsafe fn unlock<O: PvOps>(&self, pv: Pv<'_, O>);
+
+    /// Whether some caller holds the lock (a racy snapshot, for diagnostics).
+    fn is_locked(&self) -> bool;
+}
+
+/// Names a `static` [`PvDomain`] at the type level, so that a PV lock can implement
+/// [`RawSpinLock`] (whose methods take no domain) through [`StaticPv`]. Usually implemented
+/// with [`pv_static!`](crate::pv_static).
+pub trait PvStatic: 'static {
+    /// The backend.
+    type Ops: PvOps + 'static;
+    /// The domain.
+    fn pv() -> Pv<'static, Self::Ops>;
+}
+
+/// Implements [`PvStatic`] for a new marker type naming a `static` [`PvDomain`]:
+/// `pv_static!(pub GuestPv: MyOps = MY_DOMAIN);`
+#[macro_export]
+macro_rules! pv_static {
+    ($vis:vis $name:ident : $ops:ty = $domain:path) => {
+        /// Marker type naming a static PV domain.
+        #[derive(Debug)]
+        $vis struct $name;
+        impl $crate::PvStatic for $name {
+            type Ops = $ops;
+            fn pv() -> $crate::Pv<'static, $ops> {
+                $domain.pv()
+            }
+        }
+    };
+}
+
+/// A PV lock bound to the static domain `D`: a [`RawSpinLock`], so it works in a
+/// [`SpinMutex`](crate::SpinMutex).
+pub struct StaticPv<L, D> {
+    lock: L,
+    _domain: PhantomData<fn() -> D>,
+}
+
+impl<L: fmt::Debug, D> fmt::Debug for StaticPv<L, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StaticPv")
+            .field("lock", &self.lock)
+            .finish()
+    }
+}
+
+impl<L, D> StaticPv<L, D> {
+    /// The PV lock.
+    pub fn inner(&self) -> &L {
+        &self.lock
+    }
+}
+
+#[cfg(not(loom))]
+// SAFETY: every method forwards to `L` with the one domain `D::pv()`, so `L`'s contract holds.
+unsafe impl<L: RawPvLock, D: PvStatic> RawSpinLock for StaticPv<L, D> {
+    const UNLOCKED: Self = Self {
+        lock: L::UNLOCKED,
+        _domain: PhantomData,
+    };
+
+    fn lock(&self) {
+        self.lock.lock(D::pv());
+    }
+
+    fn try_lock(&self) -> bool {
+        self.lock.try_lock(D::pv())
+    }
+
+    unsafe fn unlock(&self) {
+        // SAFETY: the caller holds the lock (this trait's contract).
+        unsafe { self.lock.unlock(D::pv()) };
+    }
+
+    fn is_locked(&self) -> bool {
+        self.lock.is_locked()
+    }
+}

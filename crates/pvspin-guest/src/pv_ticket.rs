@@ -1,0 +1,430 @@
+//! The PV ticket lock: a ticket lock whose waiters halt past the spin threshold and whose
+//! unlocker kicks the halted waiter holding the next ticket (like Linux's old pv ticketlock
+//! and `kvm_unlock_kick`).
+//!
+//! # The halt/kick handshake
+//!
+//! Waiter for ticket `t` on CPU `c`, past the threshold:
+//! 1. write slot[c] = {lock, t}, then `slot[c].state = HALTED` (Release);
+//! 2. `fence(SeqCst)`; if `owner == t`: set RUNNING, it owns the lock;
+//! 3. `pv_wait(&slot[c].state, HALTED)`; set RUNNING; if `owner == t` it owns the lock, else
+//!    (spurious) spin again.
+//!
+//! Unlocker: `owner = t` (Release); `fence(SeqCst)`; if some CPU drew ticket `t` (`next != t`),
+//! scan the slots for one that is HALTED on {lock, t}; `cmpxchg(HALTED -> KICKED)` and kick it.
+//!
+//! The two fences order "waiter publishes HALTED, then reads owner" against "unlocker writes
+//! owner, then reads the slot": at least one side sees the other's write, so either the waiter
+//! does not wait or the unlocker kicks it. A kick that lands between the waiter's re-check and
+//! its halt is remembered by the backend ([`PvOps`](crate::PvOps) contract). The loom model in
+//! `loom_tests.rs` checks this.
+
+use crate::pv::{Pv, PvOps, RawPvLock};
+use crate::sync::{fence, spin_loop, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+
+/// The waiter runs (or has not published a wait).
+pub(crate) const RUNNING: u8 = 0;
+/// The waiter is halted, or about to halt, waiting for `ticket` of `lock`.
+pub(crate) const HALTED: u8 = 1;
+/// An unlocker has kicked the waiter (it is waking up).
+pub(crate) const KICKED: u8 = 2;
+
+/// One vCPU's "halted waiting for ticket t of lock L" record.
+#[derive(Debug)]
+pub(crate) struct TicketWaitSlot {
+    lock: AtomicUsize,
+    ticket: AtomicU32,
+    state: AtomicU8,
+}
+
+impl TicketWaitSlot {
+    #[cfg(not(loom))]
+    pub(crate) const fn new() -> Self {
+        Self {
+            lock: AtomicUsize::new(0),
+            ticket: AtomicU32::new(0),
+            state: AtomicU8::new(RUNNING),
+        }
+    }
+
+    #[cfg(loom)]
+    pub(crate) fn new() -> Self {
+        Self {
+            lock: AtomicUsize::new(0),
+            ticket: AtomicU32::new(0),
+            state: AtomicU8::new(RUNNING),
+        }
+    }
+}
+
+/// A fair (FIFO) ticket lock with a paravirtual slow path.
+///
+/// Waiters spin [`SpinConfig::spin_threshold`](crate::SpinConfig) times, then publish that they
+/// halt waiting for their ticket and `pv_wait`. The unlocker kicks the vCPU holding the next
+/// ticket only if it published a halt, so an uncontended or briefly contended unlock costs no
+/// kick. Each vCPU waits for at most one PV ticket lock at a time (one waiting slot per vCPU);
+/// do not take one from an interrupt handler that can interrupt a waiting vCPU.
+///
+/// A vCPU whose id is not below the domain's `N` never halts: it spins (counted in
+/// [`PvDomain::bad_cpu_count`](crate::PvDomain::bad_cpu_count)).
+#[derive(Debug)]
+pub struct PvTicketLock {
+    /// The next ticket to hand out.
+    next: AtomicU32,
+    /// The ticket being served; only the holder writes it.
+    owner: AtomicU32,
+}
+
+impl PvTicketLock {
+    /// A new, unlocked lock.
+    #[cfg(not(loom))]
+    pub const fn new() -> Self {
+        Self {
+            next: AtomicU32::new(0),
+            owner: AtomicU32::new(0),
+        }
+    }
+
+    /// A new, unlocked lock.
+    #[cfg(loom)]
+    pub fn new() -> Self {
+        Self {
+            next: AtomicU32::new(0),
+            owner: AtomicU32::new(0),
+        }
+    }
+
+    /// How many callers hold or wait for the lock (a racy snapshot).
+    pub fn queue_len(&self) -> u32 {
+        let next = self.next.load(Ordering::Relaxed);
+        next.wrapping_sub(self.owner.load(Ordering::Relaxed))
+    }
+
+    fn id(&self) -> usize {
+        self as *const Self as usize
+    }
+
+    #[cold]
+    fn lock_slow<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
+        let me = if pv.config.halt { pv.this_cpu() } else { None };
+        loop {
+            for _ in 0..pv.config.spin_threshold {
+                if self.owner.load(Ordering::Acquire) == ticket {
+                    return;
+                }
+                spin_loop();
+            }
+            let Some((_, cpu)) = me else {
+                continue;
+            };
+            cpu.stats.slowpath();
+            let slot = &cpu.ticket;
+            slot.lock.store(self.id(), Ordering::Relaxed);
+            slot.ticket.store(ticket, Ordering::Relaxed);
+            slot.state.store(HALTED, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if self.owner.load(Ordering::Acquire) == ticket {
+                slot.state.store(RUNNING, Ordering::Relaxed);
+                return;
+            }
+            cpu.stats.halt();
+            pv.ops.wait(&slot.state, HALTED);
+            slot.state.store(RUNNING, Ordering::Relaxed);
+            if self.owner.load(Ordering::Acquire) == ticket {
+                return;
+            }
+            cpu.stats.spurious();
+        }
+    }
+
+    #[cold]
+    fn kick_next<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
+        let id = self.id();
+        let mut kicked = false;
+        for (index, cpu) in pv.cpus.iter().enumerate() {
+            let slot = &cpu.ticket;
+            if slot.state.load(Ordering::Acquire) != HALTED
+                || slot.lock.load(Ordering::Relaxed) != id
+                || slot.ticket.load(Ordering::Relaxed) != ticket
+            {
+                continue;
+            }
+            // Exactly one CPU holds `ticket`: whatever happens next, stop scanning.
+            if slot
+                .state
+                .compare_exchange(HALTED, KICKED, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                // `index < N <= MAX_CPUS`, so it fits.
+                pv.ops.kick(index as u32);
+                kicked = true;
+            }
+            break;
+        }
+        if let Some((_, me)) = pv.this_cpu() {
+            if kicked {
+                me.stats.kick();
+            } else {
+                me.stats.no_kick();
+            }
+        }
+    }
+}
+
+impl Default for PvTicketLock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// SAFETY: tickets are drawn with one atomic fetch_add, so each is unique; only the caller whose
+// ticket equals `owner` returns from `lock` (every return path has just read `owner == ticket`
+// with Acquire), and `owner` moves on only in `unlock` (Release).
+unsafe impl RawPvLock for PvTicketLock {
+    #[cfg(not(loom))]
+    const UNLOCKED: Self = Self::new();
+
+    fn lock<O: PvOps>(&self, pv: Pv<'_, O>) {
+        let ticket = self.next.fetch_add(1, Ordering::Relaxed);
+        if self.owner.load(Ordering::Acquire) != ticket {
+            self.lock_slow(pv, ticket);
+        }
+    }
+
+    fn try_lock<O: PvOps>(&self, _pv: Pv<'_, O>) -> bool {
+        let owner = self.owner.load(Ordering::Relaxed);
+        self.next
+            .compare_exchange(
+                owner,
+                owner.wrapping_add(1),
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    unsafe fn unlock<O: PvOps>(&self, pv: Pv<'_, O>) {
+        let served = self.owner.load(Ordering::Relaxed).wrapping_add(1);
+        self.owner.store(served, Ordering::Release);
+        if !pv.config.halt {
+            return;
+        }
+        fence(Ordering::SeqCst);
+        // Nobody has drawn ticket `served` yet: whoever draws it will see `owner == served`
+        // (the fences order our `owner` store before its re-check), so nobody needs a kick.
+        if self.next.load(Ordering::Relaxed) != served {
+            self.kick_next(pv, served);
+        }
+    }
+
+    fn is_locked(&self) -> bool {
+        self.queue_len() != 0
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::vec::Vec;
+
+    use super::*;
+    use crate::host::{bind_current_thread, HostPvOps};
+    use crate::pv::{PvDomain, SpinConfig};
+    use crate::tests_common::pv_hammer;
+
+    fn small() -> SpinConfig {
+        SpinConfig {
+            spin_threshold: 4,
+            halt: true,
+        }
+    }
+
+    #[test]
+    fn uncontended_lock_halts_and_kicks_nothing() {
+        let domain: PvDomain<HostPvOps<2>, 2> = PvDomain::new(HostPvOps::new(), small());
+        bind_current_thread(0);
+        let lock = PvTicketLock::new();
+        for _ in 0..10 {
+            lock.lock(domain.pv());
+            assert!(lock.is_locked());
+            assert!(!lock.try_lock(domain.pv()));
+            // SAFETY: we hold the lock.
+            unsafe { lock.unlock(domain.pv()) };
+        }
+        assert!(!lock.is_locked());
+        assert_eq!(domain.total_stats(), Default::default());
+        assert_eq!(domain.ops().stats().kicks, 0);
+    }
+
+    #[test]
+    fn excludes_and_halts_under_contention() {
+        let stats = pv_hammer::<PvTicketLock>(3, 300, small(), 0);
+        assert!(stats.halts > 0, "waiters never halted: {stats:?}");
+        assert_eq!(stats.kicks, stats.backend_kicks);
+    }
+
+    #[test]
+    fn excludes_with_spurious_wakeups() {
+        let stats = pv_hammer::<PvTicketLock>(3, 300, small(), 2);
+        assert!(stats.injected_spurious > 0, "{stats:?}");
+        assert!(stats.spurious > 0, "{stats:?}");
+    }
+
+    #[test]
+    fn unlocker_kicks_only_halted_waiter_in_ticket_order() {
+        // The holder lets four waiters queue, waits until each has halted, then unlocks:
+        // they must be served in ticket order, and each unlock kicks exactly the next one.
+        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), small()));
+        let lock = Arc::new(PvTicketLock::new());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let mut threads = Vec::new();
+        for id in 1..5u32 {
+            threads.push({
+                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(id);
+                    lock.lock(domain.pv());
+                    order.lock().unwrap().push(id);
+                    // SAFETY: this thread holds the lock.
+                    unsafe { lock.unlock(domain.pv()) };
+                })
+            });
+            // Wait (bounded) until this waiter has halted before letting the next one queue.
+            let mut tries = 0;
+            while domain.ops().parked(id) != 1 {
+                tries += 1;
+                assert!(tries < 20_000, "waiter {id} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+        let stats = domain.total_stats();
+        // Unlocks by 0, 1, 2, 3 kick 1, 2, 3, 4; the last unlock has no waiter and scans nothing.
+        assert_eq!(stats.kicks, 4, "{stats:?}");
+        assert_eq!(domain.ops().stats().kicks, 4);
+        assert_eq!(stats.halts, 4, "{stats:?}");
+        for cpu in 1..5 {
+            assert_eq!(domain.ops().kicks_to(cpu), 1, "cpu {cpu}");
+        }
+    }
+
+    #[test]
+    fn running_waiter_is_not_kicked() {
+        // A waiter that never halts (huge threshold) is never kicked.
+        let config = SpinConfig {
+            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+            halt: true,
+        };
+        let domain: Arc<PvDomain<HostPvOps<2>, 2>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), config));
+        let lock = Arc::new(PvTicketLock::new());
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(1);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        while lock.queue_len() != 2 {
+            std::thread::yield_now();
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        waiter.join().unwrap();
+        let stats = domain.total_stats();
+        // The waiter spins up to 2^24 times first; only a badly starved main thread lets it
+        // reach the halt path, and then exactly one kick is right.
+        if stats.slowpath == 0 {
+            assert_eq!((stats.kicks, stats.no_kick), (0, 1), "{stats:?}");
+        } else {
+            assert_eq!((stats.kicks, stats.no_kick), (1, 0), "{stats:?}");
+        }
+        assert_eq!(domain.ops().stats().kicks, stats.kicks);
+    }
+
+    #[test]
+    fn unlock_kicks_only_the_waiter_of_this_lock() {
+        // CPU 1 halts on lock B and CPU 2 on lock A, both for ticket 1: unlocking A must kick
+        // CPU 2 only, though CPU 1's slot holds the same ticket number.
+        let domain: Arc<PvDomain<HostPvOps<3>, 3>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), small()));
+        let (a, b) = (Arc::new(PvTicketLock::new()), Arc::new(PvTicketLock::new()));
+        bind_current_thread(0);
+        a.lock(domain.pv());
+        b.lock(domain.pv());
+        let spawn_waiter = |cpu: u32, lock: &Arc<PvTicketLock>| {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let on_b = spawn_waiter(1, &b);
+        let on_a = spawn_waiter(2, &a);
+        let mut tries = 0;
+        while domain.ops().parked(1) == 0 || domain.ops().parked(2) == 0 {
+            tries += 1;
+            assert!(tries < 20_000, "waiters never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // SAFETY: the main thread holds `a`.
+        unsafe { a.unlock(domain.pv()) };
+        on_a.join().unwrap();
+        assert_eq!(domain.ops().kicks_to(2), 1);
+        assert_eq!(
+            domain.ops().kicks_to(1),
+            0,
+            "woke the waiter of another lock"
+        );
+        // SAFETY: the main thread holds `b`.
+        unsafe { b.unlock(domain.pv()) };
+        on_b.join().unwrap();
+        assert_eq!(domain.ops().kicks_to(1), 1);
+        assert_eq!(domain.ops().stats().timeouts, 0);
+    }
+
+    #[test]
+    fn without_halting_it_is_a_plain_ticket_lock() {
+        let config = SpinConfig {
+            spin_threshold: 1,
+            halt: false,
+        };
+        let stats = pv_hammer::<PvTicketLock>(3, 100, config, 0);
+        assert_eq!(
+            (stats.slowpath, stats.halts, stats.kicks),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+    }
+
+    #[test]
+    fn tickets_wrap_around() {
+        let domain: PvDomain<HostPvOps<1>, 1> = PvDomain::new(HostPvOps::new(), small());
+        bind_current_thread(0);
+        let lock = PvTicketLock {
+            next: AtomicU32::new(u32::MAX),
+            owner: AtomicU32::new(u32::MAX),
+        };
+        for _ in 0..4 {
+            lock.lock(domain.pv());
+            // SAFETY: we hold the lock.
+            unsafe { lock.unlock(domain.pv()) };
+        }
+        assert_eq!(lock.owner.load(Ordering::Relaxed), 3);
+        assert!(!lock.is_locked());
+    }
+}

@@ -1,0 +1,92 @@
+//! The x86-64 guest half of pv_wait: halt with interrupts masked unless the condition changed.
+//!
+//! The guest's [`PvOps`] is [`HaltPvOps`] around a [`PvPlatform`] the embedding guest writes:
+//! `cpu_id` (its vCPU index) and `kick` (a doorbell write naming the target vCPU, encoded as
+//! `pvspin-abi` says). Not run in this crate's tests (HLT faults outside ring 0); it runs in
+//! the guest programs of `examples/pvspin-vmm`.
+
+use crate::pv::PvOps;
+use crate::sync::{AtomicU8, Ordering};
+
+/// What the embedding guest provides: its vCPU index and the kick doorbell.
+pub trait PvPlatform: Sync {
+    /// This vCPU's index, `0..N` of the [`PvDomain`](crate::PvDomain).
+    fn cpu_id(&self) -> u32;
+
+    /// Rings the kick doorbell for vCPU `cpu` (a single port or MMIO write; the host latches
+    /// the kick if `cpu` is not halted yet). Must not wait for the target.
+    fn kick(&self, cpu: u32);
+}
+
+/// `cli`; if `*ptr == val` then halt; restore the interrupt flag.
+///
+/// With interrupts enabled on entry it halts with `sti; hlt` (the STI shadow keeps an
+/// interrupt from landing between them), so interrupts still wake it; with interrupts
+/// disabled on entry it halts with IF=0, so only a kick (KVM's `pv_unhalted`, or the VMM's
+/// latch), an NMI or an SMI ends the halt. Either way the check and the halt run with
+/// interrupts masked, and a kick that arrives after the check is latched by the host, so no
+/// wakeup is lost.
+///
+/// # Safety
+///
+/// Must run at CPL 0 in a guest whose host latches kicks (pvspin's kick device, or KVM's
+/// `KVM_HC_KICK_CPU` / REMRD path).
+pub unsafe fn halt_if_eq(ptr: &AtomicU8, val: u8) {
+    let flags: u64;
+    // SAFETY: reads RFLAGS through the stack; no memory the compiler knows of is touched.
+    unsafe { core::arch::asm!("pushfq", "pop {}", out(reg) flags, options(preserves_flags)) };
+    let interrupts_were_on = flags & (1 << 9) != 0;
+    // SAFETY: the caller runs at CPL 0; CLI only masks interrupts. Not `nomem`, so the load
+    // below is not moved above it.
+    unsafe { core::arch::asm!("cli", options(nostack)) };
+    if ptr.load(Ordering::SeqCst) == val {
+        if interrupts_were_on {
+            // SAFETY: CPL 0; `sti; hlt` re-enables interrupts and halts in one shadow.
+            unsafe { core::arch::asm!("sti", "hlt", options(nostack)) };
+        } else {
+            // SAFETY: CPL 0; halts until a kick, NMI or SMI.
+            unsafe { core::arch::asm!("hlt", options(nostack)) };
+        }
+    } else if interrupts_were_on {
+        // SAFETY: CPL 0; restores the interrupt flag the caller had.
+        unsafe { core::arch::asm!("sti", options(nostack)) };
+    }
+}
+
+/// The guest's [`PvOps`]: [`halt_if_eq`] for `wait`, the platform for `cpu_id` and `kick`.
+#[derive(Debug)]
+pub struct HaltPvOps<P> {
+    platform: P,
+}
+
+impl<P> HaltPvOps<P> {
+    /// Wraps the guest's platform.
+    ///
+    /// # Safety
+    ///
+    /// Every `wait` through it runs [`halt_if_eq`]: the code must run at CPL 0 in a guest
+    /// whose host latches kicks.
+    pub const unsafe fn new(platform: P) -> Self {
+        Self { platform }
+    }
+
+    /// The platform.
+    pub fn platform(&self) -> &P {
+        &self.platform
+    }
+}
+
+impl<P: PvPlatform> PvOps for HaltPvOps<P> {
+    fn wait(&self, ptr: &AtomicU8, val: u8) {
+        // SAFETY: `HaltPvOps::new`'s contract: CPL 0, kicks latched by the host.
+        unsafe { halt_if_eq(ptr, val) };
+    }
+
+    fn kick(&self, cpu: u32) {
+        self.platform.kick(cpu);
+    }
+
+    fn cpu_id(&self) -> u32 {
+        self.platform.cpu_id()
+    }
+}
