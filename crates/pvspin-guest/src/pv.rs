@@ -287,7 +287,10 @@ impl PvCpu {
 #[derive(Debug)]
 pub struct PvDomain<O, const N: usize> {
     ops: O,
-    config: SpinConfig,
+    /// The spin policy, changeable at run time ([`PvDomain::configure`]): a guest learns its
+    /// thresholds at boot. Not part of any handshake, so plain `core` atomics.
+    spin_threshold: core::sync::atomic::AtomicU32,
+    halt: core::sync::atomic::AtomicBool,
     cpus: [PvCpu; N],
     /// Slow-path entries by a CPU whose id was not below `N` (it spins instead of halting).
     bad_cpu: AtomicU64,
@@ -320,7 +323,8 @@ impl<O, const N: usize> PvDomain<O, N> {
         }
         Self {
             ops,
-            config,
+            spin_threshold: core::sync::atomic::AtomicU32::new(config.spin_threshold),
+            halt: core::sync::atomic::AtomicBool::new(config.halt),
             cpus: [const { PvCpu::new() }; N],
             bad_cpu: AtomicU64::new(0),
         }
@@ -334,7 +338,8 @@ impl<O, const N: usize> PvDomain<O, N> {
         }
         Self {
             ops,
-            config,
+            spin_threshold: core::sync::atomic::AtomicU32::new(config.spin_threshold),
+            halt: core::sync::atomic::AtomicBool::new(config.halt),
             cpus: core::array::from_fn(|_| PvCpu::new()),
             bad_cpu: AtomicU64::new(0),
         }
@@ -350,7 +355,7 @@ impl<O, const N: usize> PvDomain<O, N> {
     pub fn pv(&self) -> Pv<'_, O> {
         Pv {
             ops: &self.ops,
-            config: self.config,
+            config: self.config(),
             cpus: &self.cpus,
             bad_cpu: &self.bad_cpu,
         }
@@ -363,7 +368,20 @@ impl<O, const N: usize> PvDomain<O, N> {
 
     /// The spin policy.
     pub fn config(&self) -> SpinConfig {
-        self.config
+        SpinConfig {
+            spin_threshold: self.spin_threshold.load(CoreOrdering::Relaxed),
+            halt: self.halt.load(CoreOrdering::Relaxed),
+        }
+    }
+
+    /// Replaces the spin policy (e.g. with thresholds the guest learned at boot). Lock
+    /// operations already under way finish with the policy they started with; both are safe.
+    pub fn configure(&self, config: SpinConfig) -> Result<(), PvConfigError> {
+        let config = config.validate()?;
+        self.spin_threshold
+            .store(config.spin_threshold, CoreOrdering::Relaxed);
+        self.halt.store(config.halt, CoreOrdering::Relaxed);
+        Ok(())
     }
 
     /// The counters of vCPU `cpu`, if it exists.

@@ -240,6 +240,24 @@ mod tests {
     }
 
     #[test]
+    fn spin_policy_can_be_replaced_at_run_time() {
+        let domain: PvDomain<HostPvOps<2>, 2> = PvDomain::new(HostPvOps::new(), small());
+        let plain = SpinConfig {
+            spin_threshold: 7,
+            halt: false,
+        };
+        domain.configure(plain).unwrap();
+        assert_eq!(domain.config(), plain);
+        assert_eq!(domain.pv().config, plain);
+        let zero = SpinConfig {
+            spin_threshold: 0,
+            halt: true,
+        };
+        assert!(domain.configure(zero).is_err());
+        assert_eq!(domain.config(), plain, "a refused policy changes nothing");
+    }
+
+    #[test]
     fn uncontended_lock_halts_and_kicks_nothing() {
         let domain: PvDomain<HostPvOps<2>, 2> = PvDomain::new(HostPvOps::new(), small());
         bind_current_thread(0);
