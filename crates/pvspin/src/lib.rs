@@ -380,7 +380,8 @@ impl PvSpin {
     pub fn interrupt(&self, index: usize) {
         if index < self.vcpus() {
             if let Some(kick) = self.kick.get() {
-                kick.device.interrupt(u32::try_from(index).unwrap_or(u32::MAX));
+                kick.device
+                    .interrupt(u32::try_from(index).unwrap_or(u32::MAX));
             }
             self.interrupter.interrupt(index);
         }

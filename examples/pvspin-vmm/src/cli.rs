@@ -64,6 +64,38 @@ pub enum LockArg {
     Ticket,
     /// Unfair test-and-test-and-set lock.
     Tas,
+    /// MCS queued lock (each waiter spins on its own node).
+    Queued,
+}
+
+/// Paravirtual locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PvArg {
+    /// Plain spinning.
+    Off,
+    /// Halt past the spin threshold; the unlocker kicks the next waiter (pvspin's doorbell).
+    Kick,
+}
+
+/// Kick wake paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KickPathArg {
+    /// ioeventfd + irqfd to a REMRD MSI: no exit to the VMM.
+    InKernel,
+    /// The doorbell exits; the VMM sends the REMRD MSI with KVM_SIGNAL_MSI.
+    SignalMsi,
+    /// No in-kernel irqchip: halts exit and park the vCPU thread on a latch.
+    Userspace,
+}
+
+impl From<KickPathArg> for pvspin::KickPath {
+    fn from(arg: KickPathArg) -> Self {
+        match arg {
+            KickPathArg::InKernel => pvspin::KickPath::InKernel,
+            KickPathArg::SignalMsi => pvspin::KickPath::SignalMsi,
+            KickPathArg::Userspace => pvspin::KickPath::Userspace,
+        }
+    }
 }
 
 impl From<LockArg> for LockKind {
@@ -71,6 +103,7 @@ impl From<LockArg> for LockKind {
         match arg {
             LockArg::Ticket => LockKind::Ticket,
             LockArg::Tas => LockKind::Tas,
+            LockArg::Queued => LockKind::Queued,
         }
     }
 }
@@ -87,6 +120,15 @@ pub struct VmArgs {
     /// Lock taken by the lock workload.
     #[arg(long, value_enum, default_value_t = LockArg::Ticket)]
     pub lock: LockArg,
+    /// Paravirtual locks.
+    #[arg(long, value_enum, default_value_t = PvArg::Off)]
+    pub pv: PvArg,
+    /// How a kick wakes a halted vCPU (with --pv kick).
+    #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
+    pub kick_path: KickPathArg,
+    /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
+    #[arg(long, default_value_t = 128)]
+    pub spin_threshold: u32,
     /// Lock acquisitions per vCPU.
     #[arg(long, default_value_t = 2000)]
     pub iterations: u64,
@@ -199,6 +241,12 @@ impl VmArgs {
             echo_console: !self.quiet,
             cpuid_leaves: std::array::from_fn(|i| self.cpuid_leaves.get(i).copied().unwrap_or(0)),
             placement: self.placement,
+            pv: match self.pv {
+                PvArg::Off => crate::config::PvMode::Off,
+                PvArg::Kick => crate::config::PvMode::Kick,
+            },
+            kick_path: self.kick_path.into(),
+            spin_threshold: self.spin_threshold,
         }
     }
 }

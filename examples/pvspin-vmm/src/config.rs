@@ -1,7 +1,7 @@
 //! The run configuration and its validation.
 
 use pvspin_vmm_proto::{
-    min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_VCPUS,
+    min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_PV_VCPUS, MAX_VCPUS,
 };
 
 /// Everything one run needs.
@@ -33,6 +33,22 @@ pub struct RunConfig {
     pub cpuid_leaves: [u32; CPUID_QUERIES],
     /// Where the vCPUs run, for KVM's paravirt plan (`None`: no plan, CPUID passed through).
     pub placement: Option<pvspin::Placement>,
+    /// Paravirtual locks in the guest.
+    pub pv: PvMode,
+    /// How kicks wake halted vCPUs (with `pv: Kick`).
+    pub kick_path: pvspin::KickPath,
+    /// PV locks: spins before a waiter halts.
+    pub spin_threshold: u32,
+}
+
+/// Whether the guest's locks are paravirtual.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PvMode {
+    /// Plain spinning locks.
+    Off,
+    /// Waiters halt past the spin threshold; the unlocker kicks the next one through pvspin's
+    /// doorbell.
+    Kick,
 }
 
 impl Default for RunConfig {
@@ -51,6 +67,9 @@ impl Default for RunConfig {
             echo_console: true,
             cpuid_leaves: [0x4000_0000, 0x4000_0001, 0, 0],
             placement: None,
+            pv: PvMode::Off,
+            kick_path: pvspin::KickPath::InKernel,
+            spin_threshold: 128,
         }
     }
 }
@@ -95,6 +114,27 @@ pub enum ConfigError {
     /// A zero watchdog or timeout would fail every run.
     #[error("--watchdog-ms and --timeout-ms must be at least 1")]
     ZeroBound,
+    /// The TAS lock has no PV variant.
+    #[error(
+        "--pv kick needs --lock ticket or --lock queued (the tas lock has no paravirtual variant)"
+    )]
+    NoPvVariant,
+    /// The guest's PV lock domain is fixed-size.
+    #[error("--lock queued and --pv kick support at most {max} vCPUs (the guest's PV lock domain), got {got}")]
+    TooManyPvVcpus {
+        /// What was asked for.
+        got: u32,
+        /// The maximum.
+        max: u32,
+    },
+    /// A spin threshold of 0 or beyond the PV locks' maximum.
+    #[error("--spin-threshold must be between 1 and {max}, got {got}")]
+    SpinThreshold {
+        /// What was asked for.
+        got: u32,
+        /// The maximum.
+        max: u32,
+    },
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -104,6 +144,9 @@ pub enum ConfigError {
         max: u32,
     },
 }
+
+/// The largest spin threshold the guest's PV locks accept.
+pub const MAX_SPIN_THRESHOLD: u32 = 1 << 24;
 
 /// The most CPU-hog threads a run may start.
 pub const MAX_HOGS: u32 = 256;
@@ -141,6 +184,21 @@ impl RunConfig {
         }
         if self.watchdog_ms == 0 || self.timeout_ms == 0 {
             return Err(ConfigError::ZeroBound);
+        }
+        if self.pv == PvMode::Kick && self.lock == LockKind::Tas {
+            return Err(ConfigError::NoPvVariant);
+        }
+        if (self.pv == PvMode::Kick || self.lock == LockKind::Queued) && self.vcpus > MAX_PV_VCPUS {
+            return Err(ConfigError::TooManyPvVcpus {
+                got: self.vcpus,
+                max: MAX_PV_VCPUS,
+            });
+        }
+        if self.spin_threshold == 0 || self.spin_threshold > MAX_SPIN_THRESHOLD {
+            return Err(ConfigError::SpinThreshold {
+                got: self.spin_threshold,
+                max: MAX_SPIN_THRESHOLD,
+            });
         }
         if self.hogs > MAX_HOGS {
             return Err(ConfigError::TooManyHogs {
@@ -222,6 +280,31 @@ mod tests {
                 ..base.clone()
             }),
             ConfigError::TooManyHogs { .. }
+        ));
+        assert_eq!(
+            check(RunConfig {
+                pv: PvMode::Kick,
+                lock: LockKind::Tas,
+                ..base.clone()
+            }),
+            ConfigError::NoPvVariant
+        );
+        assert!(matches!(
+            RunConfig {
+                pv: PvMode::Kick,
+                vcpus: 17,
+                mem_mib: 64,
+                ..base.clone()
+            }
+            .validate(1024),
+            Err(ConfigError::TooManyPvVcpus { got: 17, .. })
+        ));
+        assert!(matches!(
+            check(RunConfig {
+                spin_threshold: 0,
+                ..base.clone()
+            }),
+            ConfigError::SpinThreshold { got: 0, .. }
         ));
         // The protocol's limit applies even when KVM allows more.
         assert!(RunConfig {

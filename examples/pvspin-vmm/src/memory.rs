@@ -134,12 +134,11 @@ pub fn write_boot_params(
 ) -> Result<(), MemoryError> {
     write(memory, "boot parameters", BOOT_PARAMS_ADDR, Pod(*params))?;
     for index in 0..vcpus {
-        write(
-            memory,
-            "vCPU slot",
-            vcpu_slot_addr(index),
-            Pod(VcpuSlot::default()),
-        )?;
+        let slot = VcpuSlot {
+            index: u64::from(index),
+            ..VcpuSlot::default()
+        };
+        write(memory, "vCPU slot", vcpu_slot_addr(index), Pod(slot))?;
     }
     Ok(())
 }
@@ -171,8 +170,9 @@ unsafe impl vm_memory::ByteValued for Pod<BootParams> {}
 // SAFETY: as above.
 unsafe impl vm_memory::ByteValued for Pod<VcpuSlot> {}
 
-/// The special registers every vCPU starts with: 64-bit mode, CPL 0, paging on.
-pub fn initial_sregs(mut sregs: kvm_sregs) -> kvm_sregs {
+/// The special registers vCPU `index` starts with: 64-bit mode, CPL 0, paging on, and GS
+/// based at its progress slot (the guest's per-CPU data: it reads its index there).
+pub fn initial_sregs(mut sregs: kvm_sregs, index: u32) -> kvm_sregs {
     let code = kvm_segment {
         base: 0,
         limit: 0xffff_ffff,
@@ -197,7 +197,10 @@ pub fn initial_sregs(mut sregs: kvm_sregs) -> kvm_sregs {
     sregs.ds = data;
     sregs.es = data;
     sregs.fs = data;
-    sregs.gs = data;
+    sregs.gs = kvm_segment {
+        base: vcpu_slot_addr(index),
+        ..data
+    };
     sregs.ss = data;
     sregs.gdt.base = GDT_ADDR;
     sregs.gdt.limit = u16::try_from(GDT.len() * 8 - 1).unwrap_or(u16::MAX);
@@ -248,7 +251,7 @@ mod tests {
         };
         write_boot_params(&memory, &params, 3).unwrap();
         assert_eq!(read_boot_params(&memory), Some(params));
-        assert_eq!(read_slot(&memory, 2), Some(VcpuSlot::default()));
+        assert_eq!(read_slot(&memory, 2).map(|slot| slot.index), Some(2));
     }
 
     #[test]
@@ -262,8 +265,9 @@ mod tests {
 
     #[test]
     fn initial_state_is_long_mode() {
-        let sregs = initial_sregs(kvm_sregs::default());
+        let sregs = initial_sregs(kvm_sregs::default(), 3);
         assert_eq!(sregs.cs.l, 1);
+        assert_eq!(sregs.gs.base, vcpu_slot_addr(3));
         assert_eq!(sregs.efer & EFER_LMA, EFER_LMA);
         let regs = initial_regs(1, 0x20_1000);
         assert_eq!(regs.rdi, 1);

@@ -108,6 +108,18 @@ pub struct RunReport {
     pub wall_seconds: f64,
     /// Guest accesses to ports no device decodes.
     pub unknown_port_accesses: u64,
+    /// Whether the guest's locks were paravirtual, and how kicks travelled.
+    pub pv: &'static str,
+    /// PV locks (summed over vCPUs): waiters past the spin threshold.
+    pub pv_slow_paths: u64,
+    /// PV locks: halts.
+    pub pv_halts: u64,
+    /// PV locks: kicks the guest sent.
+    pub pv_kicks: u64,
+    /// PV locks: wake-ups that found the lock not yet theirs.
+    pub pv_spurious_wakeups: u64,
+    /// Kicks the host's kick device saw (none on the in-kernel path, whose kicks never exit).
+    pub host_kicks: Option<u64>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -154,6 +166,17 @@ impl RunReport {
             acquisitions_per_sec: result.acquisitions_per_sec,
             wall_seconds: wall.as_secs_f64(),
             unknown_port_accesses: bus.unknown_port_accesses(),
+            pv: match (config.pv, config.kick_path) {
+                (crate::config::PvMode::Off, _) => "off",
+                (crate::config::PvMode::Kick, pvspin::KickPath::InKernel) => "kick/in-kernel",
+                (crate::config::PvMode::Kick, pvspin::KickPath::SignalMsi) => "kick/signal-msi",
+                (crate::config::PvMode::Kick, pvspin::KickPath::Userspace) => "kick/userspace",
+            },
+            pv_slow_paths: result.pv_slow_paths,
+            pv_halts: result.pv_halts,
+            pv_kicks: result.pv_kicks,
+            pv_spurious_wakeups: result.pv_spurious_wakeups,
+            host_kicks: None,
             cpuid: params
                 .cpuid_leaves
                 .iter()
@@ -182,8 +205,9 @@ impl RunReport {
             );
         }
         format!(
-            "pvspin-vmm: lock {} on {} vCPUs with {} hogs, {} x {} acquisitions (cs {}, ncs {}): counter {} {} {}, {:.3} s guest time, {} acquisitions/s (wall {:.3} s)",
+            "pvspin-vmm: lock {} (pv {}) on {} vCPUs with {} hogs, {} x {} acquisitions (cs {}, ncs {}): counter {} {} {}, {:.3} s guest time, {} acquisitions/s, {} halts, {} kicks (wall {:.3} s)",
             self.lock,
+            self.pv,
             self.vcpus,
             self.hogs,
             self.vcpus,
@@ -195,6 +219,8 @@ impl RunReport {
             self.expected,
             self.guest_seconds,
             self.acquisitions_per_sec,
+            self.pv_halts,
+            self.pv_kicks,
             self.wall_seconds
         )
     }

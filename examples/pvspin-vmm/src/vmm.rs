@@ -15,7 +15,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::config::{ConfigError, RunConfig};
+use crate::config::{ConfigError, PvMode, RunConfig};
 use crate::devices::{ConsoleSink, IoBus};
 use crate::memory::{self, GuestMemory, MemoryError};
 use crate::report::{RunReport, VcpuReport};
@@ -321,6 +321,12 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .and_then(|n| u32::try_from(n.get()).ok());
         builder = builder.paravirt(request);
     }
+    if config.pv == PvMode::Kick {
+        builder = builder.kick(pvspin::KickOptions {
+            path: config.kick_path,
+            park_spin: Duration::ZERO,
+        });
+    }
     let pvspin = builder
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
@@ -364,12 +370,15 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             ));
         }
         let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
-        vcpu.set_sregs(&memory::initial_sregs(sregs))
+        vcpu.set_sregs(&memory::initial_sregs(sregs, index))
             .map_err(setup_err("KVM_SET_SREGS"))?;
         vcpu.set_regs(&memory::initial_regs(index, entry))
             .map_err(setup_err("KVM_SET_REGS"))?;
         vcpus.push((vcpu, hooks));
     }
+    pvspin
+        .vcpus_created(vcpus.iter().map(|(vcpu, _)| vcpu))
+        .map_err(pvspin_error)?;
     let tsc_khz = vcpus
         .first()
         .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
@@ -387,6 +396,11 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             ncs_work: config.ncs_work,
             tsc_khz,
             cpuid_leaves: config.cpuid_leaves,
+            pv: match config.pv {
+                PvMode::Off => pvspin_vmm_proto::PV_OFF,
+                PvMode::Kick => pvspin_vmm_proto::PV_KICK,
+            },
+            spin_threshold: config.spin_threshold,
             result: Default::default(),
         },
         config.vcpus,
@@ -471,6 +485,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     // Stop every vCPU (each leaves KVM_RUN or its halt), then join. Kicks happen only before
     // the joins, so every kicked thread still exists.
     stopping.store(true, Ordering::Release);
+    pvspin.shutdown();
     for vcpu in &shared {
         vcpu.kick();
     }
@@ -483,6 +498,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     }
     hogs.stop();
     let telemetry = pvspin.telemetry();
+    let kick_stats = pvspin.kick_stats();
     let reports: Vec<VcpuReport> = shared
         .iter()
         .map(|vcpu| VcpuReport::collect(vcpu, &memory, pvspin.vcpu_counters(vcpu.index as usize)))
@@ -535,6 +551,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     );
     report.plan = plan_lines;
     report.telemetry = Some(telemetry);
+    report.host_kicks = kick_stats.map(|stats| stats.kicks);
     Ok(report)
 }
 
@@ -588,5 +605,6 @@ pub fn lock_name(lock: LockKind) -> &'static str {
     match lock {
         LockKind::Ticket => "ticket",
         LockKind::Tas => "tas",
+        LockKind::Queued => "queued",
     }
 }

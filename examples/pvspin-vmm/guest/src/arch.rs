@@ -63,3 +63,4 @@ pub fn cpuid(leaf: u32) -> [u32; 4] {
     }
     [eax, ebx, ecx, edx]
 }
+

@@ -10,14 +10,17 @@
 
 mod arch;
 mod console;
+mod pv;
 mod rt;
 
 use core::hint::black_box;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use pvspin_guest::{RawSpinLock, SpinMutex, TasLock, TicketLock};
+use pvspin_guest::{
+    RawSpinLock, SpinMutex, StaticPvQueuedLock, StaticPvTicketLock, TasLock, TicketLock,
+};
 use pvspin_vmm_proto::{
-    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
+    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_KICK, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
 
@@ -33,6 +36,8 @@ static START_TSC: AtomicU64 = AtomicU64::new(0);
 
 static TICKET_COUNTER: SpinMutex<TicketLock, u64> = SpinMutex::new(0);
 static TAS_COUNTER: SpinMutex<TasLock, u64> = SpinMutex::new(0);
+static PV_TICKET_COUNTER: SpinMutex<StaticPvTicketLock<pv::GuestPv>, u64> = SpinMutex::new(0);
+static PV_QUEUED_COUNTER: SpinMutex<StaticPvQueuedLock<pv::GuestPv>, u64> = SpinMutex::new(0);
 
 /// Entry point of every vCPU: `rdi` = vCPU index, `rsi` = boot parameters.
 #[no_mangle]
@@ -56,14 +61,33 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             heartbeat(vcpu);
             finish(vcpu, &boot, params, None)
         }
-        Some(Workload::Lock) => match LockKind::from_u32(boot.lock) {
-            Some(LockKind::Ticket) => lock_workload(vcpu, &boot, params, &TICKET_COUNTER),
-            Some(LockKind::Tas) => lock_workload(vcpu, &boot, params, &TAS_COUNTER),
-            None => {
-                outl(EXIT_PORT, status::BAD_PARAMS);
-                halt_forever()
+        Some(Workload::Lock) => {
+            let lock = LockKind::from_u32(boot.lock);
+            let uses_pv_domain = boot.pv == PV_KICK || lock == Some(LockKind::Queued);
+            if uses_pv_domain {
+                if let Err(code) = setup_pv(vcpu, &boot) {
+                    outl(EXIT_PORT, code);
+                    halt_forever();
+                }
             }
-        },
+            match (lock, boot.pv) {
+                (Some(LockKind::Ticket), PV_OFF) => {
+                    lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
+                }
+                (Some(LockKind::Tas), PV_OFF) => lock_workload(vcpu, &boot, params, &TAS_COUNTER),
+                (Some(LockKind::Ticket), PV_KICK) => {
+                    lock_workload(vcpu, &boot, params, &PV_TICKET_COUNTER)
+                }
+                // With PV off the queued lock's waiters never halt: a plain MCS lock.
+                (Some(LockKind::Queued), PV_OFF | PV_KICK) => {
+                    lock_workload(vcpu, &boot, params, &PV_QUEUED_COUNTER)
+                }
+                _ => {
+                    outl(EXIT_PORT, status::BAD_PARAMS);
+                    halt_forever()
+                }
+            }
+        }
         Some(Workload::Spin) => {
             if vcpu == 0 {
                 // Spins without ever reporting progress: the watchdog must catch this.
@@ -116,6 +140,25 @@ fn report_cpuid(boot: &BootParams, params: *mut BootParams) {
     // SAFETY: only vCPU 0 writes this field, before it finishes; the VMM reads it after the
     // run ended.
     unsafe { core::ptr::addr_of_mut!((*params).result.cpuid).write_volatile(seen) };
+}
+
+/// Finds pvspin (with PV on) and applies the spin policy to the PV lock domain.
+fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
+    let halt = boot.pv == PV_KICK;
+    if halt {
+        match pv::discover() {
+            Ok(info) if info.nr_vcpus >= boot.vcpus => {}
+            _ => return Err(status::NO_PVSPIN),
+        }
+    }
+    // The PV locks learn "which vCPU am I" through GS; it must agree with the boot index.
+    if pvspin_guest::x86::PvPlatform::cpu_id(&pv::Platform) != vcpu {
+        return Err(status::BAD_PARAMS);
+    }
+    if vcpu >= MAX_PV_VCPUS || !pv::configure(boot.spin_threshold, halt) {
+        return Err(status::BAD_PARAMS);
+    }
+    Ok(())
 }
 
 /// This vCPU's progress slot, shared with the VMM's watchdog.
@@ -184,6 +227,7 @@ fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option
         let expected = u64::from(boot.vcpus) * boot.iterations;
         let elapsed = now.saturating_sub(START_TSC.load(Ordering::Acquire)).max(1);
         // acquisitions / (elapsed / (tsc_khz * 1000)), in integers: no floats in the guest.
+        let pv_stats = pv::PV.total_stats();
         let rate = (u128::from(expected) * u128::from(boot.tsc_khz) * 1000 / u128::from(elapsed))
             .min(u128::from(u64::MAX)) as u64;
         let result = RunResult {
@@ -192,6 +236,10 @@ fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option
             elapsed_tsc: elapsed,
             acquisitions_per_sec: rate,
             cpuid: boot.result.cpuid,
+            pv_slow_paths: pv_stats.slowpath,
+            pv_halts: pv_stats.halts,
+            pv_kicks: pv_stats.kicks,
+            pv_spurious_wakeups: pv_stats.spurious,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

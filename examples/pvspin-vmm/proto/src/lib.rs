@@ -99,6 +99,8 @@ pub enum LockKind {
     Ticket = 1,
     /// `pvspin_guest::TasLock`.
     Tas = 2,
+    /// `pvspin_guest::PvQueuedLock` (an MCS lock; with PV off its waiters never halt).
+    Queued = 3,
 }
 
 impl LockKind {
@@ -107,6 +109,7 @@ impl LockKind {
         Some(match value {
             1 => Self::Ticket,
             2 => Self::Tas,
+            3 => Self::Queued,
             _ => return None,
         })
     }
@@ -122,7 +125,17 @@ pub mod status {
     pub const BAD_PARAMS: u32 = 2;
     /// The guest panicked.
     pub const PANIC: u32 = 3;
+    /// PV locks were asked for, but the host advertises no usable pvspin kick device.
+    pub const NO_PVSPIN: u32 = 4;
 }
+
+/// [`BootParams::pv`]: plain spinning locks.
+pub const PV_OFF: u32 = 0;
+/// [`BootParams::pv`]: PV locks that halt past the spin threshold and are kicked at unlock.
+pub const PV_KICK: u32 = 1;
+
+/// The most vCPUs the guest's PV lock domain has per-vCPU state for.
+pub const MAX_PV_VCPUS: u32 = 16;
 
 /// Parameters the VMM writes before the vCPUs start; the guest only reads them.
 #[repr(C)]
@@ -148,6 +161,10 @@ pub struct BootParams {
     pub tsc_khz: u64,
     /// CPUID leaves the [`Workload::Cpuid`] workload executes (0 = unused).
     pub cpuid_leaves: [u32; CPUID_QUERIES],
+    /// [`PV_OFF`] or [`PV_KICK`].
+    pub pv: u32,
+    /// PV locks: spins before a waiter halts.
+    pub spin_threshold: u32,
     /// Results written by the guest.
     pub result: RunResult,
 }
@@ -166,6 +183,14 @@ pub struct RunResult {
     pub acquisitions_per_sec: u64,
     /// `[eax, ebx, ecx, edx]` of each of [`BootParams::cpuid_leaves`], as vCPU 0 saw them.
     pub cpuid: [[u32; 4]; CPUID_QUERIES],
+    /// PV locks, summed over vCPUs: waiters that went past the spin threshold.
+    pub pv_slow_paths: u64,
+    /// PV locks: halts.
+    pub pv_halts: u64,
+    /// PV locks: kicks sent.
+    pub pv_kicks: u64,
+    /// PV locks: wake-ups that found the lock not yet theirs.
+    pub pv_spurious_wakeups: u64,
 }
 
 /// How many CPUID leaves the [`Workload::Cpuid`] workload can report.
@@ -181,9 +206,12 @@ pub struct VcpuSlot {
     pub acquisitions: u64,
     /// TSC when this vCPU finished its share (0 while running).
     pub finish_tsc: u64,
-    /// Reserved, zero.
-    pub reserved: u64,
+    /// The vCPU's index, written by the VMM; the guest reads it through GS (its per-CPU base).
+    pub index: u64,
 }
+
+/// Byte offset of [`VcpuSlot::index`], for `mov gs:[offset]`.
+pub const VCPU_SLOT_INDEX_OFFSET: usize = core::mem::offset_of!(VcpuSlot, index);
 
 /// GPA of vCPU `index`'s slot.
 pub const fn vcpu_slot_addr(index: u32) -> u64 {
@@ -202,8 +230,8 @@ const _: () = {
     assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
     assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
-    assert!(size_of::<BootParams>() == 72 + size_of::<RunResult>());
-    assert!(size_of::<RunResult>() == 32 + 16 * CPUID_QUERIES);
+    assert!(size_of::<BootParams>() == 80 + size_of::<RunResult>());
+    assert!(size_of::<RunResult>() == 64 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
