@@ -36,9 +36,8 @@ impl VmMsiSink {
             )));
         }
         // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        Ok(Self {
-            vm: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let vm = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { vm })
     }
 }
 
