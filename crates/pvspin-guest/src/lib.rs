@@ -96,6 +96,21 @@
 //! RUSTFLAGS="--cfg loom" cargo test -p pvspin-guest --release loom
 //! ```
 //!
+//! # Tests and benchmarks
+//!
+//! ```text
+//! cargo test -p pvspin-guest                  # host threads on the host backend
+//! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test -p pvspin-guest --release loom   # the loom models, about 25 s
+//! cargo bench -p pvspin-guest --features std --bench pv_locks        # uncontended fast path
+//! cargo bench -p pvspin-guest --features std --bench oversubscribed  # 4 threads on fewer cores
+//! ```
+//!
+//! The host tests check exclusion (torn read-modify-writes), FIFO order, that the unlocker
+//! kicks exactly the halted next waiter (and never a running one, nor the waiter of another
+//! lock), that injected spurious wakeups change nothing, and that a kick before the wait is
+//! remembered; the host backend counts a park that waited 5 s for a kick as a lost wakeup.
+//!
 //! # Not implemented yet
 //!
 //! Spin notifications and hint-page writes (need the ABI), lock stealing in the queued lock,
