@@ -88,7 +88,8 @@
 //!
 //! Both PV locks use the same handshake: the waiter stores Halted, `fence(SeqCst)`, re-checks
 //! its lock condition and only then `pv_wait`s on its state byte; the unlocker stores the
-//! handover, `fence(SeqCst)`, and kicks if it sees Halted. The loom model (`src/loom_tests.rs`)
+//! handover, `fence(SeqCst)`, and kicks if it sees Halted (on x86-64 the fence is a locked OR,
+//! never MFENCE, which KVM's instruction emulator may not handle). The loom model (`src/loom_tests.rs`)
 //! runs the real lock code on the loom-modelled `host::HostPvOps` latch and checks every
 //! interleaving for a lost wakeup (a deadlock), a double holder and data races:
 //!
