@@ -23,7 +23,7 @@
 //! vCPU may hold or await at most [`NODES_PER_CPU`](crate::NODES_PER_CPU) queued locks at once.
 
 use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, NODES_PER_CPU};
-use crate::sync::{fence, spin_loop, AtomicU32, AtomicU8, Ordering};
+use crate::sync::{full_fence, spin_loop, AtomicU32, AtomicU8, Ordering};
 
 /// The node's vCPU is running (spinning, or not waiting).
 const RUNNING: u8 = 0;
@@ -152,7 +152,7 @@ impl PvQueuedLock {
             }
             cpu.stats.slowpath();
             node.state.store(HALTED, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            full_fence();
             if node.locked.load(Ordering::Acquire) != 0 {
                 node.state.store(RUNNING, Ordering::Relaxed);
                 return;
@@ -241,7 +241,7 @@ unsafe impl RawPvLock for PvQueuedLock {
         if !pv.config.halt {
             return;
         }
-        fence(Ordering::SeqCst);
+        full_fence();
         if successor.state.load(Ordering::Relaxed) == HALTED
             && successor
                 .state
