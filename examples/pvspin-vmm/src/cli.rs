@@ -42,6 +42,9 @@ pub enum WorkloadArg {
     Hypercall,
     /// vCPU 0 executes CPUID for --cpuid-leaves and reports what it saw.
     Cpuid,
+    /// A token goes around the vCPUs --iterations times, one pv_kick and one pv_wait per
+    /// handoff, with random delays up to --ncs-work units; reports kick-to-wake latency.
+    Pingpong,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -53,6 +56,7 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Fault => Workload::Fault,
             WorkloadArg::Hypercall => Workload::Hypercall,
             WorkloadArg::Cpuid => Workload::Cpuid,
+            WorkloadArg::Pingpong => Workload::PingPong,
         }
     }
 }
@@ -129,6 +133,12 @@ pub struct VmArgs {
     /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
     #[arg(long, default_value_t = 128)]
     pub spin_threshold: u32,
+    /// KVM's halt-polling limit for this VM in ns (0: no polling; default: the host's).
+    #[arg(long)]
+    pub halt_poll_ns: Option<u32>,
+    /// Userspace kick path: spin this long on the latch before sleeping.
+    #[arg(long, default_value_t = 0)]
+    pub park_spin_us: u64,
     /// Lock acquisitions per vCPU.
     #[arg(long, default_value_t = 2000)]
     pub iterations: u64,
@@ -247,6 +257,8 @@ impl VmArgs {
             },
             kick_path: self.kick_path.into(),
             spin_threshold: self.spin_threshold,
+            halt_poll_ns: self.halt_poll_ns,
+            park_spin_us: self.park_spin_us,
         }
     }
 }

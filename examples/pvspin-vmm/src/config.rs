@@ -39,6 +39,10 @@ pub struct RunConfig {
     pub kick_path: pvspin::KickPath,
     /// PV locks: spins before a waiter halts.
     pub spin_threshold: u32,
+    /// KVM's per-VM halt-polling limit in ns (`None`: the host's default).
+    pub halt_poll_ns: Option<u32>,
+    /// Userspace kick path: spin this long on the latch before sleeping.
+    pub park_spin_us: u64,
 }
 
 /// Whether the guest's locks are paravirtual.
@@ -70,6 +74,8 @@ impl Default for RunConfig {
             pv: PvMode::Off,
             kick_path: pvspin::KickPath::InKernel,
             spin_threshold: 128,
+            halt_poll_ns: None,
+            park_spin_us: 0,
         }
     }
 }
@@ -135,6 +141,9 @@ pub enum ConfigError {
         /// The maximum.
         max: u32,
     },
+    /// Ping-pong measures kicks, so it needs PV and a partner.
+    #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
+    PingPongNeedsPv,
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -199,6 +208,11 @@ impl RunConfig {
                 got: self.spin_threshold,
                 max: MAX_SPIN_THRESHOLD,
             });
+        }
+        if self.workload == Workload::PingPong
+            && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
+        {
+            return Err(ConfigError::PingPongNeedsPv);
         }
         if self.hogs > MAX_HOGS {
             return Err(ConfigError::TooManyHogs {
