@@ -82,6 +82,7 @@ fn pingpong(path: KickPath, handoffs: u64) -> RunConfig {
         vcpus: 2,
         workload: Workload::PingPong,
         iterations: handoffs,
+        cs_work: 0,
         ncs_work: 20,
         pv: PvMode::Kick,
         kick_path: path,

@@ -43,7 +43,8 @@ pub enum WorkloadArg {
     /// vCPU 0 executes CPUID for --cpuid-leaves and reports what it saw.
     Cpuid,
     /// A token goes around the vCPUs --iterations times, one pv_kick and one pv_wait per
-    /// handoff, with random delays up to --ncs-work units; reports kick-to-wake latency.
+    /// handoff; --cs-work units plus a random 0..=--ncs-work before each kick, a random
+    /// 0..=--ncs-work before each wait; reports kick-to-wake latency.
     Pingpong,
 }
 

@@ -211,8 +211,8 @@ impl RunReport {
                 || "no kick-to-wake samples".to_string(),
                 |l| {
                     format!(
-                        "kick-to-wake p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, max {:.1} us ({} samples)",
-                        l.p50_us, l.p90_us, l.p99_us, l.max_us, l.samples
+                        "kick-to-wake min {:.1} us, p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, max {:.1} us ({} samples)",
+                        l.min_us, l.p50_us, l.p90_us, l.p99_us, l.max_us, l.samples
                     )
                 },
             );
@@ -268,6 +268,8 @@ impl RunReport {
 pub struct LatencySummary {
     /// Number of samples.
     pub samples: usize,
+    /// Smallest sample, in microseconds.
+    pub min_us: f64,
     /// Median, in microseconds.
     pub p50_us: f64,
     /// 90th percentile.
@@ -292,6 +294,7 @@ impl LatencySummary {
         };
         Some(Self {
             samples: cycles.len(),
+            min_us: to_us(cycles[0]),
             p50_us: at(0.50),
             p90_us: at(0.90),
             p99_us: at(0.99),
@@ -336,6 +339,7 @@ mod tests {
         let samples: Vec<u32> = (1..=100).collect();
         let summary = LatencySummary::from_cycles(samples, 1).unwrap();
         assert_eq!(summary.samples, 100);
+        assert_eq!(summary.min_us, 1000.0);
         assert_eq!(summary.p50_us, 50_000.0);
         assert_eq!(summary.p90_us, 90_000.0);
         assert_eq!(summary.p99_us, 99_000.0);

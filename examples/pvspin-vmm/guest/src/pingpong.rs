@@ -47,26 +47,35 @@ impl Random {
 /// Runs this vCPU's part; returns when the ring has made `boot.iterations` handoffs.
 pub fn run(vcpu: u32, boot: &BootParams, heartbeat: impl Fn()) {
     let ops = PV.ops();
-    let me = vcpu as usize;
-    let next = ((vcpu + 1) % boot.vcpus) as usize;
+    let next_index = (vcpu + 1) % boot.vcpus.max(1);
+    // `get`, not indexing: a bounds-check panic would drag SSE code (core::fmt) into the image.
+    let (Some(my_token), Some(my_stamp), Some(next_token), Some(next_stamp)) = (
+        TOKEN.get(vcpu as usize),
+        KICKED_AT.get(vcpu as usize),
+        TOKEN.get(next_index as usize),
+        KICKED_AT.get(next_index as usize),
+    ) else {
+        return;
+    };
     let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ (u64::from(vcpu) + 1) * 0x2545_f491_4f6c_dd1d);
     if vcpu == 0 {
-        TOKEN[0].store(1, Ordering::Release);
+        my_token.store(1, Ordering::Release);
     }
     loop {
         // Wait for the token (or the end).
         let mut halted_since = None;
-        while TOKEN[me].load(Ordering::Acquire) == 0 && DONE.load(Ordering::Acquire) == 0 {
+        let mut woke = 0;
+        while my_token.load(Ordering::Acquire) == 0 && DONE.load(Ordering::Acquire) == 0 {
             let started = rdtsc();
             halted_since.get_or_insert(started);
             WAITS.fetch_add(1, Ordering::Relaxed);
-            ops.wait(&TOKEN[me], 0);
+            ops.wait(my_token, 0);
+            woke = rdtsc();
         }
         if DONE.load(Ordering::Acquire) != 0 {
             return;
         }
-        let woke = rdtsc();
-        let kicked_at = KICKED_AT[me].load(Ordering::Acquire);
+        let kicked_at = my_stamp.load(Ordering::Acquire);
         if let Some(since) = halted_since {
             // Only a kick that came after the waiter started waiting measures a wake-up.
             if kicked_at > since && woke > kicked_at {
@@ -76,7 +85,7 @@ pub fn run(vcpu: u32, boot: &BootParams, heartbeat: impl Fn()) {
                 }
             }
         }
-        TOKEN[me].store(0, Ordering::Relaxed);
+        my_token.store(0, Ordering::Relaxed);
         heartbeat();
         if HANDOFFS.fetch_add(1, Ordering::AcqRel) + 1 >= boot.iterations {
             DONE.store(1, Ordering::Release);
@@ -89,19 +98,22 @@ pub fn run(vcpu: u32, boot: &BootParams, heartbeat: impl Fn()) {
         }
         // A random delay: short ones kick a vCPU that may not have halted yet (the host
         // must remember the kick), long ones kick a halted one.
-        let delay = random.next() % (boot.ncs_work + 1);
+        let delay = boot.cs_work + random.next() % boot.ncs_work.saturating_add(1);
         for unit in 0..delay {
             core::hint::black_box(unit);
         }
-        KICKED_AT[next].store(rdtsc(), Ordering::Release);
-        TOKEN[next].store(1, Ordering::Release);
+        next_token.store(1, Ordering::Release);
         // The token store must be visible before the kick (pvspin ABI §3.2).
         core::sync::atomic::fence(Ordering::SeqCst);
         KICKS.fetch_add(1, Ordering::Relaxed);
-        ops.kick(next as u32);
+        // Stamped right before the doorbell write, as the C probe does. A waiter that sees
+        // the token before this store reads an older stamp and takes no sample; one that
+        // halted is woken only by the write below, after the stamp.
+        next_stamp.store(rdtsc(), Ordering::Release);
+        ops.kick(next_index);
         // And a random delay before waiting: the token may come back before this vCPU halts
         // (with 2 vCPUs the round trip is one wake-up), so its kick must be remembered.
-        let delay = random.next() % (boot.ncs_work + 1);
+        let delay = random.next() % boot.ncs_work.saturating_add(1);
         for unit in 0..delay {
             core::hint::black_box(unit);
         }

@@ -75,9 +75,10 @@ pub enum Workload {
     /// vCPU 0 executes CPUID for [`BootParams::cpuid_leaves`] and reports what it saw.
     Cpuid = 6,
     /// The vCPUs pass a token around a ring `iterations` times in all: each handoff is one
-    /// pv_kick and one pv_wait (halt), with a random delay of up to `ncs_work` units before
-    /// the kick, so kicks land both on halted vCPUs and on vCPUs about to halt. Measures
-    /// kick-to-wake latency with the guest TSC. Needs PV on.
+    /// pv_kick and one pv_wait (halt). Before each kick the holder works `cs_work` units plus
+    /// a random `0..=ncs_work`, and before each wait a random `0..=ncs_work`, so kicks land
+    /// both on halted vCPUs and on vCPUs about to halt. Measures kick-to-wake latency with the
+    /// guest TSC. Needs PV on.
     PingPong = 7,
 }
 
