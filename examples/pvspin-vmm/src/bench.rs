@@ -77,12 +77,14 @@ impl Variant {
         }
     }
 
-    fn apply(&self, config: RunConfig) -> RunConfig {
+    /// `base` with this variant's lock and PV settings and `hogs` hog threads.
+    fn config(&self, base: &RunConfig, hogs: u32) -> RunConfig {
         RunConfig {
             lock: self.lock,
             pv: self.pv,
             kick_path: self.kick_path,
-            ..config
+            hogs,
+            ..base.clone()
         }
     }
 }
@@ -217,19 +219,11 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
         .collect();
     // Check every configuration before spending minutes on the first ones.
     for case in &cases {
-        let config = case.variant.apply(RunConfig {
-            hogs: case.hogs,
-            ..base.clone()
-        });
-        config.validate(u32::MAX)?;
+        case.variant.config(&base, case.hogs).validate(u32::MAX)?;
     }
     for _ in 0..options.runs {
         for case in &mut cases {
-            let config = case.variant.apply(RunConfig {
-                hogs: case.hogs,
-                ..base.clone()
-            });
-            let report = vmm::run(&config)?;
+            let report = vmm::run(&case.variant.config(&base, case.hogs))?;
             crate::cli::print_stdout(&report.to_json());
             case.seconds.push(report.guest_seconds);
         }
