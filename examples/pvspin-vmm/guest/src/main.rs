@@ -122,8 +122,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             }
             start_barrier(&boot);
             pingpong::run(vcpu, &boot, || heartbeat(vcpu));
-            let check = (pingpong::handoffs(), boot.iterations);
-            finish(vcpu, &boot, params, Some(check))
+            finish(vcpu, &boot, params, Some((&pingpong::handoffs, boot.iterations)))
         }
         Some(Workload::Hypercall) => {
             if vcpu == boot.vcpus - 1 {
@@ -220,9 +219,11 @@ fn lock_workload<L: RawSpinLock + Sync>(
         heartbeat(vcpu);
         work(boot.ncs_work);
     }
-    let total = *counter.lock();
     let expected = u64::from(boot.vcpus) * boot.iterations;
-    finish(vcpu, boot, params, Some((total, expected)))
+    // Read by the last vCPU to finish, after every other one has: a value read now could
+    // miss the increments of vCPUs still in their loops.
+    let total = || *counter.lock();
+    finish(vcpu, boot, params, Some((&total, expected)))
 }
 
 /// Starts every vCPU together (so all contend from the first acquisition) and stamps the
@@ -237,12 +238,13 @@ fn start_barrier(boot: &BootParams) {
 }
 
 /// Records this vCPU's finish; the last vCPU reports and ends the run. Others halt.
-/// `check`: the counter the workload ended with and what it must be.
+/// `check`: how to read the counter the workload ended with (called by the last vCPU only,
+/// once all others finished) and what it must be.
 fn finish(
     vcpu: u32,
     boot: &BootParams,
     params: *mut BootParams,
-    check: Option<(u64, u64)>,
+    check: Option<(&dyn Fn() -> u64, u64)>,
 ) -> ! {
     let now = rdtsc();
     slot_field(&slot(vcpu).finish_tsc).store(now, Ordering::Relaxed);
@@ -250,7 +252,8 @@ fn finish(
         halt_forever();
     }
     let mut code = status::OK;
-    if let Some((counter, expected)) = check {
+    if let Some((read_counter, expected)) = check {
+        let counter = read_counter();
         let elapsed = now.saturating_sub(START_TSC.load(Ordering::Acquire)).max(1);
         // acquisitions / (elapsed / (tsc_khz * 1000)), in integers: no floats in the guest.
         let mut pv_stats = pv::PV.total_stats();
