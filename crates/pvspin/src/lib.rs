@@ -10,7 +10,7 @@
 //!    wants it to have (pvspin edits and sets it), which returns the [`VcpuHooks`] that
 //!    vCPU's thread owns.
 //! 5. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
-//! 4. In the vCPU loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
+//! 4. After all vCPUs exist: [`PvSpin::vcpus_created`]. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
 //!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it), then
 //!    [`VcpuHooks::after_run`].
 //!
@@ -29,10 +29,11 @@
 //! let mut vcpu = vm.create_vcpu(0)?;
 //! let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
 //! let (mut hooks, _) = pvspin.configure_vcpu(0, &vcpu, &mut cpuid)?;
+//! pvspin.vcpus_created([&vcpu])?;
 //! loop {
 //!     hooks.before_run();
-//!     let exit = vcpu.run();
-//!     let outcome = hooks.handle_exit(&exit);
+//!     let mut exit = vcpu.run();
+//!     let outcome = hooks.handle_exit(&mut exit);
 //!     if outcome == pvspin::ExitOutcome::NotHandled {
 //!         match exit {
 //!             Ok(VcpuExit::Hlt) => break,
