@@ -9,10 +9,12 @@
 //! 3. For each vCPU, after creating it: [`PvSpin::configure_vcpu`] with the CPUID the VMM
 //!    wants it to have (pvspin edits and sets it), which returns the [`VcpuHooks`] that
 //!    vCPU's thread owns.
-//! 5. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
-//! 4. After all vCPUs exist: [`PvSpin::vcpus_created`]. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
+//! 4. After all vCPUs exist: [`PvSpin::vcpus_created`].
+//! 5. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
 //!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it), then
 //!    [`VcpuHooks::after_run`].
+//! 6. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
+//! 7. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
 //!
 //! ```no_run
 //! use std::sync::Arc;
