@@ -556,11 +556,16 @@ fn board_bitmap_scan_decides_like_a_full_scan() {
 #[test]
 fn concurrent_spinners_and_state_changes_keep_the_invariants() {
     // Four vCPU threads each alternate between changing their own state and deciding as a
-    // spinner on one shared board and policy. Bounded: a fixed number of rounds.
-    let n = 4;
+    // spinner on one shared board and policy. Bounded: a fixed number of rounds. A fifth vCPU
+    // stays preempted in kernel mode throughout, so every decision has a candidate however
+    // the threads interleave (a loaded host may run them one after another).
+    let n = 5;
+    let threads_n = 4;
     let b = std::sync::Arc::new(VcpuBoard::new(n).unwrap());
+    b.on_exit(4, Some(0));
+    b.park(4);
     let p = std::sync::Arc::new(policy());
-    let threads: Vec<_> = (0..n)
+    let threads: Vec<_> = (0..threads_n)
         .map(|me| {
             let (b, p) = (b.clone(), p.clone());
             std::thread::spawn(move || {
@@ -574,7 +579,7 @@ fn concurrent_spinners_and_state_changes_keep_the_invariants() {
                             b.on_enter_run(me);
                         }
                         2 => b.on_halt(me),
-                        _ => b.kick((me + 1) % n),
+                        _ => b.kick((me + 1) % threads_n),
                     }
                     b.on_exit(me, Some(0));
                     let o = p.decide(&*b, &note(me, Some((round % (n + 1)) as u32)));
