@@ -183,6 +183,7 @@ impl RunReport {
             cpuid: params
                 .cpuid_leaves
                 .iter()
+                .filter(|_| config.workload == Workload::Cpuid)
                 .zip(result.cpuid.iter())
                 .filter(|(leaf, _)| **leaf != 0)
                 .map(|(leaf, regs)| (*leaf, *regs))
