@@ -490,7 +490,16 @@ mod tests {
         assert_eq!(unknown.encode(), 0x0008_3fff);
         assert_eq!(SpinNotify::decode(unknown.encode()), unknown);
         // Every value round-trips: no bit is lost or invented.
-        for v in [0u32, 1, 0x1fff, 0x2000, 0x7_c000, 0x8_0000, u32::MAX, 0x1234_5678] {
+        for v in [
+            0u32,
+            1,
+            0x1fff,
+            0x2000,
+            0x7_c000,
+            0x8_0000,
+            u32::MAX,
+            0x1234_5678,
+        ] {
             assert_eq!(SpinNotify::decode(v).encode(), v);
         }
         // An index that does not fit is sent as unknown, never as another vCPU.
@@ -507,7 +516,10 @@ mod tests {
             lock_hash: 0xffff,
         };
         let d = SpinNotify::decode(over.encode());
-        assert_eq!((d.waiting_for, d.spun_bucket, d.lock_hash), (Some(0), 31, 0x1fff));
+        assert_eq!(
+            (d.waiting_for, d.spun_bucket, d.lock_hash),
+            (Some(0), 31, 0x1fff)
+        );
     }
 
     #[test]

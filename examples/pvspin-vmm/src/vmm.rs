@@ -356,13 +356,13 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .map_err(setup_err("KVM_GET_SUPPORTED_CPUID"))?;
     let mut vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)> = Vec::new();
     for index in 0..config.vcpus {
-        let vcpu = vm
+        let mut vcpu = vm
             .create_vcpu(u64::from(index))
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported_cpuid.clone();
         set_initial_apic_id(&mut cpuid, index);
         let (hooks, applied) = pvspin
-            .configure_vcpu(index as usize, &vcpu, &mut cpuid)
+            .configure_vcpu(index as usize, &mut vcpu, &mut cpuid)
             .map_err(pvspin_error)?;
         if let (Some(applied), 0) = (applied, index) {
             plan_lines.push(format!(
