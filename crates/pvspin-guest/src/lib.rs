@@ -125,7 +125,7 @@ pub mod x86;
 pub use mutex::{SpinMutex, SpinMutexGuard};
 pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
-    SpinConfig, StaticPv, MAX_CPUS, NODES_PER_CPU,
+    SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
 };
 pub use pv_queued::{McsNode, PvQueuedLock};
 pub use pv_ticket::PvTicketLock;
@@ -173,7 +173,47 @@ mod tests_common {
     use std::vec::Vec;
 
     use crate::host::{bind_current_thread, HostPvOps, HostStats};
-    use crate::{PvDomain, RawPvLock, RawSpinLock, SpinConfig, SpinMutex};
+    use crate::{PvDomain, PvOps, RawPvLock, RawSpinLock, SpinConfig, SpinMutex, SpinWait};
+
+    /// The host backend plus spin notifications: a fixed window, every notification recorded.
+    #[derive(Debug)]
+    pub(crate) struct Notifying<const N: usize> {
+        pub(crate) inner: HostPvOps<N>,
+        window: u32,
+        notes: std::sync::Mutex<Vec<SpinWait>>,
+    }
+
+    impl<const N: usize> Notifying<N> {
+        pub(crate) fn new(window: u32) -> Self {
+            Self {
+                inner: HostPvOps::new(),
+                window,
+                notes: std::sync::Mutex::new(Vec::new()),
+            }
+        }
+
+        pub(crate) fn notes(&self) -> Vec<SpinWait> {
+            self.notes.lock().unwrap().clone()
+        }
+    }
+
+    impl<const N: usize> PvOps for Notifying<N> {
+        fn wait(&self, ptr: &crate::AtomicU8, val: u8) {
+            self.inner.wait(ptr, val);
+        }
+        fn kick(&self, cpu: u32) {
+            self.inner.kick(cpu);
+        }
+        fn cpu_id(&self) -> u32 {
+            self.inner.cpu_id()
+        }
+        fn spin_window(&self) -> u32 {
+            self.window
+        }
+        fn spin_notify(&self, wait: &SpinWait) {
+            self.notes.lock().unwrap().push(*wait);
+        }
+    }
 
     /// `threads` threads each take the lock `rounds` times and do a torn read-modify-write
     /// inside; any overlap of two holders loses an update and fails the final count. Thread

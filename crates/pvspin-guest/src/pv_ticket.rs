@@ -19,8 +19,10 @@
 //! its halt is remembered by the backend ([`PvOps`](crate::PvOps) contract). The loom model in
 //! `loom_tests.rs` checks this.
 
-use crate::pv::{Pv, PvOps, RawPvLock};
-use crate::sync::{fence, spin_loop, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU32 as HintU32, Ordering as HintOrdering};
+
+use crate::pv::{Pv, PvOps, RawPvLock, SpinWait};
+use crate::sync::{fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 /// The waiter runs (or has not published a wait).
 pub(crate) const RUNNING: u8 = 0;
@@ -73,6 +75,9 @@ pub struct PvTicketLock {
     next: AtomicU32,
     /// The ticket being served; only the holder writes it.
     owner: AtomicU32,
+    /// The holder's CPU id + 1, 0 when unknown or free: a hint for spin notifications, not
+    /// part of the handshake (a `core` atomic, so loom does not model it).
+    holder: HintU32,
 }
 
 impl PvTicketLock {
@@ -82,6 +87,7 @@ impl PvTicketLock {
         Self {
             next: AtomicU32::new(0),
             owner: AtomicU32::new(0),
+            holder: HintU32::new(0),
         }
     }
 
@@ -91,7 +97,13 @@ impl PvTicketLock {
         Self {
             next: AtomicU32::new(0),
             owner: AtomicU32::new(0),
+            holder: HintU32::new(0),
         }
+    }
+
+    /// The CPU that holds the lock, as recorded at its acquisition (a racy hint).
+    pub fn holder_hint(&self) -> Option<u32> {
+        self.holder.load(HintOrdering::Relaxed).checked_sub(1)
     }
 
     /// How many callers hold or wait for the lock (a racy snapshot).
@@ -107,12 +119,15 @@ impl PvTicketLock {
     #[cold]
     fn lock_slow<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
         let me = if pv.config.halt { pv.this_cpu() } else { None };
+        let wait = |spun| SpinWait {
+            lock: self.id(),
+            waiting_for: self.holder_hint(),
+            next_owner: false,
+            spun,
+        };
         loop {
-            for _ in 0..pv.config.spin_threshold {
-                if self.owner.load(Ordering::Acquire) == ticket {
-                    return;
-                }
-                spin_loop();
+            if pv.spin_phase(|| self.owner.load(Ordering::Acquire) == ticket, wait) {
+                return;
             }
             let Some((_, cpu)) = me else {
                 continue;
@@ -135,6 +150,13 @@ impl PvTicketLock {
             }
             cpu.stats.spurious();
         }
+    }
+
+    #[inline]
+    fn record_holder<O: PvOps>(&self, pv: Pv<'_, O>) {
+        let id = pv.ops.cpu_id();
+        self.holder
+            .store(id.saturating_add(1), HintOrdering::Relaxed);
     }
 
     #[cold]
@@ -189,21 +211,28 @@ unsafe impl RawPvLock for PvTicketLock {
         if self.owner.load(Ordering::Acquire) != ticket {
             self.lock_slow(pv, ticket);
         }
+        self.record_holder(pv);
     }
 
-    fn try_lock<O: PvOps>(&self, _pv: Pv<'_, O>) -> bool {
+    fn try_lock<O: PvOps>(&self, pv: Pv<'_, O>) -> bool {
         let owner = self.owner.load(Ordering::Relaxed);
-        self.next
+        let taken = self
+            .next
             .compare_exchange(
                 owner,
                 owner.wrapping_add(1),
                 Ordering::Acquire,
                 Ordering::Relaxed,
             )
-            .is_ok()
+            .is_ok();
+        if taken {
+            self.record_holder(pv);
+        }
+        taken
     }
 
     unsafe fn unlock<O: PvOps>(&self, pv: Pv<'_, O>) {
+        self.holder.store(0, HintOrdering::Relaxed);
         let served = self.owner.load(Ordering::Relaxed).wrapping_add(1);
         self.owner.store(served, Ordering::Release);
         if !pv.config.halt {
@@ -416,6 +445,51 @@ mod tests {
     }
 
     #[test]
+    fn waiter_notifies_naming_the_holder_then_halts() {
+        use crate::tests_common::Notifying;
+        let domain: Arc<PvDomain<Notifying<2>, 2>> = Arc::new(PvDomain::new(
+            Notifying::new(4),
+            SpinConfig {
+                spin_threshold: 10,
+                halt: true,
+            },
+        ));
+        let lock = Arc::new(PvTicketLock::new());
+        bind_current_thread(1);
+        lock.lock(domain.pv());
+        assert_eq!(lock.holder_hint(), Some(1));
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(0);
+                lock.lock(domain.pv());
+                assert_eq!(lock.holder_hint(), Some(0));
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let mut tries = 0;
+        while domain.ops().inner.parked(0) == 0 {
+            tries += 1;
+            assert!(tries < 20_000, "the waiter never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        assert_eq!(lock.holder_hint(), None, "cleared at unlock");
+        waiter.join().unwrap();
+        let notes = domain.ops().notes();
+        // Threshold 10, window 4: notified after 4 and 8 spins, not again before halting.
+        assert!(notes.len() >= 2, "{notes:?}");
+        for n in &notes[..2] {
+            assert_eq!(n.lock, &*lock as *const PvTicketLock as usize);
+            assert_eq!(n.waiting_for, Some(1));
+            assert!(!n.next_owner);
+            assert_eq!(n.spun, 4);
+        }
+    }
+
+    #[test]
     fn without_halting_it_is_a_plain_ticket_lock() {
         let config = SpinConfig {
             spin_threshold: 1,
@@ -436,6 +510,7 @@ mod tests {
         let lock = PvTicketLock {
             next: AtomicU32::new(u32::MAX),
             owner: AtomicU32::new(u32::MAX),
+            holder: HintU32::new(0),
         };
         for _ in 0..4 {
             lock.lock(domain.pv());
