@@ -70,6 +70,7 @@ mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats};
 pub use kick::KickOptions;
+pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_kick::{KickPath, KickStats};
 pub use pvspin_pause::{PolicyConfig, WindowConfig};
 

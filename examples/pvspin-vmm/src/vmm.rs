@@ -321,10 +321,16 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .and_then(|n| u32::try_from(n.get()).ok());
         builder = builder.paravirt(request);
     }
-    if config.pv == PvMode::Kick {
+    if config.pv.kicks() {
         builder = builder.kick(pvspin::KickOptions {
             path: config.kick_path,
             park_spin: Duration::ZERO,
+        });
+    }
+    if config.pv == PvMode::KickYield {
+        builder = builder.directed_yield(pvspin::DirectedYieldOptions {
+            actuator: config.actuator.to_string(),
+            ..pvspin::DirectedYieldOptions::default()
         });
     }
     let pvspin = builder
@@ -399,6 +405,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             pv: match config.pv {
                 PvMode::Off => pvspin_vmm_proto::PV_OFF,
                 PvMode::Kick => pvspin_vmm_proto::PV_KICK,
+                PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
             },
             spin_threshold: config.spin_threshold,
             result: Default::default(),

@@ -133,6 +133,10 @@ pub mod status {
 pub const PV_OFF: u32 = 0;
 /// [`BootParams::pv`]: PV locks that halt past the spin threshold and are kicked at unlock.
 pub const PV_KICK: u32 = 1;
+/// [`BootParams::pv`]: as [`PV_KICK`], and waiters that spin past the host's spin window send
+/// a spin notification (pvspin ABI SPIN command) naming the vCPU they wait for, so the host
+/// can yield to it.
+pub const PV_KICK_YIELD: u32 = 2;
 
 /// The most vCPUs the guest's PV lock domain has per-vCPU state for.
 pub const MAX_PV_VCPUS: u32 = 16;
@@ -161,7 +165,7 @@ pub struct BootParams {
     pub tsc_khz: u64,
     /// CPUID leaves the [`Workload::Cpuid`] workload executes (0 = unused).
     pub cpuid_leaves: [u32; CPUID_QUERIES],
-    /// [`PV_OFF`] or [`PV_KICK`].
+    /// [`PV_OFF`], [`PV_KICK`] or [`PV_KICK_YIELD`].
     pub pv: u32,
     /// PV locks: spins before a waiter halts.
     pub spin_threshold: u32,
