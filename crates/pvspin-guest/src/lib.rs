@@ -88,13 +88,29 @@
 //!
 //! Both PV locks use the same handshake: the waiter stores Halted, `fence(SeqCst)`, re-checks
 //! its lock condition and only then `pv_wait`s on its state byte; the unlocker stores the
-//! handover, `fence(SeqCst)`, and kicks if it sees Halted. The loom model (`src/loom_tests.rs`)
+//! handover, `fence(SeqCst)`, and kicks if it sees Halted (on x86-64 the fence is a locked OR,
+//! never MFENCE, which KVM's instruction emulator may not handle). The loom model (`src/loom_tests.rs`)
 //! runs the real lock code on the loom-modelled `host::HostPvOps` latch and checks every
 //! interleaving for a lost wakeup (a deadlock), a double holder and data races:
 //!
 //! ```text
 //! RUSTFLAGS="--cfg loom" cargo test -p pvspin-guest --release loom
 //! ```
+//!
+//! # Tests and benchmarks
+//!
+//! ```text
+//! cargo test -p pvspin-guest                  # host threads on the host backend
+//! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test -p pvspin-guest --release loom   # the loom models, about 25 s
+//! cargo bench -p pvspin-guest --features std --bench pv_locks        # uncontended fast path
+//! cargo bench -p pvspin-guest --features std --bench oversubscribed  # 4 threads on fewer cores
+//! ```
+//!
+//! The host tests check exclusion (torn read-modify-writes), FIFO order, that the unlocker
+//! kicks exactly the halted next waiter (and never a running one, nor the waiter of another
+//! lock), that injected spurious wakeups change nothing, and that a kick before the wait is
+//! remembered; the host backend counts a park that waited 5 s for a kick as a lost wakeup.
 //!
 //! # Spin notifications
 //!

@@ -23,7 +23,7 @@
 //! vCPU may hold or await at most [`NODES_PER_CPU`](crate::NODES_PER_CPU) queued locks at once.
 
 use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, SpinWait, NODES_PER_CPU};
-use crate::sync::{fence, spin_loop, AtomicU32, AtomicU8, Ordering};
+use crate::sync::{full_fence, spin_loop, AtomicU32, AtomicU8, Ordering};
 
 /// The node's vCPU is running (spinning, or not waiting).
 const RUNNING: u8 = 0;
@@ -98,6 +98,16 @@ pub struct PvQueuedLock {
     holder: AtomicU32,
 }
 
+/// `slice[index]` with a message that formats nothing: an indexing panic formats the index
+/// with `core::fmt`, whose precompiled code uses SSE, which KVM's emulator rejects, so guest
+/// images must not contain it. Codes come from this lock's own words, so a miss is a bug.
+fn at<T>(slice: &[T], index: usize) -> &T {
+    match slice.get(index) {
+        Some(item) => item,
+        None => panic!("PvQueuedLock: a node code names no node (corrupt lock word)"),
+    }
+}
+
 impl PvQueuedLock {
     /// A new, unlocked lock.
     #[cfg(not(loom))]
@@ -125,18 +135,18 @@ impl PvQueuedLock {
         let Some(index) = cpu.alloc_node() else {
             panic!("PvQueuedLock: this vCPU holds or awaits NODES_PER_CPU queued locks already");
         };
-        let node = &cpu.nodes[index];
+        let node = at(&cpu.nodes, index);
         node.next.store(NONE, Ordering::Relaxed);
         node.locked.store(0, Ordering::Relaxed);
         node.state.store(RUNNING, Ordering::Relaxed);
         // Erase the borrow of `pv` itself: the CPU lives as long as the domain.
-        let cpu: &'a PvCpu = &pv.cpus[id as usize];
+        let cpu: &'a PvCpu = at(pv.cpus, id as usize);
         (cpu, index, encode(id, index))
     }
 
     fn node<'a, O>(pv: &Pv<'a, O>, code: u32) -> &'a McsNode {
         let (cpu, index) = decode(code);
-        &pv.cpus[cpu as usize].nodes[index]
+        at(&at(pv.cpus, cpu as usize).nodes, index)
     }
 
     /// What a waiter behind node `prev` tells the host: it waits for `prev`'s CPU, which is
@@ -165,7 +175,7 @@ impl PvQueuedLock {
             }
             cpu.stats.slowpath();
             node.state.store(HALTED, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            full_fence();
             if node.locked.load(Ordering::Acquire) != 0 {
                 node.state.store(RUNNING, Ordering::Relaxed);
                 return;
@@ -200,7 +210,7 @@ unsafe impl RawPvLock for PvQueuedLock {
         let prev = self.tail.swap(code, Ordering::AcqRel);
         if prev != NONE {
             Self::node(&pv, prev).next.store(code, Ordering::Release);
-            self.wait_for_handoff(pv, cpu, &cpu.nodes[index], prev);
+            self.wait_for_handoff(pv, cpu, at(&cpu.nodes, index), prev);
         }
         self.holder.store(code, Ordering::Relaxed);
     }
@@ -226,8 +236,8 @@ unsafe impl RawPvLock for PvQueuedLock {
     unsafe fn unlock<O: PvOps>(&self, pv: Pv<'_, O>) {
         let code = self.holder.load(Ordering::Relaxed);
         let (id, index) = decode(code);
-        let cpu = &pv.cpus[id as usize];
-        let node = &cpu.nodes[index];
+        let cpu = at(pv.cpus, id as usize);
+        let node = at(&cpu.nodes, index);
         let mut next = node.next.load(Ordering::Acquire);
         if next == NONE {
             if self
@@ -254,7 +264,7 @@ unsafe impl RawPvLock for PvQueuedLock {
         if !pv.config.halt {
             return;
         }
-        fence(Ordering::SeqCst);
+        full_fence();
         if successor.state.load(Ordering::Relaxed) == HALTED
             && successor
                 .state

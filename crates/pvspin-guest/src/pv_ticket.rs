@@ -18,11 +18,14 @@
 //! does not wait or the unlocker kicks it. A kick that lands between the waiter's re-check and
 //! its halt is remembered by the backend ([`PvOps`](crate::PvOps) contract). The loom model in
 //! `loom_tests.rs` checks this.
+//!
+//! `fence(SeqCst)` here means `sync::full_fence`: loom's fence under loom, a locked OR on
+//! x86-64 (no MFENCE, an SSE2 instruction that KVM's emulator may not handle).
 
 use core::sync::atomic::{AtomicU32 as HintU32, Ordering as HintOrdering};
 
 use crate::pv::{Pv, PvOps, RawPvLock, SpinWait};
-use crate::sync::{fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use crate::sync::{full_fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 /// The waiter runs (or has not published a wait).
 pub(crate) const RUNNING: u8 = 0;
@@ -137,7 +140,7 @@ impl PvTicketLock {
             slot.lock.store(self.id(), Ordering::Relaxed);
             slot.ticket.store(ticket, Ordering::Relaxed);
             slot.state.store(HALTED, Ordering::Release);
-            fence(Ordering::SeqCst);
+            full_fence();
             if self.owner.load(Ordering::Acquire) == ticket {
                 slot.state.store(RUNNING, Ordering::Relaxed);
                 return;
@@ -238,7 +241,7 @@ unsafe impl RawPvLock for PvTicketLock {
         if !pv.config.halt {
             return;
         }
-        fence(Ordering::SeqCst);
+        full_fence();
         // Nobody has drawn ticket `served` yet: whoever draws it will see `owner == served`
         // (the fences order our `owner` store before its re-check), so nobody needs a kick.
         if self.next.load(Ordering::Relaxed) != served {

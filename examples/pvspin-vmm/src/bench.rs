@@ -1,25 +1,122 @@
-//! `pvspin-vmm bench`: the overcommit experiment, several runs per case, mean and standard
-//! deviation, in the shape of the original PV-spinlock tables.
+//! `pvspin-vmm bench`: the overcommit experiment. Each variant (lock, PV mode, kick path) runs
+//! at each overcommit level (hog count) several times, interleaved run by run so that noise
+//! on a shared machine spreads evenly; the table gives mean (sd), median and the ratio to the
+//! first variant (the BASE row of the original PV-spinlock tables).
 
 use std::fmt;
 
+use pvspin_vmm_proto::LockKind;
+
 use crate::cli::VmArgs;
+use crate::config::{PvMode, RunConfig};
 use crate::vmm::{self, RunError};
+
+/// One configuration to compare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variant {
+    /// Guest lock.
+    pub lock: LockKind,
+    /// PV mode.
+    pub pv: PvMode,
+    /// Kick path (with PV on).
+    pub kick_path: pvspin::KickPath,
+}
+
+impl Variant {
+    /// `lock:pv[:path]`, e.g. `ticket:off`, `queued:kick:userspace`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut parts = text.split(':');
+        let lock = match parts.next() {
+            Some("ticket") => LockKind::Ticket,
+            Some("tas") => LockKind::Tas,
+            Some("queued") => LockKind::Queued,
+            other => {
+                return Err(format!(
+                    "{text:?}: unknown lock {other:?} (ticket, tas, queued)"
+                ))
+            }
+        };
+        let pv = match parts.next().unwrap_or("off") {
+            "off" => PvMode::Off,
+            "kick" => PvMode::Kick,
+            "kick+yield" => PvMode::KickYield,
+            other => {
+                return Err(format!(
+                    "{text:?}: unknown pv mode {other:?} (off, kick, kick+yield)"
+                ))
+            }
+        };
+        let kick_path = match parts.next().unwrap_or("in-kernel") {
+            "in-kernel" => pvspin::KickPath::InKernel,
+            "signal-msi" => pvspin::KickPath::SignalMsi,
+            "userspace" => pvspin::KickPath::Userspace,
+            other => {
+                return Err(format!(
+                    "{text:?}: unknown kick path {other:?} (in-kernel, signal-msi, userspace)"
+                ))
+            }
+        };
+        if let Some(extra) = parts.next() {
+            return Err(format!("{text:?}: unexpected {extra:?}"));
+        }
+        Ok(Self {
+            lock,
+            pv,
+            kick_path,
+        })
+    }
+
+    /// The name `parse` accepts.
+    pub fn name(&self) -> String {
+        let lock = vmm::lock_name(self.lock);
+        match self.pv {
+            PvMode::Off => format!("{lock}:off"),
+            PvMode::Kick | PvMode::KickYield => {
+                let path = match self.kick_path {
+                    pvspin::KickPath::InKernel => "in-kernel",
+                    pvspin::KickPath::SignalMsi => "signal-msi",
+                    pvspin::KickPath::Userspace => "userspace",
+                };
+                let pv = if self.pv == PvMode::KickYield {
+                    "kick+yield"
+                } else {
+                    "kick"
+                };
+                format!("{lock}:{pv}:{path}")
+            }
+        }
+    }
+
+    /// `base` with this variant's lock and PV settings and `hogs` hog threads.
+    fn config(&self, base: &RunConfig, hogs: u32) -> RunConfig {
+        RunConfig {
+            lock: self.lock,
+            pv: self.pv,
+            kick_path: self.kick_path,
+            hogs,
+            ..base.clone()
+        }
+    }
+}
 
 /// What to compare.
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
     /// One case per hog count.
     pub hogs: Vec<u32>,
-    /// Runs per case.
+    /// Runs per case and variant.
     pub runs: u32,
+    /// Variants; empty: the one the VM options describe.
+    pub variants: Vec<Variant>,
 }
 
-/// One case's results.
+/// One variant's results at one hog count.
 #[derive(Clone, Debug)]
 pub struct CaseResult {
     /// Hog threads.
     pub hogs: u32,
+    /// Which variant.
+    pub variant: Variant,
     /// Guest seconds of each run.
     pub seconds: Vec<f64>,
 }
@@ -40,6 +137,17 @@ impl CaseResult {
             / (self.seconds.len() - 1) as f64;
         var.sqrt()
     }
+
+    /// Median of the runs.
+    pub fn median(&self) -> f64 {
+        let mut sorted = self.seconds.clone();
+        sorted.sort_by(f64::total_cmp);
+        match sorted.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => sorted[n / 2],
+            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+        }
+    }
 }
 
 /// The finished table.
@@ -51,22 +159,37 @@ pub struct BenchTable {
     pub vcpus: u32,
     /// Host CPUs.
     pub host_cpus: usize,
-    /// Per case.
+    /// Per hog count, per variant (the first variant is the baseline).
     pub cases: Vec<CaseResult>,
 }
 
 impl fmt::Display for BenchTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.title)?;
-        writeln!(f, "guest seconds, less is better; mean (sd)")?;
+        writeln!(
+            f,
+            "guest seconds, less is better; mean (sd), median, and the median's change against the first variant"
+        )?;
+        let mut baseline = None;
         for case in &self.cases {
+            if baseline.map(|(hogs, _)| hogs) != Some(case.hogs) {
+                baseline = Some((case.hogs, case.median()));
+            }
+            let base = baseline.map_or(case.median(), |(_, median)| median);
             let load = f64::from(self.vcpus + case.hogs) / self.host_cpus.max(1) as f64;
+            let change = if base > 0.0 {
+                format!("{:+.1}%", (case.median() / base - 1.0) * 100.0)
+            } else {
+                "n/a".into()
+            };
             writeln!(
                 f,
-                "case {load:.0}x ({} hogs):\t{:.4} ({:.4})\truns: {}",
+                "case {load:.0}x ({} hogs)  {:<22} {:>9.4} ({:.4})  median {:.4}  {change:>7}  runs: {}",
                 case.hogs,
+                case.variant.name(),
                 case.mean(),
                 case.sd(),
+                case.median(),
                 case.seconds
                     .iter()
                     .map(|s| format!("{s:.4}"))
@@ -80,32 +203,45 @@ impl fmt::Display for BenchTable {
 
 /// Runs every case `runs` times, interleaved, printing each run's JSON line as it finishes.
 pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> {
+    let base = RunConfig {
+        echo_console: false,
+        ..vm.config(0)
+    };
+    let variants = if options.variants.is_empty() {
+        vec![Variant {
+            lock: base.lock,
+            pv: base.pv,
+            kick_path: base.kick_path,
+        }]
+    } else {
+        options.variants.clone()
+    };
     let mut cases: Vec<CaseResult> = options
         .hogs
         .iter()
-        .map(|&hogs| CaseResult {
-            hogs,
-            seconds: Vec::new(),
+        .flat_map(|&hogs| {
+            variants.iter().map(move |&variant| CaseResult {
+                hogs,
+                variant,
+                seconds: Vec::new(),
+            })
         })
         .collect();
-    let mut quiet = vm.clone();
-    quiet.quiet = true;
+    // Check every configuration before spending minutes on the first ones.
+    for case in &cases {
+        case.variant.config(&base, case.hogs).validate(u32::MAX)?;
+    }
     for _ in 0..options.runs {
         for case in &mut cases {
-            let report = vmm::run(&quiet.config(case.hogs))?;
+            let report = vmm::run(&case.variant.config(&base, case.hogs))?;
             crate::cli::print_stdout(&report.to_json());
             case.seconds.push(report.guest_seconds);
         }
     }
-    let config = vm.config(0);
     Ok(BenchTable {
         title: format!(
-            "lock {} on {} vCPUs, {} acquisitions each, cs {} ncs {}",
-            vmm::lock_name(config.lock),
-            vm.vcpus,
-            vm.iterations,
-            vm.cs_work,
-            vm.ncs_work
+            "lock workload on {} vCPUs, {} acquisitions each, cs {} ncs {}, spin threshold {}, {} runs per case",
+            vm.vcpus, vm.iterations, vm.cs_work, vm.ncs_work, vm.spin_threshold, options.runs
         ),
         vcpus: vm.vcpus,
         host_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -117,40 +253,59 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
 mod tests {
     use super::*;
 
-    #[test]
-    fn statistics() {
-        let case = CaseResult {
-            hogs: 0,
-            seconds: vec![1.0, 2.0, 3.0],
-        };
-        assert!((case.mean() - 2.0).abs() < 1e-12);
-        assert!((case.sd() - 1.0).abs() < 1e-12);
-        let single = CaseResult {
-            hogs: 0,
-            seconds: vec![5.0],
-        };
-        assert_eq!(single.sd(), 0.0);
+    fn case(hogs: u32, variant: &str, seconds: &[f64]) -> CaseResult {
+        CaseResult {
+            hogs,
+            variant: Variant::parse(variant).unwrap(),
+            seconds: seconds.to_vec(),
+        }
     }
 
     #[test]
-    fn table_labels_overcommit() {
+    fn statistics() {
+        let c = case(0, "ticket:off", &[1.0, 2.0, 3.0, 10.0]);
+        assert!((c.mean() - 4.0).abs() < 1e-12);
+        assert!((c.median() - 2.5).abs() < 1e-12);
+        assert!((case(0, "tas", &[1.0, 2.0, 3.0]).sd() - 1.0).abs() < 1e-12);
+        assert_eq!(case(0, "tas", &[5.0]).sd(), 0.0);
+    }
+
+    #[test]
+    fn variants_round_trip_and_refuse_garbage() {
+        for name in [
+            "ticket:off",
+            "queued:kick:userspace",
+            "ticket:kick:signal-msi",
+        ] {
+            assert_eq!(Variant::parse(name).unwrap().name(), name);
+        }
+        assert_eq!(
+            Variant::parse("ticket:kick").unwrap().name(),
+            "ticket:kick:in-kernel"
+        );
+        assert!(Variant::parse("mcs:off").is_err());
+        assert!(Variant::parse("ticket:maybe").is_err());
+        assert!(Variant::parse("ticket:kick:carrier-pigeon").is_err());
+        assert!(Variant::parse("ticket:off:in-kernel:x").is_err());
+    }
+
+    #[test]
+    fn table_labels_overcommit_and_compares_with_the_first_variant() {
         let table = BenchTable {
             title: "t".into(),
             vcpus: 2,
             host_cpus: 2,
             cases: vec![
-                CaseResult {
-                    hogs: 0,
-                    seconds: vec![1.0],
-                },
-                CaseResult {
-                    hogs: 4,
-                    seconds: vec![3.0],
-                },
+                case(0, "ticket:off", &[1.0]),
+                case(0, "ticket:kick", &[0.5]),
+                case(4, "ticket:off", &[3.0]),
+                case(4, "ticket:kick", &[0.3]),
             ],
         };
         let text = table.to_string();
         assert!(text.contains("case 1x (0 hogs)"), "{text}");
         assert!(text.contains("case 3x (4 hogs)"), "{text}");
+        assert!(text.contains("-50.0%"), "{text}");
+        assert!(text.contains("-90.0%"), "{text}");
     }
 }

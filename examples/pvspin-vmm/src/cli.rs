@@ -42,6 +42,10 @@ pub enum WorkloadArg {
     Hypercall,
     /// vCPU 0 executes CPUID for --cpuid-leaves and reports what it saw.
     Cpuid,
+    /// A token goes around the vCPUs --iterations times, one pv_kick and one pv_wait per
+    /// handoff; --cs-work units plus a random 0..=--ncs-work before each kick, a random
+    /// 0..=--ncs-work before each wait; reports kick-to-wake latency.
+    Pingpong,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -53,6 +57,7 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Fault => Workload::Fault,
             WorkloadArg::Hypercall => Workload::Hypercall,
             WorkloadArg::Cpuid => Workload::Cpuid,
+            WorkloadArg::Pingpong => Workload::PingPong,
         }
     }
 }
@@ -157,6 +162,12 @@ pub struct VmArgs {
     /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
     #[arg(long, default_value_t = 128)]
     pub spin_threshold: u32,
+    /// KVM's halt-polling limit for this VM in ns (0: no polling; default: the host's).
+    #[arg(long)]
+    pub halt_poll_ns: Option<u32>,
+    /// Userspace kick path: spin this long on the latch before sleeping.
+    #[arg(long, default_value_t = 0)]
+    pub park_spin_us: u64,
     /// Lock acquisitions per vCPU.
     #[arg(long, default_value_t = 2000)]
     pub iterations: u64,
@@ -250,6 +261,11 @@ pub struct BenchArgs {
     /// Runs per case (cases are interleaved run by run, so noise spreads evenly).
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
+    /// Variants to compare side by side, `lock:pv[:kick-path]` (e.g.
+    /// `ticket:off,ticket:kick,queued:kick:userspace`); the first is the baseline. Default:
+    /// the one --lock/--pv/--kick-path describe.
+    #[arg(long, value_delimiter = ',', value_parser = crate::bench::Variant::parse)]
+    pub variants: Vec<crate::bench::Variant>,
 }
 
 impl VmArgs {
@@ -277,6 +293,8 @@ impl VmArgs {
             kick_path: self.kick_path.into(),
             spin_threshold: self.spin_threshold,
             actuator: self.actuator.name(),
+            halt_poll_ns: self.halt_poll_ns,
+            park_spin_us: self.park_spin_us,
         }
     }
 }
@@ -314,6 +332,7 @@ where
             let options = BenchOptions {
                 hogs: args.hogs.clone(),
                 runs: args.runs,
+                variants: args.variants.clone(),
             };
             match bench::run(&args.vm, &options) {
                 Ok(table) => {

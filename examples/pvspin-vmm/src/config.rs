@@ -41,6 +41,10 @@ pub struct RunConfig {
     pub spin_threshold: u32,
     /// With `pv: KickYield`: the directed-yield actuator, `"yield"`, `"nice"` or `"fifo"`.
     pub actuator: &'static str,
+    /// KVM's per-VM halt-polling limit in ns (`None`: the host's default).
+    pub halt_poll_ns: Option<u32>,
+    /// Userspace kick path: spin this long on the latch before sleeping.
+    pub park_spin_us: u64,
 }
 
 /// Whether the guest's locks are paravirtual.
@@ -83,6 +87,8 @@ impl Default for RunConfig {
             kick_path: pvspin::KickPath::InKernel,
             spin_threshold: 128,
             actuator: pvspin::DEFAULT_ACTUATOR,
+            halt_poll_ns: None,
+            park_spin_us: 0,
         }
     }
 }
@@ -148,6 +154,9 @@ pub enum ConfigError {
         /// The maximum.
         max: u32,
     },
+    /// Ping-pong measures kicks, so it needs PV and a partner.
+    #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
+    PingPongNeedsPv,
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -212,6 +221,11 @@ impl RunConfig {
                 got: self.spin_threshold,
                 max: MAX_SPIN_THRESHOLD,
             });
+        }
+        if self.workload == Workload::PingPong
+            && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
+        {
+            return Err(ConfigError::PingPongNeedsPv);
         }
         if self.hogs > MAX_HOGS {
             return Err(ConfigError::TooManyHogs {

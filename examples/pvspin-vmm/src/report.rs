@@ -120,6 +120,8 @@ pub struct RunReport {
     pub pv_spurious_wakeups: u64,
     /// Kicks the host's kick device saw (none on the in-kernel path, whose kicks never exit).
     pub host_kicks: Option<u64>,
+    /// Kick-to-wake latency measured by the guest (ping-pong workload).
+    pub kick_to_wake: Option<LatencySummary>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -186,6 +188,7 @@ impl RunReport {
             pv_kicks: result.pv_kicks,
             pv_spurious_wakeups: result.pv_spurious_wakeups,
             host_kicks: None,
+            kick_to_wake: None,
             cpuid: params
                 .cpuid_leaves
                 .iter()
@@ -200,6 +203,11 @@ impl RunReport {
         }
     }
 
+    /// Whether this run measured the ping-pong workload.
+    pub fn is_pingpong_run(&self) -> bool {
+        self.workload == workload_name(Workload::PingPong)
+    }
+
     /// Whether this run measured the lock workload.
     pub fn is_lock_run(&self) -> bool {
         self.workload == workload_name(Workload::Lock)
@@ -207,6 +215,30 @@ impl RunReport {
 
     /// One line for people.
     pub fn summary_line(&self) -> String {
+        if self.is_pingpong_run() {
+            let latency = self.kick_to_wake.as_ref().map_or_else(
+                || "no kick-to-wake samples".to_string(),
+                |l| {
+                    format!(
+                        "kick-to-wake min {:.1} us, p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, max {:.1} us ({} samples)",
+                        l.min_us, l.p50_us, l.p90_us, l.p99_us, l.max_us, l.samples
+                    )
+                },
+            );
+            return format!(
+                "pvspin-vmm: ping-pong (pv {}) on {} vCPUs: {} handoffs {} {}, {:.3} s guest time, {} waits, {} kicks; {} (wall {:.3} s)",
+                self.pv,
+                self.vcpus,
+                self.counter,
+                if self.counter == self.expected { "==" } else { "!=" },
+                self.expected,
+                self.guest_seconds,
+                self.pv_halts,
+                self.pv_kicks,
+                latency,
+                self.wall_seconds
+            );
+        }
         if !self.is_lock_run() {
             return format!(
                 "pvspin-vmm: workload {} on {} vCPUs finished in {:.3} s",
@@ -237,5 +269,91 @@ impl RunReport {
     /// One JSON line.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
+    }
+}
+
+/// Percentiles of the guest's kick-to-wake samples.
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencySummary {
+    /// Number of samples.
+    pub samples: usize,
+    /// Smallest sample, in microseconds.
+    pub min_us: f64,
+    /// Median, in microseconds.
+    pub p50_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// Largest sample.
+    pub max_us: f64,
+}
+
+impl LatencySummary {
+    /// Summarizes TSC-cycle samples; `None` without samples or a TSC frequency.
+    pub fn from_cycles(mut cycles: Vec<u32>, tsc_khz: u64) -> Option<Self> {
+        if cycles.is_empty() || tsc_khz == 0 {
+            return None;
+        }
+        cycles.sort_unstable();
+        let to_us = |c: u32| f64::from(c) * 1000.0 / tsc_khz as f64;
+        let at = |q: f64| {
+            let rank = ((cycles.len() as f64 * q).ceil() as usize).clamp(1, cycles.len());
+            to_us(cycles[rank - 1])
+        };
+        Some(Self {
+            samples: cycles.len(),
+            min_us: to_us(cycles[0]),
+            p50_us: at(0.50),
+            p90_us: at(0.90),
+            p99_us: at(0.99),
+            max_us: to_us(*cycles.last()?),
+        })
+    }
+
+    /// Reads the samples the guest left in its memory. Untrusted: the address and count are
+    /// bounds-checked against the protocol's maximum and guest memory.
+    pub(crate) fn from_guest(
+        memory: &GuestMemory,
+        params: &BootParams,
+        tsc_khz: u64,
+    ) -> Option<Self> {
+        let result = params.result;
+        let len = usize::try_from(result.samples_len).ok()?;
+        if len == 0 || len > pvspin_vmm_proto::MAX_SAMPLES {
+            return None;
+        }
+        let mut bytes = vec![0u8; len * 4];
+        vm_memory::Bytes::read_slice(
+            memory,
+            &mut bytes,
+            vm_memory::GuestAddress(result.samples_addr),
+        )
+        .ok()?;
+        let cycles = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Self::from_cycles(cycles, tsc_khz)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        // 1 kHz TSC: one cycle is 1000 us.
+        let samples: Vec<u32> = (1..=100).collect();
+        let summary = LatencySummary::from_cycles(samples, 1).unwrap();
+        assert_eq!(summary.samples, 100);
+        assert_eq!(summary.min_us, 1000.0);
+        assert_eq!(summary.p50_us, 50_000.0);
+        assert_eq!(summary.p90_us, 90_000.0);
+        assert_eq!(summary.p99_us, 99_000.0);
+        assert_eq!(summary.max_us, 100_000.0);
+        assert!(LatencySummary::from_cycles(Vec::new(), 1).is_none());
+        assert!(LatencySummary::from_cycles(vec![1], 0).is_none());
     }
 }

@@ -324,7 +324,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     if config.pv.kicks() {
         builder = builder.kick(pvspin::KickOptions {
             path: config.kick_path,
-            park_spin: Duration::ZERO,
+            park_spin: Duration::from_micros(config.park_spin_us),
         });
     }
     if config.pv == PvMode::KickYield {
@@ -337,6 +337,15 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin.configure_vm(&kvm, &vm).map_err(pvspin_error)?;
+    if let Some(max_ns) = config.halt_poll_ns {
+        let mut cap = kvm_bindings::kvm_enable_cap {
+            cap: kvm_bindings::KVM_CAP_HALT_POLL,
+            ..Default::default()
+        };
+        cap.args[0] = u64::from(max_ns);
+        vm.enable_cap(&cap)
+            .map_err(setup_err("KVM_ENABLE_CAP(HALT_POLL)"))?;
+    }
     let mut plan_lines = Vec::new();
     if let Some((plan, applied)) = &vm_setup.plan {
         plan_lines.push(format!("plan: {plan}"));
@@ -559,6 +568,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     report.plan = plan_lines;
     report.telemetry = Some(telemetry);
     report.host_kicks = kick_stats.map(|stats| stats.kicks);
+    report.kick_to_wake = crate::report::LatencySummary::from_guest(&memory, &params, tsc_khz);
     Ok(report)
 }
 
@@ -604,6 +614,7 @@ pub fn workload_name(workload: Workload) -> &'static str {
         Workload::Fault => "fault",
         Workload::Hypercall => "hypercall",
         Workload::Cpuid => "cpuid",
+        Workload::PingPong => "pingpong",
     }
 }
 

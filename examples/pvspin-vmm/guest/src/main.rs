@@ -10,6 +10,7 @@
 
 mod arch;
 mod console;
+mod pingpong;
 mod pv;
 mod rt;
 
@@ -111,6 +112,20 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             heartbeat(vcpu);
             finish(vcpu, &boot, params, None)
         }
+        Some(Workload::PingPong) => {
+            if boot.pv != PV_KICK {
+                outl(EXIT_PORT, status::BAD_PARAMS);
+                halt_forever();
+            }
+            if let Err(code) = setup_pv(vcpu, &boot) {
+                outl(EXIT_PORT, code);
+                halt_forever();
+            }
+            start_barrier(&boot);
+            pingpong::run(vcpu, &boot, || heartbeat(vcpu));
+            let check = (pingpong::handoffs(), boot.iterations);
+            finish(vcpu, &boot, params, Some(check))
+        }
         Some(Workload::Hypercall) => {
             if vcpu == boot.vcpus - 1 {
                 arch::hypercall();
@@ -198,13 +213,7 @@ fn lock_workload<L: RawSpinLock + Sync>(
     params: *mut BootParams,
     counter: &SpinMutex<L, u64>,
 ) -> ! {
-    // Start together, so every vCPU contends from the first acquisition.
-    if ARRIVED.fetch_add(1, Ordering::AcqRel) + 1 == boot.vcpus {
-        START_TSC.store(rdtsc(), Ordering::Release);
-    }
-    while ARRIVED.load(Ordering::Acquire) != boot.vcpus {
-        core::hint::spin_loop();
-    }
+    start_barrier(boot);
     let acquisitions = slot_field(&slot(vcpu).acquisitions);
     for _ in 0..boot.iterations {
         {
@@ -220,22 +229,47 @@ fn lock_workload<L: RawSpinLock + Sync>(
         work(boot.ncs_work);
     }
     let total = *counter.lock();
-    finish(vcpu, boot, params, Some(total))
+    let expected = u64::from(boot.vcpus) * boot.iterations;
+    finish(vcpu, boot, params, Some((total, expected)))
+}
+
+/// Starts every vCPU together (so all contend from the first acquisition) and stamps the
+/// start time.
+fn start_barrier(boot: &BootParams) {
+    if ARRIVED.fetch_add(1, Ordering::AcqRel) + 1 == boot.vcpus {
+        START_TSC.store(rdtsc(), Ordering::Release);
+    }
+    while ARRIVED.load(Ordering::Acquire) != boot.vcpus {
+        core::hint::spin_loop();
+    }
 }
 
 /// Records this vCPU's finish; the last vCPU reports and ends the run. Others halt.
-fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option<u64>) -> ! {
+/// `check`: the counter the workload ended with and what it must be.
+fn finish(
+    vcpu: u32,
+    boot: &BootParams,
+    params: *mut BootParams,
+    check: Option<(u64, u64)>,
+) -> ! {
     let now = rdtsc();
     slot_field(&slot(vcpu).finish_tsc).store(now, Ordering::Relaxed);
     if FINISHED.fetch_add(1, Ordering::AcqRel) + 1 != boot.vcpus {
         halt_forever();
     }
     let mut code = status::OK;
-    if let Some(counter) = counter {
-        let expected = u64::from(boot.vcpus) * boot.iterations;
+    if let Some((counter, expected)) = check {
         let elapsed = now.saturating_sub(START_TSC.load(Ordering::Acquire)).max(1);
         // acquisitions / (elapsed / (tsc_khz * 1000)), in integers: no floats in the guest.
-        let pv_stats = pv::PV.total_stats();
+        let mut pv_stats = pv::PV.total_stats();
+        let (mut samples_addr, mut samples_len) = (0, 0);
+        if boot.workload == Workload::PingPong as u32 {
+            (pv_stats.halts, pv_stats.kicks) = pingpong::totals();
+            samples_addr = pingpong::SAMPLES.as_ptr() as u64;
+            samples_len = pingpong::SAMPLE_COUNT
+                .load(Ordering::Relaxed)
+                .min(pingpong::SAMPLES.len()) as u64;
+        }
         let rate = (u128::from(expected) * u128::from(boot.tsc_khz) * 1000 / u128::from(elapsed))
             .min(u128::from(u64::MAX)) as u64;
         let result = RunResult {
@@ -248,6 +282,8 @@ fn finish(vcpu: u32, boot: &BootParams, params: *mut BootParams, counter: Option
             pv_halts: pv_stats.halts,
             pv_kicks: pv_stats.kicks,
             pv_spurious_wakeups: pv_stats.spurious,
+            samples_addr,
+            samples_len,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

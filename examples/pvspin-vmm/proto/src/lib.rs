@@ -74,6 +74,12 @@ pub enum Workload {
     Hypercall = 5,
     /// vCPU 0 executes CPUID for [`BootParams::cpuid_leaves`] and reports what it saw.
     Cpuid = 6,
+    /// The vCPUs pass a token around a ring `iterations` times in all: each handoff is one
+    /// pv_kick and one pv_wait (halt). Before each kick the holder works `cs_work` units plus
+    /// a random `0..=ncs_work`, and before each wait a random `0..=ncs_work`, so kicks land
+    /// both on halted vCPUs and on vCPUs about to halt. Measures kick-to-wake latency with the
+    /// guest TSC. Needs PV on.
+    PingPong = 7,
 }
 
 impl Workload {
@@ -86,6 +92,7 @@ impl Workload {
             4 => Self::Fault,
             5 => Self::Hypercall,
             6 => Self::Cpuid,
+            7 => Self::PingPong,
             _ => return None,
         })
     }
@@ -195,7 +202,14 @@ pub struct RunResult {
     pub pv_kicks: u64,
     /// PV locks: wake-ups that found the lock not yet theirs.
     pub pv_spurious_wakeups: u64,
+    /// GPA of the guest's kick-to-wake samples (`u32` TSC cycles each; ping-pong workload).
+    pub samples_addr: u64,
+    /// Number of samples there.
+    pub samples_len: u64,
 }
+
+/// The most kick-to-wake samples the ping-pong workload keeps.
+pub const MAX_SAMPLES: usize = 16384;
 
 /// How many CPUID leaves the [`Workload::Cpuid`] workload can report.
 pub const CPUID_QUERIES: usize = 4;
@@ -235,7 +249,7 @@ const _: () = {
     assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
     assert!(size_of::<BootParams>() == 80 + size_of::<RunResult>());
-    assert!(size_of::<RunResult>() == 64 + 16 * CPUID_QUERIES);
+    assert!(size_of::<RunResult>() == 80 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
@@ -252,6 +266,7 @@ mod tests {
             Workload::Fault,
             Workload::Hypercall,
             Workload::Cpuid,
+            Workload::PingPong,
         ] {
             assert_eq!(Workload::from_u32(w as u32), Some(w));
         }

@@ -1,0 +1,153 @@
+//! PV locks and the kick device on real guests: exact counters on every wake path, host and
+//! guest agreeing on the kicks, and the no-lost-wakeups stress (a token ring of pv_wait /
+//! pv_kick pairs with random delays; a lost wake-up stops the ring and the VMM's watchdog fails
+//! the run instead of hanging).
+
+use pvspin::KickPath;
+use pvspin_integration_tests::kvm_or_skip;
+use pvspin_vmm::config::PvMode;
+use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
+
+fn pv_config(lock: LockKind, path: KickPath, vcpus: u32) -> RunConfig {
+    RunConfig {
+        vcpus,
+        workload: Workload::Lock,
+        lock,
+        iterations: 80,
+        cs_work: 10,
+        ncs_work: 10,
+        pv: PvMode::Kick,
+        kick_path: path,
+        // Small, so that waiters really halt even without overcommit.
+        spin_threshold: 8,
+        watchdog_ms: 20_000,
+        timeout_ms: 120_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn pv_locks_count_exactly_on_every_kick_path() {
+    if kvm_or_skip("pv_locks_count_exactly_on_every_kick_path").is_none() {
+        return;
+    }
+    for lock in [LockKind::Ticket, LockKind::Queued] {
+        for path in PATHS {
+            for vcpus in [2, 4] {
+                let config = pv_config(lock, path, vcpus);
+                let report =
+                    run(&config).unwrap_or_else(|err| panic!("{lock:?} {path:?} x{vcpus}: {err}"));
+                let expected = u64::from(vcpus) * config.iterations;
+                assert_eq!(report.counter, expected, "{lock:?} {path:?} x{vcpus}");
+                assert!(
+                    report.pv_halts > 0,
+                    "{lock:?} {path:?} x{vcpus}: nobody halted"
+                );
+                // Every halted waiter but a spuriously woken one was kicked.
+                assert!(report.pv_kicks > 0, "{lock:?} {path:?} x{vcpus}: no kicks");
+                match path {
+                    // In-kernel kicks never exit to the VMM.
+                    KickPath::InKernel => assert_eq!(report.host_kicks, Some(0)),
+                    _ => assert_eq!(
+                        report.host_kicks,
+                        Some(report.pv_kicks),
+                        "{lock:?} {path:?}: the host handled every kick the guest sent"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pv_off_queued_lock_is_a_plain_mcs_lock() {
+    if kvm_or_skip("pv_off_queued_lock_is_a_plain_mcs_lock").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        pv: PvMode::Off,
+        ..pv_config(LockKind::Queued, KickPath::InKernel, 4)
+    };
+    let report = run(&config).expect("queued lock without PV");
+    assert_eq!(report.counter, 4 * config.iterations);
+    assert_eq!((report.pv_halts, report.pv_kicks), (0, 0));
+}
+
+fn pingpong(path: KickPath, handoffs: u64) -> RunConfig {
+    RunConfig {
+        vcpus: 2,
+        workload: Workload::PingPong,
+        iterations: handoffs,
+        cs_work: 0,
+        ncs_work: 20,
+        pv: PvMode::Kick,
+        kick_path: path,
+        watchdog_ms: 10_000,
+        timeout_ms: 600_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+/// At least 100,000 wait/kick pairs on the in-kernel path (the default) and 20,000 on each of
+/// the others, with random delays before each kick and each wait.
+#[test]
+fn no_lost_wakeups_under_a_pv_wait_kick_stress() {
+    if kvm_or_skip("no_lost_wakeups_under_a_pv_wait_kick_stress").is_none() {
+        return;
+    }
+    for (path, handoffs) in [
+        (KickPath::InKernel, 100_000),
+        (KickPath::SignalMsi, 20_000),
+        (KickPath::Userspace, 20_000),
+    ] {
+        let report = run(&pingpong(path, handoffs)).unwrap_or_else(|err| panic!("{path:?}: {err}"));
+        assert_eq!(report.counter, handoffs, "{path:?}");
+        assert_eq!(
+            report.pv_kicks,
+            handoffs - 1,
+            "{path:?}: one kick per handoff"
+        );
+        let latency = report.kick_to_wake.clone().expect("kick-to-wake samples");
+        assert!(
+            latency.samples > 0 && latency.p50_us > 0.0,
+            "{path:?}: {latency:?}"
+        );
+        eprintln!("{}", report.summary_line());
+    }
+}
+
+#[test]
+fn pv_configuration_rules() {
+    if kvm_or_skip("pv_configuration_rules").is_none() {
+        return;
+    }
+    let tas = pv_config(LockKind::Tas, KickPath::InKernel, 2);
+    assert!(matches!(
+        run(&tas),
+        Err(RunError::Config(ConfigError::NoPvVariant))
+    ));
+    let no_pv = RunConfig {
+        pv: PvMode::Off,
+        ..pingpong(KickPath::InKernel, 10)
+    };
+    assert!(matches!(
+        run(&no_pv),
+        Err(RunError::Config(ConfigError::PingPongNeedsPv))
+    ));
+    let many = RunConfig {
+        mem_mib: 64,
+        ..pv_config(LockKind::Ticket, KickPath::InKernel, 17)
+    };
+    assert!(matches!(
+        run(&many),
+        Err(RunError::Config(ConfigError::TooManyPvVcpus {
+            got: 17,
+            ..
+        }))
+    ));
+}
