@@ -74,6 +74,7 @@ fuzz_target!(|data: &[u8]| {
             0 => u32::MAX,
             x => u32::from(x),
         },
+        boost_running_hint: flags & 8 != 0,
     };
     let policy = DirectedYield::new(cfg).unwrap();
     let view = View((0..n).map(|_| Cell::new(b.u32())).collect());

@@ -324,14 +324,15 @@ mod directed_tests {
     }
 
     fn vm(n: usize, deschedule: bool) -> Vm {
+        vm_with(n, deschedule, DirectedYieldOptions::default())
+    }
+
+    fn vm_with(n: usize, deschedule: bool, options: DirectedYieldOptions) -> Vm {
         let rec = Recorder(Arc::new(RecorderInner {
             deschedule,
             ..RecorderInner::default()
         }));
-        let dy = Arc::new(
-            YieldState::with_actuator(&DirectedYieldOptions::default(), n, Box::new(rec.clone()))
-                .unwrap(),
-        );
+        let dy = Arc::new(YieldState::with_actuator(&options, n, Box::new(rec.clone())).unwrap());
         let kick = Arc::new(KickState::userspace_for_tests(n, FEATURE_SPIN_NOTIFY));
         let cells: Arc<[Arc<VcpuCounterCell>]> =
             (0..n).map(|_| Arc::new(VcpuCounterCell::new())).collect();
@@ -415,8 +416,27 @@ mod directed_tests {
     }
 
     #[test]
-    fn running_holder_falls_back_to_the_scan_and_yields_self() {
+    fn running_holder_is_boosted_by_default() {
         let mut vm = vm(2, false);
+        vm.hooks[1].before_run();
+        vm.dy.board.set_tid(1, 77);
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert!(vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .contains(&"yield_to 1 tid 77".to_string()));
+        assert_eq!(vm.dy.stats().yield_to_hint, 1);
+    }
+
+    #[test]
+    fn with_kvm_rules_a_running_holder_falls_back_to_the_scan_and_yields_self() {
+        let options = DirectedYieldOptions {
+            policy: pvspin_pause::PolicyConfig::default(),
+            ..DirectedYieldOptions::default()
+        };
+        let mut vm = vm_with(2, false, options);
         // vCPU 1 is in the guest: running, not ready.
         vm.hooks[1].before_run();
         assert_eq!(spin(&mut vm, 0, notify(Some(1)), 0), ExitOutcome::Handled);

@@ -57,9 +57,13 @@
 //! (the guest's hint first, KVM's rules otherwise), act with a `pvspin_hints` actuator and
 //! adapt the vCPU's spin window, which the guest reads from the same register.
 //! **Not implemented yet:** learning that a vCPU inside `KVM_RUN` was preempted by the host
-//! (steal time is not read, `/proc` is not polled), so on a VMM without its own vCPU scheduler
-//! every decision finds the holder "running" and is an undirected yield; scheduler hints
-//! through shared pages.
+//! (steal time is not read, `/proc` is not polled). So on a VMM without its own vCPU scheduler
+//! the board shows every vCPU in the guest as running: the default
+//! [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads as
+//! running (`PolicyConfig::boost_running_hint`), while notifications without a usable hint
+//! find no ready candidate and yield undirected (the kernel-mode filter, which applies to
+//! candidates the scan finds preempted, has nothing to filter then). Scheduler hints through
+//! shared pages are not implemented either.
 #![deny(missing_docs)]
 
 mod counters;
