@@ -334,6 +334,11 @@ impl DirectedYield {
         }
     }
 
+    /// Whether a hinted vCPU in state `s` may be boosted (rule 1).
+    fn hint_acceptable(&self, s: VcpuSnapshot) -> bool {
+        is_ready(s) || (self.cfg.boost_running_hint && s.is_running())
+    }
+
     /// The index of the last vCPU boosted (the scan starts after it).
     pub fn last_boosted(&self) -> usize {
         self.last_boosted.load(Ordering::Relaxed)
@@ -393,9 +398,7 @@ impl DirectedYield {
                 HintStatus::OutOfRange
             } else if h == me {
                 HintStatus::SelfHint
-            } else if !is_ready(view.snapshot(h))
-                && !(self.cfg.boost_running_hint && view.snapshot(h).is_running())
-            {
+            } else if !self.hint_acceptable(view.snapshot(h)) {
                 HintStatus::NotReady
             } else {
                 match boost(h) {
