@@ -324,15 +324,15 @@ mod directed_tests {
     }
 
     fn vm(n: usize, deschedule: bool) -> Vm {
-        vm_with(n, deschedule, DirectedYieldOptions::default())
+        vm_with(n, deschedule, &DirectedYieldOptions::default())
     }
 
-    fn vm_with(n: usize, deschedule: bool, options: DirectedYieldOptions) -> Vm {
+    fn vm_with(n: usize, deschedule: bool, options: &DirectedYieldOptions) -> Vm {
         let rec = Recorder(Arc::new(RecorderInner {
             deschedule,
             ..RecorderInner::default()
         }));
-        let dy = Arc::new(YieldState::with_actuator(&options, n, Box::new(rec.clone())).unwrap());
+        let dy = Arc::new(YieldState::with_actuator(options, n, Box::new(rec.clone())).unwrap());
         let kick = Arc::new(KickState::userspace_for_tests(n, FEATURE_SPIN_NOTIFY));
         let cells: Arc<[Arc<VcpuCounterCell>]> =
             (0..n).map(|_| Arc::new(VcpuCounterCell::new())).collect();
@@ -436,7 +436,7 @@ mod directed_tests {
             policy: pvspin_pause::PolicyConfig::default(),
             ..DirectedYieldOptions::default()
         };
-        let mut vm = vm_with(2, false, options);
+        let mut vm = vm_with(2, false, &options);
         // vCPU 1 is in the guest: running, not ready.
         vm.hooks[1].before_run();
         assert_eq!(spin(&mut vm, 0, notify(Some(1)), 0), ExitOutcome::Handled);
