@@ -126,9 +126,7 @@ fuzz_target!(|data: &[u8]| {
                 let got = dev.handle_pio_read(port, &mut buf[..width.min(8)]);
                 if in_range {
                     accesses += 1;
-                    if port - BASE == SPIN_OFFSET
-                        && width == 4
-                        && extra & FEATURE_SPIN_NOTIFY != 0
+                    if port - BASE == SPIN_OFFSET && width == 4 && extra & FEATURE_SPIN_NOTIFY != 0
                     {
                         forwarded += 1;
                         assert_eq!(
