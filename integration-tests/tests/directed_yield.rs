@@ -72,6 +72,35 @@ fn kick_yield_counts_exactly() {
     }
 }
 
+#[test]
+fn kick_yield_counts_exactly_on_every_kick_path_and_actuator() {
+    if kvm_or_skip("kick_yield_counts_exactly_on_every_kick_path_and_actuator").is_none() {
+        return;
+    }
+    for path in [
+        pvspin::KickPath::InKernel,
+        pvspin::KickPath::SignalMsi,
+        pvspin::KickPath::Userspace,
+    ] {
+        // fifo needs real-time privilege: the run is refused without it, never half-applied.
+        for actuator in ["yield", "nice", "fifo"] {
+            let what = format!("ticket x3 {path:?} {actuator}");
+            let config = RunConfig {
+                kick_path: path,
+                actuator,
+                ..config(LockKind::Ticket, 3, 100)
+            };
+            match run(&config) {
+                Ok(report) => assert_exact(&report, &what),
+                Err(err) if actuator != "yield" && err.to_string().contains("actuator") => {
+                    println!("{what}: refused: {err}");
+                }
+                Err(err) => panic!("{what}: {err}"),
+            }
+        }
+    }
+}
+
 /// Pins the calling thread (and so the VMM's vCPU and hog threads it spawns) to the first
 /// `n` CPUs it may use; returns false when it has fewer.
 fn pin_to_cpus(n: usize) -> bool {
