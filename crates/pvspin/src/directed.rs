@@ -19,7 +19,16 @@ use pvspin_pause::{
     Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification, SpinWindows,
     WindowConfig,
 };
-use pvspin_track::VcpuBoard;
+use pvspin_track::{GuestBytes, VcpuBoard};
+
+/// Guest memory directed yield reads steal-time `preempted` bytes from: anything that reads
+/// a guest byte by GPA and may be shared between vCPU threads.
+pub trait GuestByteSource: GuestBytes + Send + Sync + std::fmt::Debug {}
+
+impl<T: GuestBytes + Send + Sync + std::fmt::Debug + ?Sized> GuestByteSource for T {}
+
+/// A shared [`GuestByteSource`], as [`crate::PvSpinBuilder::steal_time_memory`] takes it.
+pub type StealTimeMemory = std::sync::Arc<dyn GuestByteSource>;
 
 use crate::ConfigError;
 
@@ -116,6 +125,9 @@ pub(crate) struct YieldState {
     pub(crate) policy: DirectedYield,
     pub(crate) windows: SpinWindows,
     pub(crate) actuator: Box<dyn Actuator>,
+    /// With it, candidates' steal-time areas are read as they are examined, so a vCPU the
+    /// host preempted inside `KVM_RUN` reads as ready (and preempted in kernel or user mode).
+    pub(crate) mem: Option<StealTimeMemory>,
     counters: Counters,
 }
 
@@ -147,6 +159,7 @@ impl YieldState {
             policy: DirectedYield::new(options.policy).map_err(|e| rule(&e))?,
             windows: SpinWindows::new(vcpus, options.windows).map_err(|e| rule(&e))?,
             actuator,
+            mem: None,
             counters: Counters::default(),
         })
     }
@@ -172,7 +185,16 @@ impl YieldState {
             waiting_for: n.waiting_for.map(u32::from),
             spun: u64::from(spun_bucket_floor(n.spun_bucket)),
         };
-        let outcome = self.policy.decide(&self.board, &notification);
+        let outcome = match &self.mem {
+            Some(mem) => self.policy.decide(
+                &pvspin_pause::StealTimeView {
+                    board: &self.board,
+                    mem: &**mem,
+                },
+                &notification,
+            ),
+            None => self.policy.decide(&self.board, &notification),
+        };
         if outcome.hint == HintStatus::NotReady {
             bump(&c.hint_not_ready);
         }

@@ -456,6 +456,72 @@ mod directed_tests {
         assert_eq!((s.yields_attempted, s.yields_successful), (1, 0));
     }
 
+    /// Guest memory whose bytes tests flip while vCPUs "run".
+    #[derive(Debug)]
+    struct FlipMemory(Vec<std::sync::atomic::AtomicU8>);
+
+    impl pvspin_track::GuestBytes for FlipMemory {
+        fn read_u8(&self, gpa: u64) -> Option<u8> {
+            let i = usize::try_from(gpa).ok()?;
+            Some(self.0.get(i)?.load(std::sync::atomic::Ordering::Relaxed))
+        }
+    }
+
+    #[test]
+    fn steal_time_shows_preemption_inside_kvm_run_and_in_which_mode() {
+        // KVM's rules (no trust in running hints): only steal time can make a vCPU ready.
+        let options = DirectedYieldOptions {
+            policy: pvspin_pause::PolicyConfig::default(),
+            ..DirectedYieldOptions::default()
+        };
+        let mut vm = vm_with(3, false, &options);
+        let mem = Arc::new(FlipMemory(
+            (0..512)
+                .map(|_| std::sync::atomic::AtomicU8::new(0))
+                .collect(),
+        ));
+        // A state with the memory (the builder installs it for a real VM).
+        let dy = Arc::new({
+            let mut state =
+                YieldState::with_actuator(&options, 3, Box::new(vm.rec.clone())).unwrap();
+            state.mem = Some(mem.clone());
+            for (v, gpa) in [(1usize, 64u64), (2, 128)] {
+                state.board.set_steal_time_gpa(v, Some(gpa));
+            }
+            state
+        });
+        for h in &mut vm.hooks {
+            h.dy = Some(dy.clone());
+        }
+        vm.dy = dy;
+        // vCPU 1 last exited in user mode, vCPU 2 in kernel mode; both are back in the guest.
+        for (v, cpl) in [(1, 3), (2, 0)] {
+            vm.hooks[v].before_run();
+            vm.hooks[v].after_run_with_cpl(Some(cpl));
+            vm.hooks[v].before_run();
+        }
+        // Not preempted: the hint names a running vCPU, the scan finds nobody.
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert_eq!(vm.dy.stats().yield_self, 1);
+        // KVM marks both preempted: the hint is used.
+        mem.0[64 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        mem.0[128 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert_eq!(vm.dy.stats().yield_to_hint, 1);
+        // No hint, spinner in kernel mode: the filter skips vCPU 1 (preempted in user mode).
+        spin(&mut vm, 0, notify(None), 0);
+        let calls = vm.rec.calls.lock().unwrap().clone();
+        assert_eq!(
+            calls
+                .iter()
+                .filter(|c| c.starts_with("yield_to"))
+                .last()
+                .unwrap(),
+            &format!("yield_to 2 tid {}", pvspin_hints::sched::current_tid())
+        );
+        assert_eq!(vm.dy.stats().yield_to_candidate, 1);
+    }
+
     #[test]
     fn kernel_mode_filter_skips_a_vcpu_preempted_in_user_mode() {
         let mut vm = vm(3, false);

@@ -72,11 +72,12 @@ mod hooks;
 mod kick;
 mod telemetry;
 
-pub use directed::{DirectedYieldOptions, DirectedYieldStats};
+pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
 pub use kick::KickOptions;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_kick::{KickPath, KickStats};
 pub use pvspin_pause::{PolicyConfig, WindowConfig};
+pub use pvspin_track::GuestBytes;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -195,6 +196,7 @@ pub struct PvSpinBuilder {
     paravirt: Option<PlanRequest>,
     kick: Option<KickOptions>,
     directed_yield: Option<DirectedYieldOptions>,
+    steal_time: Option<StealTimeMemory>,
 }
 
 impl PvSpinBuilder {
@@ -246,6 +248,16 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Lets directed yield see vCPUs the host preempted inside `KVM_RUN`: `memory` reads guest
+    /// bytes by GPA, and [`PvSpin::set_steal_time_gpa`] says where each vCPU's KVM steal-time
+    /// area is (the guest registers it with `MSR_KVM_STEAL_TIME`; KVM sets its `preempted`
+    /// byte when it deschedules a runnable vCPU). Candidates' bytes are read as a decision
+    /// examines them. Without it, a vCPU inside `KVM_RUN` always reads as running.
+    pub fn steal_time_memory(mut self, memory: StealTimeMemory) -> Self {
+        self.steal_time = Some(memory);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -258,7 +270,11 @@ impl PvSpinBuilder {
         let interrupter = self.interrupter.ok_or(ConfigError::MissingInterrupter)?;
         let directed_yield = match &self.directed_yield {
             Some(_) if self.kick.is_none() => return Err(ConfigError::DirectedYieldNeedsKick),
-            Some(options) => Some(Arc::new(directed::YieldState::new(options, vcpus)?)),
+            Some(options) => {
+                let mut state = directed::YieldState::new(options, vcpus)?;
+                state.mem = self.steal_time.clone();
+                Some(Arc::new(state))
+            }
             None => None,
         };
         Ok(PvSpin {
@@ -395,6 +411,15 @@ impl PvSpin {
     /// one that was permitted), if directed yield is enabled.
     pub fn actuator_name(&self) -> Option<&'static str> {
         self.directed_yield.as_ref().map(|dy| dy.actuator.name())
+    }
+
+    /// Where vCPU `index`'s steal-time area is (`None`: it has none), for directed yield with
+    /// [`PvSpinBuilder::steal_time_memory`]. Any time, any thread; a no-op without directed
+    /// yield or for an index out of range.
+    pub fn set_steal_time_gpa(&self, index: usize, gpa: Option<u64>) {
+        if let Some(dy) = &self.directed_yield {
+            dy.board.set_steal_time_gpa(index, gpa);
+        }
     }
 
     /// What the directed-yield handler did so far, if it is enabled.
