@@ -512,11 +512,7 @@ mod directed_tests {
         spin(&mut vm, 0, notify(None), 0);
         let calls = vm.rec.calls.lock().unwrap().clone();
         assert_eq!(
-            calls
-                .iter()
-                .filter(|c| c.starts_with("yield_to"))
-                .last()
-                .unwrap(),
+            calls.iter().rfind(|c| c.starts_with("yield_to")).unwrap(),
             &format!("yield_to 2 tid {}", pvspin_hints::sched::current_tid())
         );
         assert_eq!(vm.dy.stats().yield_to_candidate, 1);
