@@ -117,17 +117,18 @@
 //! A waiter tells the host it spins ([`PvOps::spin_notify`], a [`SpinWait`]) each time it has
 //! spun [`PvOps::spin_window`] times in a spin phase, re-reading the window after each
 //! notification, and once more before halting if that phase did not notify. It names the vCPU
-//! it waits for: the ticket lock records its holder's CPU at acquisition (cleared at unlock),
-//! the queued lock names the waiter's predecessor (flagged `next_owner` when that is not the
-//! holder). The default window, `u32::MAX`, never notifies, so backends without the method
+//! it waits for: the ticket lock records its holder's CPU at acquisition (cleared at unlock);
+//! when the lock was released to a waiter that has not taken it yet, the waiter names that
+//! next owner (`next_owner`), found by the ticket it published in its wait slot (published at
+//! the start of the slow path only when notifications are on). The queued lock names the
+//! waiter's predecessor (flagged `next_owner` when that is not the holder). The default window, `u32::MAX`, never notifies, so backends without the method
 //! behave as before; over pvspin's ABI this is the SPIN doorbell command (`docs/abi.md` §3.3,
 //! the example VMM's guest implements it in its `PvPlatform`). The holder hint is a `core`
 //! atomic outside the handshake, so the loom models are unchanged (a hint is never trusted).
 //!
 //! # Not implemented yet
 //!
-//! Hint-page writes (need the ABI), naming the next owner of a ticket lock that was released
-//! but not yet taken (the waiter sends "unknown" then), lock stealing in the queued lock,
+//! Hint-page writes (need the ABI), lock stealing in the queued lock,
 //! and checking a preempted predecessor before halting (Linux's `pv_wait_early`, reverted
 //! there too). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
 //! nothing here uses floats or `core::fmt` number formatting.

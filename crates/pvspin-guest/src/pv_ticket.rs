@@ -122,11 +122,30 @@ impl PvTicketLock {
     #[cold]
     fn lock_slow<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
         let me = if pv.config.halt { pv.this_cpu() } else { None };
-        let wait = |spun| SpinWait {
-            lock: self.id(),
-            waiting_for: self.holder_hint(),
-            next_owner: false,
-            spun,
+        let my_id = if pv.ops.spin_window() != u32::MAX {
+            // Notifications on: publish {lock, ticket} in this CPU's slot now (state stays
+            // RUNNING, so no unlocker acts on it), so that other waiters can name this CPU
+            // as the next owner once the lock is released to it. Off (and under loom, whose
+            // backend never notifies), the slot is written only on the way to a halt.
+            pv.this_cpu().map(|(id, cpu)| {
+                cpu.ticket.lock.store(self.id(), Ordering::Relaxed);
+                cpu.ticket.ticket.store(ticket, Ordering::Relaxed);
+                id
+            })
+        } else {
+            None
+        };
+        let wait = |spun| {
+            let (waiting_for, next_owner) = match self.holder_hint() {
+                Some(holder) => (Some(holder), false),
+                None => (self.next_owner_hint(pv, my_id), true),
+            };
+            SpinWait {
+                lock: self.id(),
+                waiting_for,
+                next_owner: next_owner && waiting_for.is_some(),
+                spun,
+            }
         };
         loop {
             if pv.spin_phase(|| self.owner.load(Ordering::Acquire) == ticket, wait) {
@@ -153,6 +172,20 @@ impl PvTicketLock {
             }
             cpu.stats.spurious();
         }
+    }
+
+    /// The CPU whose published slot holds the ticket being served (the lock was released to
+    /// it and it has not recorded itself holder yet), other than `me`. A racy hint.
+    fn next_owner_hint<O: PvOps>(&self, pv: Pv<'_, O>, me: Option<u32>) -> Option<u32> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        let id = self.id();
+        let found = pv.cpus.iter().position(|cpu| {
+            cpu.ticket.lock.load(Ordering::Relaxed) == id
+                && cpu.ticket.ticket.load(Ordering::Relaxed) == owner
+        })?;
+        // `found < N <= MAX_CPUS`, so it fits.
+        let found = found as u32;
+        (Some(found) != me).then_some(found)
     }
 
     #[inline]
@@ -484,12 +517,37 @@ mod tests {
         let notes = domain.ops().notes();
         // Threshold 10, window 4: notified after 4 and 8 spins, not again before halting.
         assert!(notes.len() >= 2, "{notes:?}");
+        // With notifications on, the waiter published {lock, ticket} before halting.
+        assert_eq!(
+            domain.pv().cpus[0].ticket.lock.load(Ordering::Relaxed),
+            &*lock as *const PvTicketLock as usize
+        );
         for n in &notes[..2] {
             assert_eq!(n.lock, &*lock as *const PvTicketLock as usize);
             assert_eq!(n.waiting_for, Some(1));
             assert!(!n.next_owner);
             assert_eq!(n.spun, 4);
         }
+    }
+
+    #[test]
+    fn a_released_but_untaken_lock_names_its_next_owner() {
+        use crate::tests_common::Notifying;
+        let domain: PvDomain<Notifying<3>, 3> = PvDomain::new(Notifying::new(4), small());
+        let lock = PvTicketLock::new();
+        // CPU 1 drew ticket 1 and published it; the holder (ticket 0) released: owner = 1.
+        lock.next.store(3, Ordering::Relaxed);
+        lock.owner.store(1, Ordering::Relaxed);
+        let slot = &domain.pv().cpus[1].ticket;
+        slot.lock.store(lock.id(), Ordering::Relaxed);
+        slot.ticket.store(1, Ordering::Relaxed);
+        assert_eq!(lock.holder_hint(), None);
+        assert_eq!(lock.next_owner_hint(domain.pv(), Some(2)), Some(1));
+        // Never names the asker itself, nor a CPU waiting on another lock.
+        assert_eq!(lock.next_owner_hint(domain.pv(), Some(1)), None);
+        let other = PvTicketLock::new();
+        other.owner.store(1, Ordering::Relaxed);
+        assert_eq!(other.next_owner_hint(domain.pv(), Some(2)), None);
     }
 
     #[test]

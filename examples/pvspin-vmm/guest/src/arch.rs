@@ -22,6 +22,18 @@ pub fn inl(port: u16) -> u32 {
     value
 }
 
+/// Writes a model-specific register.
+///
+/// # Safety
+///
+/// CPL 0; `msr` must exist (an unknown MSR raises #GP, which this guest cannot handle).
+pub unsafe fn wrmsr(msr: u32, value: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!("wrmsr", in("ecx") msr, in("eax") value as u32, in("edx") (value >> 32) as u32, options(nostack, preserves_flags))
+    };
+}
+
 /// Reads the time-stamp counter.
 pub fn rdtsc() -> u64 {
     let (lo, hi): (u32, u32);

@@ -9,7 +9,7 @@ use pvspin_guest::x86::{HaltPvOps, PvPlatform};
 use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinWait};
 use pvspin_vmm_proto::{MAX_PV_VCPUS, VCPU_SLOT_INDEX_OFFSET};
 
-use crate::arch::{cpuid, inl, outl};
+use crate::arch::{cpuid, inl, outl, wrmsr};
 
 /// The doorbell's first port, learned at boot (0: pvspin not found).
 static DOORBELL: AtomicU16 = AtomicU16::new(0);
@@ -28,9 +28,31 @@ fn refresh_window(cpu: u32) {
     }
 }
 
-/// Turns spin notifications on for `vcpu` (the host must advertise `SPIN_NOTIFY`).
+/// Turns spin notifications on for `vcpu` (the host must advertise `SPIN_NOTIFY`), and
+/// registers its KVM steal-time area when KVM offers steal time, so the host sees this vCPU
+/// preempted.
 pub fn enable_spin_notify(vcpu: u32) {
     refresh_window(vcpu);
+    register_steal_time(vcpu);
+}
+
+/// KVM's CPUID signature leaf, feature leaf, steal-time feature bit and MSR.
+const KVM_CPUID_SIGNATURE: u32 = 0x4000_0000;
+const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
+const KVM_FEATURE_STEAL_TIME: u32 = 1 << 5;
+const MSR_KVM_STEAL_TIME: u32 = 0x4b56_4d03;
+
+fn register_steal_time(vcpu: u32) {
+    if vcpu >= MAX_PV_VCPUS {
+        return;
+    }
+    let [max, ebx, ecx, edx] = cpuid(KVM_CPUID_SIGNATURE);
+    let kvm = [ebx, ecx, edx] == [0x4b4d_564b, 0x564b_4d56, 0x0000_004d]; // "KVMKVMKVM\0\0\0"
+    if !kvm || max < KVM_CPUID_FEATURES || cpuid(KVM_CPUID_FEATURES)[0] & KVM_FEATURE_STEAL_TIME == 0 {
+        return;
+    }
+    // SAFETY: CPL 0, and KVM advertises the MSR; bit 0 enables the 64-byte-aligned area.
+    unsafe { wrmsr(MSR_KVM_STEAL_TIME, pvspin_vmm_proto::steal_time_addr(vcpu) | 1) };
 }
 
 /// This guest's platform for the PV locks.
