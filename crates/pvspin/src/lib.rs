@@ -56,14 +56,17 @@
 //! kicks, thread ids), and on a SPIN doorbell write decide with `pvspin_pause::DirectedYield`
 //! (the guest's hint first, KVM's rules otherwise), act with a `pvspin_hints` actuator and
 //! adapt the vCPU's spin window, which the guest reads from the same register.
-//! **Not implemented yet:** learning that a vCPU inside `KVM_RUN` was preempted by the host
-//! (steal time is not read, `/proc` is not polled). So on a VMM without its own vCPU scheduler
-//! the board shows every vCPU in the guest as running: the default
-//! [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads as
-//! running (`PolicyConfig::boost_running_hint`), while notifications without a usable hint
-//! find no ready candidate and yield undirected (the kernel-mode filter, which applies to
-//! candidates the scan finds preempted, has nothing to filter then). Scheduler hints through
-//! shared pages are not implemented either.
+//! **Preemption inside `KVM_RUN`:** with [`PvSpinBuilder::steal_time_memory`] and
+//! [`PvSpin::set_steal_time_gpa`], decisions read each candidate's KVM steal-time `preempted`
+//! byte, so the candidate scan (and its kernel-mode filter) sees vCPUs the host descheduled.
+//! KVM only sets that byte for a preemption at an instruction boundary; on the emulating
+//! development hosts it never does (KVM's own stats there: `preemption_reported` 0,
+//! `preemption_other` > 0), so there the board shows every vCPU in the guest as running. The
+//! default [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads
+//! as running (`PolicyConfig::boost_running_hint`); a notification without a usable hint then
+//! finds no ready candidate and yields undirected.
+//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; scheduler
+//! hints through shared pages.
 #![deny(missing_docs)]
 
 mod counters;
