@@ -276,6 +276,8 @@ mod tests {
             "ticket:off",
             "queued:kick:userspace",
             "ticket:kick:signal-msi",
+            "ticket:kick+yield:in-kernel",
+            "queued:kick+yield:userspace",
         ] {
             assert_eq!(Variant::parse(name).unwrap().name(), name);
         }
