@@ -8,10 +8,10 @@
 
 use libfuzzer_sys::fuzz_target;
 use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_SPIN_NOTIFY};
-use pvspin_abi::doorbell::{PORT_COUNT, SPIN_HOLDER_UNKNOWN};
+use pvspin_abi::doorbell::{PORT_COUNT, SPIN_OFFSET, SPIN_WAITING_FOR_UNKNOWN};
 use pvspin_kick::ratelimit::ManualClock;
 use pvspin_kick::{
-    Delivery, Handled, KickConfig, KickDevice, KickResult, ParkOutcome, PioOutcome, Reject,
+    Command, Delivery, Handled, KickConfig, KickDevice, KickResult, ParkOutcome, PioOutcome, Reject,
 };
 
 const BASE: u16 = 0x0a40;
@@ -34,8 +34,9 @@ fn expected_write(
         0 if value < nr => Ok(Some(value)),
         0 => Err(Reject::NoSuchVcpu),
         4 => {
-            let holder = value & 0xffff;
-            if holder != u32::from(SPIN_HOLDER_UNKNOWN) && holder >= nr {
+            // Bits 12..0: the vCPU waited for (ABI 0.2).
+            let waiting_for = value & 0x1fff;
+            if waiting_for != u32::from(SPIN_WAITING_FOR_UNKNOWN) && waiting_for >= nr {
                 Err(Reject::NoSuchVcpu)
             } else if extra & FEATURE_SPIN_NOTIFY == 0 {
                 Err(Reject::NotEnabled)
@@ -125,8 +126,17 @@ fuzz_target!(|data: &[u8]| {
                 let got = dev.handle_pio_read(port, &mut buf[..width.min(8)]);
                 if in_range {
                     accesses += 1;
-                    rejected[Reject::Read.index()] += 1;
-                    assert_eq!(got, PioOutcome::Handled(Handled::Rejected(Reject::Read)));
+                    if port - BASE == SPIN_OFFSET && width == 4 && extra & FEATURE_SPIN_NOTIFY != 0
+                    {
+                        forwarded += 1;
+                        assert_eq!(
+                            got,
+                            PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow))
+                        );
+                    } else {
+                        rejected[Reject::Read.index()] += 1;
+                        assert_eq!(got, PioOutcome::Handled(Handled::Rejected(Reject::Read)));
+                    }
                     assert!(buf[..width.min(8)].iter().all(|b| *b == 0xff));
                 } else {
                     assert_eq!(got, PioOutcome::NotMine);

@@ -21,7 +21,10 @@ fuzz_target!(|input: &[u8]| {
         return;
     };
     for st in snap.iter() {
-        assert_eq!(snap.get(&st.desc.name).map(|s| s.values.len()), Some(st.values.len()));
+        assert_eq!(
+            snap.get(&st.desc.name).map(|s| s.values.len()),
+            Some(st.values.len())
+        );
         assert_eq!(st.values.len(), usize::from(st.desc.size));
         let bounds = st.desc.bucket_upper_bounds();
         assert!(bounds.is_empty() || bounds.len() == st.values.len());

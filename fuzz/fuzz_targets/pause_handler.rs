@@ -10,7 +10,7 @@ use std::cell::Cell;
 
 use libfuzzer_sys::fuzz_target;
 use pvspin_pause::{
-    BoostOutcome, Decision, DirectedYield, PolicyConfig, SpinNotification, VcpuView,
+    BoostOutcome, Decision, DirectedYield, PolicyConfig, Reason, SpinNotification, VcpuView,
 };
 use pvspin_track::{VcpuSnapshot, VcpuState};
 
@@ -74,6 +74,7 @@ fuzz_target!(|data: &[u8]| {
             0 => u32::MAX,
             x => u32::from(x),
         },
+        boost_running_hint: flags & 8 != 0,
     };
     let policy = DirectedYield::new(cfg).unwrap();
     let view = View((0..n).map(|_| Cell::new(b.u32())).collect());
@@ -94,8 +95,16 @@ fuzz_target!(|data: &[u8]| {
         let mut asked = 0usize;
         let mut failures = 0u32;
         let out = policy.decide_with(&view, &note, |t| {
-            assert!(t < n && t != spinner, "asked about {t} (n {n}, spinner {spinner})");
-            assert!(!view.snapshot(t).is_running(), "asked about running {t}");
+            assert!(
+                t < n && t != spinner,
+                "asked about {t} (n {n}, spinner {spinner})"
+            );
+            // Only the hinted vCPU may be running, and only with boost_running_hint.
+            let hinted = waiting_for == u32::try_from(t).ok();
+            assert!(
+                !view.snapshot(t).is_running() || (cfg.boost_running_hint && hinted),
+                "asked about running {t}"
+            );
             let r = match (script >> (asked % 16 * 2)) & 3 {
                 0 => BoostOutcome::Boosted,
                 1 => BoostOutcome::NotBoosted,
@@ -112,10 +121,13 @@ fuzz_target!(|data: &[u8]| {
         assert!(out.stats.examined <= cfg.scan_budget);
         assert!(out.stats.examined as usize <= n);
         assert_eq!(out.stats.failures, failures);
-        if let Decision::YieldTo(t, _) = out.decision {
+        if let Decision::YieldTo(t, reason) = out.decision {
             assert!(t < n && t != spinner);
-            assert!(!view.snapshot(t).is_running());
-            assert!(view.snapshot(t).state() != VcpuState::Stopped || view.snapshot(t).is_preempted());
+            let hint_ok = cfg.boost_running_hint && reason == Reason::Hint;
+            assert!(!view.snapshot(t).is_running() || hint_ok);
+            assert!(
+                view.snapshot(t).state() != VcpuState::Stopped || view.snapshot(t).is_preempted()
+            );
         }
         if spinner < n && n >= 2 {
             let s = view.snapshot(spinner);

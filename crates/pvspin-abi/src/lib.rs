@@ -12,20 +12,23 @@
 //!    the ABI version, the doorbell port, the feature bits and the number of vCPUs.
 //! 2. **The doorbell** ([`doorbell`]): a small port-I/O range. Offset 0 is the KICK register:
 //!    a 32-bit `OUT` of a vCPU index wakes that vCPU from `pv_wait` (a halt), and a kick that
-//!    arrives before the halt is remembered. The other offsets are reserved for later commands
-//!    (spin notification with a holder hint, shared-page registration); their encodings are
+//!    arrives before the halt is remembered. Offset 4 is SPIN: a 32-bit `OUT` is a spin
+//!    notification ([`doorbell::SpinNotify`]: lock hash, the vCPU waited for, how long it
+//!    spun), and a 32-bit `IN` returns the calling vCPU's spin window (how many spins before
+//!    notifying), which the host adapts. Offset 8 is reserved for shared-page registration; its encoding is
 //!    fixed here but hosts do not implement them yet and do not advertise them.
 //!
-//! **Implemented:** discovery and the KICK command. **Reserved, not implemented by any host
-//! yet:** [`doorbell::SPIN_OFFSET`] and [`doorbell::SHARED_PAGE_OFFSET`] (their feature bits
-//! [`cpuid::FEATURE_SPIN_NOTIFY`] and [`cpuid::FEATURE_SHARED_PAGE`] are never set today).
+//! **Implemented:** discovery, the KICK command, and (since 0.2, when
+//! [`cpuid::FEATURE_SPIN_NOTIFY`] is set) the SPIN command and window read. **Reserved, not
+//! implemented by any host yet:** [`doorbell::SHARED_PAGE_OFFSET`] (its feature bit
+//! [`cpuid::FEATURE_SHARED_PAGE`] is never set today).
 #![no_std]
 #![deny(missing_docs)]
 
 /// Version of the guest-host contract. A guest refuses a host whose major version differs.
 pub const ABI_VERSION_MAJOR: u16 = 0;
 /// Minor version: additions that old guests may ignore.
-pub const ABI_VERSION_MINOR: u16 = 1;
+pub const ABI_VERSION_MINOR: u16 = 2;
 
 /// The ABI version as one 32-bit word, as CPUID reports it: major in bits 31..16, minor in
 /// bits 15..0.
@@ -84,14 +87,15 @@ pub mod cpuid {
     pub const NR_LEAVES: u32 = 2;
 
     /// Feature bit (ECX of the info leaf): the KICK command at [`crate::doorbell::KICK_OFFSET`]
-    /// is available. Always set by hosts of ABI 0.1.
+    /// is available. Always set by hosts of ABI 0.x.
     pub const FEATURE_KICK: u32 = 1 << 0;
     /// Feature bit: a valid kick is handled inside the host kernel (no exit to the VMM), so it
     /// costs the kicker about as much as a plain port write. Informational only: the encoding
     /// is the same either way.
     pub const FEATURE_KICK_IN_KERNEL: u32 = 1 << 1;
-    /// Feature bit: the SPIN command at [`crate::doorbell::SPIN_OFFSET`] is available.
-    /// **Reserved: no host implements it yet**, so hosts never set it.
+    /// Feature bit: the SPIN command at [`crate::doorbell::SPIN_OFFSET`] (notification `OUT`,
+    /// window `IN`) is available. Defined in 0.1, implemented since 0.2; set only by hosts
+    /// that act on notifications.
     pub const FEATURE_SPIN_NOTIFY: u32 = 1 << 2;
     /// Feature bit: the SHARED_PAGE command at [`crate::doorbell::SHARED_PAGE_OFFSET`] is
     /// available. **Reserved: no host implements it yet**, so hosts never set it.
@@ -197,7 +201,7 @@ pub mod doorbell {
     //! | offset | command | value written (32 bits) | feature |
     //! |---|---|---|---|
     //! | 0 | KICK | target vCPU index | [`crate::cpuid::FEATURE_KICK`] |
-    //! | 4 | SPIN (reserved) | [`SpinNotify`]: holder hint (bits 15..0), lock hash (bits 31..16) | [`crate::cpuid::FEATURE_SPIN_NOTIFY`] |
+    //! | 4 | SPIN | `OUT`: [`SpinNotify`] (waited-for vCPU, next-owner flag, spun bucket, lock hash); `IN`: the caller's spin window | [`crate::cpuid::FEATURE_SPIN_NOTIFY`] |
     //! | 8 | SHARED_PAGE (reserved) | guest page frame number of this vCPU's shared page, 0 = unregister | [`crate::cpuid::FEATURE_SHARED_PAGE`] |
     //! | 12 | reserved | - | - |
     //!
@@ -220,51 +224,120 @@ pub mod doorbell {
 
     /// KICK: wake the vCPU whose index is the value written.
     pub const KICK_OFFSET: u16 = 0;
-    /// SPIN (reserved): "I am spinning on a lock", with a holder hint. Exits to the VMM.
+    /// SPIN: a 32-bit `OUT` is a spin notification ([`SpinNotify`]); a 32-bit `IN` returns the
+    /// calling vCPU's current spin window (spins before notifying, at least
+    /// [`SPIN_WINDOW_MIN`]). Both exit to the VMM (each costs an exit): a guest re-reads the
+    /// window only after it notified, since that is when the host changes it.
     pub const SPIN_OFFSET: u16 = 4;
     /// SHARED_PAGE (reserved): register the writing vCPU's shared page. Exits to the VMM.
     pub const SHARED_PAGE_OFFSET: u16 = 8;
     /// Reserved for a later command.
     pub const RESERVED_OFFSET: u16 = 12;
 
-    /// The largest vCPU count the ABI can address in a SPIN holder hint (indexes
-    /// `0..=0xFFFE`; `0xFFFF` means "holder unknown").
-    pub const SPIN_HOLDER_UNKNOWN: u16 = 0xFFFF;
+    /// Bits 12..0 of a SPIN value: the vCPU the spinner waits for.
+    pub const SPIN_WAITING_FOR_MASK: u32 = 0x1FFF;
+    /// The "waiting for" field's value meaning "unknown". Valid indexes are `0..=0x1FFE`, so the
+    /// field addresses more vCPUs than any host supports (KVM: 4096).
+    pub const SPIN_WAITING_FOR_UNKNOWN: u16 = 0x1FFF;
+    /// Bit 13 of a SPIN value: the named vCPU is the *next owner* of a fair lock (released to
+    /// it, not taken yet) rather than the holder. Informational: the host treats both alike.
+    pub const SPIN_NEXT_OWNER: u32 = 1 << 13;
+    /// Bits 18..14 of a SPIN value: how long the spinner spun, as a log2 bucket
+    /// ([`spun_bucket`]).
+    pub const SPIN_SPUN_SHIFT: u32 = 14;
+    /// Width of the spun bucket field.
+    pub const SPIN_SPUN_MASK: u32 = 0x1F;
+    /// Bits 31..19 of a SPIN value: a 13-bit hash of the lock ([`lock_hash`]).
+    pub const SPIN_LOCK_SHIFT: u32 = 19;
+    /// Width of the lock hash field.
+    pub const SPIN_LOCK_MASK: u32 = 0x1FFF;
 
-    /// The value of a SPIN command (reserved, not implemented by hosts yet).
+    /// The log2 bucket of a spin count: 0 for 0, `b` for `2^(b-1) <= spun < 2^b` (b = 1..=30),
+    /// 31 for `spun >= 2^30`.
+    pub const fn spun_bucket(spun: u32) -> u8 {
+        let b = 32 - spun.leading_zeros();
+        if b > 31 {
+            31
+        } else {
+            b as u8
+        }
+    }
+
+    /// The smallest spin count in bucket `b` (0 for bucket 0; `b` above 31 reads as 31).
+    pub const fn spun_bucket_floor(b: u8) -> u32 {
+        let b = if b > 31 { 31 } else { b };
+        if b == 0 {
+            0
+        } else {
+            1 << (b - 1)
+        }
+    }
+
+    /// A 13-bit hash of a lock's guest address (or any guest lock id), for
+    /// [`SpinNotify::lock_hash`]. Guests may use another hash: the host only compares them.
+    pub const fn lock_hash(id: u64) -> u16 {
+        let x = (id >> 3) ^ (id >> 16) ^ (id >> 29) ^ (id >> 42);
+        (x & SPIN_LOCK_MASK as u64) as u16
+    }
+
+    /// The value of a SPIN command: "I spun past my window on a lock; I wait for vCPU X".
+    ///
+    /// | bits | field |
+    /// |---|---|
+    /// | 12..0 | `waiting_for`: the vCPU the spinner waits for, `0x1FFF` = unknown |
+    /// | 13 | `next_owner`: that vCPU is the next owner of a fair lock, not its holder |
+    /// | 18..14 | `spun`: log2 bucket of the spins since the last notification ([`spun_bucket`]) |
+    /// | 31..19 | `lock_hash`: 13-bit hash of the lock ([`lock_hash`]) |
+    ///
+    /// Every 32-bit value decodes; the host must still range-check `waiting_for`.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub struct SpinNotify {
-        /// The vCPU index the spinner believes holds the lock, or `None`.
-        pub holder: Option<u16>,
-        /// A 16-bit hash of the lock's guest address (guest-defined; the host only compares
-        /// hashes for equality).
+        /// The vCPU index the spinner waits for (the holder, or the next owner), or `None`.
+        pub waiting_for: Option<u16>,
+        /// `waiting_for` names the next owner of a fair lock rather than its holder.
+        pub next_owner: bool,
+        /// Log2 bucket of the spin count ([`spun_bucket`]), 0..=31.
+        pub spun_bucket: u8,
+        /// 13-bit hash of the lock (guest-defined; the host only compares hashes).
         pub lock_hash: u16,
     }
 
     impl SpinNotify {
-        /// The 32-bit value to write.
+        /// The 32-bit value to write. Fields wider than their bits are truncated; a
+        /// `waiting_for` of `0x1FFF` or more reads as unknown.
         pub const fn encode(self) -> u32 {
-            let holder = match self.holder {
-                Some(h) => h,
-                None => SPIN_HOLDER_UNKNOWN,
+            let w = match self.waiting_for {
+                Some(h) if (h as u32) < SPIN_WAITING_FOR_UNKNOWN as u32 => h as u32,
+                _ => SPIN_WAITING_FOR_UNKNOWN as u32,
             };
-            (holder as u32) | ((self.lock_hash as u32) << 16)
+            let mut v = w;
+            if self.next_owner {
+                v |= SPIN_NEXT_OWNER;
+            }
+            v |= ((self.spun_bucket as u32) & SPIN_SPUN_MASK) << SPIN_SPUN_SHIFT;
+            v |= ((self.lock_hash as u32) & SPIN_LOCK_MASK) << SPIN_LOCK_SHIFT;
+            v
         }
 
         /// Decodes a written value. Every 32-bit value is a well-formed notification; the
-        /// holder must still be range-checked against the number of vCPUs.
+        /// `waiting_for` index must still be range-checked against the number of vCPUs.
         pub const fn decode(value: u32) -> Self {
-            let holder = (value & 0xffff) as u16;
+            let w = (value & SPIN_WAITING_FOR_MASK) as u16;
             Self {
-                holder: if holder == SPIN_HOLDER_UNKNOWN {
+                waiting_for: if w == SPIN_WAITING_FOR_UNKNOWN {
                     None
                 } else {
-                    Some(holder)
+                    Some(w)
                 },
-                lock_hash: (value >> 16) as u16,
+                next_owner: value & SPIN_NEXT_OWNER != 0,
+                spun_bucket: ((value >> SPIN_SPUN_SHIFT) & SPIN_SPUN_MASK) as u8,
+                lock_hash: ((value >> SPIN_LOCK_SHIFT) & SPIN_LOCK_MASK) as u16,
             }
         }
     }
+
+    /// The smallest spin window a host publishes (a window is never 0).
+    pub const SPIN_WINDOW_MIN: u32 = 1;
 
     /// Size of the page a SHARED_PAGE command registers (reserved).
     pub const SHARED_PAGE_SIZE: u64 = 4096;
@@ -328,7 +401,7 @@ mod tests {
         };
         let regs = info.info_leaf();
         assert_eq!(regs.ebx, 0x0010_0A40);
-        assert_eq!(regs.eax, 0x0000_0001);
+        assert_eq!(regs.eax, 0x0000_0002);
         assert_eq!(PvspinInfo::from_info_leaf(regs), info);
     }
 
@@ -400,20 +473,100 @@ mod tests {
     #[test]
     fn spin_notify_encoding() {
         let n = SpinNotify {
-            holder: Some(3),
-            lock_hash: 0xbeef,
+            waiting_for: Some(3),
+            next_owner: false,
+            spun_bucket: 5,
+            lock_hash: 0x1abc,
         };
-        assert_eq!(n.encode(), 0xbeef_0003);
-        assert_eq!(SpinNotify::decode(0xbeef_0003), n);
+        // 0x1abc << 19 | 5 << 14 | 3
+        assert_eq!(n.encode(), 0xd5e0_0000 | 0x0001_4003);
+        assert_eq!(SpinNotify::decode(n.encode()), n);
         let unknown = SpinNotify {
-            holder: None,
+            waiting_for: None,
+            next_owner: true,
+            spun_bucket: 0,
             lock_hash: 1,
         };
-        assert_eq!(unknown.encode(), 0x0001_ffff);
+        assert_eq!(unknown.encode(), 0x0008_3fff);
         assert_eq!(SpinNotify::decode(unknown.encode()), unknown);
-        for v in [0u32, 1, 0xffff, 0x1_0000, u32::MAX, 0x1234_5678] {
+        // Every value round-trips: no bit is lost or invented.
+        for v in [
+            0u32,
+            1,
+            0x1fff,
+            0x2000,
+            0x7_c000,
+            0x8_0000,
+            u32::MAX,
+            0x1234_5678,
+        ] {
             assert_eq!(SpinNotify::decode(v).encode(), v);
         }
+        // An index that does not fit is sent as unknown, never as another vCPU.
+        let wide = SpinNotify {
+            waiting_for: Some(0x2001),
+            ..unknown
+        };
+        assert_eq!(SpinNotify::decode(wide.encode()).waiting_for, None);
+        // Over-wide hash and bucket are truncated to their fields.
+        let over = SpinNotify {
+            waiting_for: Some(0),
+            next_owner: false,
+            spun_bucket: 0xff,
+            lock_hash: 0xffff,
+        };
+        let d = SpinNotify::decode(over.encode());
+        assert_eq!(
+            (d.waiting_for, d.spun_bucket, d.lock_hash),
+            (Some(0), 31, 0x1fff)
+        );
+    }
+
+    #[test]
+    fn spin_fields_are_disjoint_and_cover_32_bits() {
+        let fields = [
+            SPIN_WAITING_FOR_MASK,
+            SPIN_NEXT_OWNER,
+            SPIN_SPUN_MASK << SPIN_SPUN_SHIFT,
+            SPIN_LOCK_MASK << SPIN_LOCK_SHIFT,
+        ];
+        let mut acc = 0u32;
+        for f in fields {
+            assert_eq!(acc & f, 0);
+            acc |= f;
+        }
+        assert_eq!(acc, u32::MAX);
+        assert_eq!(u32::from(SPIN_WAITING_FOR_UNKNOWN), SPIN_WAITING_FOR_MASK);
+    }
+
+    #[test]
+    fn spun_buckets_are_log2() {
+        assert_eq!(spun_bucket(0), 0);
+        assert_eq!(spun_bucket(1), 1);
+        assert_eq!(spun_bucket(2), 2);
+        assert_eq!(spun_bucket(3), 2);
+        assert_eq!(spun_bucket(16), 5);
+        assert_eq!(spun_bucket(31), 5);
+        assert_eq!(spun_bucket(1 << 29), 30);
+        assert_eq!(spun_bucket(1 << 30), 31);
+        assert_eq!(spun_bucket(u32::MAX), 31);
+        for b in 1..=31u8 {
+            assert_eq!(spun_bucket(spun_bucket_floor(b)), b);
+            if b < 31 {
+                assert_eq!(spun_bucket((spun_bucket_floor(b) << 1) - 1), b);
+            }
+        }
+        assert_eq!(spun_bucket_floor(0), 0);
+        assert_eq!(spun_bucket_floor(200), 1 << 30);
+    }
+
+    #[test]
+    fn lock_hash_fits_and_spreads_neighbouring_locks() {
+        let a = lock_hash(0x20_1000);
+        let b = lock_hash(0x20_1008);
+        assert!(u32::from(a) <= SPIN_LOCK_MASK && u32::from(b) <= SPIN_LOCK_MASK);
+        assert_ne!(a, b);
+        assert_eq!(lock_hash(u64::MAX) as u32 & !SPIN_LOCK_MASK, 0);
     }
 
     #[test]

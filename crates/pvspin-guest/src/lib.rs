@@ -112,9 +112,23 @@
 //! lock), that injected spurious wakeups change nothing, and that a kick before the wait is
 //! remembered; the host backend counts a park that waited 5 s for a kick as a lost wakeup.
 //!
+//! # Spin notifications
+//!
+//! A waiter tells the host it spins ([`PvOps::spin_notify`], a [`SpinWait`]) each time it has
+//! spun [`PvOps::spin_window`] times in a spin phase, re-reading the window after each
+//! notification, and once more before halting if that phase did not notify. It names the vCPU
+//! it waits for: the ticket lock records its holder's CPU at acquisition (cleared at unlock);
+//! when the lock was released to a waiter that has not taken it yet, the waiter names that
+//! next owner (`next_owner`), found by the ticket it published in its wait slot (published at
+//! the start of the slow path only when notifications are on). The queued lock names the
+//! waiter's predecessor (flagged `next_owner` when that is not the holder). The default window, `u32::MAX`, never notifies, so backends without the method
+//! behave as before; over pvspin's ABI this is the SPIN doorbell command (`docs/abi.md` §3.3,
+//! the example VMM's guest implements it in its `PvPlatform`). The holder hint is a `core`
+//! atomic outside the handshake, so the loom models are unchanged (a hint is never trusted).
+//!
 //! # Not implemented yet
 //!
-//! Spin notifications and hint-page writes (need the ABI), lock stealing in the queued lock,
+//! Hint-page writes (need the ABI), lock stealing in the queued lock,
 //! and checking a preempted predecessor before halting (Linux's `pv_wait_early`, reverted
 //! there too). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
 //! nothing here uses floats or `core::fmt` number formatting.
@@ -141,7 +155,7 @@ pub mod x86;
 pub use mutex::{SpinMutex, SpinMutexGuard};
 pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
-    SpinConfig, StaticPv, MAX_CPUS, NODES_PER_CPU,
+    SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
 };
 pub use pv_queued::{McsNode, PvQueuedLock};
 pub use pv_ticket::PvTicketLock;
@@ -189,7 +203,47 @@ mod tests_common {
     use std::vec::Vec;
 
     use crate::host::{bind_current_thread, HostPvOps, HostStats};
-    use crate::{PvDomain, RawPvLock, RawSpinLock, SpinConfig, SpinMutex};
+    use crate::{PvDomain, PvOps, RawPvLock, RawSpinLock, SpinConfig, SpinMutex, SpinWait};
+
+    /// The host backend plus spin notifications: a fixed window, every notification recorded.
+    #[derive(Debug)]
+    pub(crate) struct Notifying<const N: usize> {
+        pub(crate) inner: HostPvOps<N>,
+        window: u32,
+        notes: std::sync::Mutex<Vec<SpinWait>>,
+    }
+
+    impl<const N: usize> Notifying<N> {
+        pub(crate) fn new(window: u32) -> Self {
+            Self {
+                inner: HostPvOps::new(),
+                window,
+                notes: std::sync::Mutex::new(Vec::new()),
+            }
+        }
+
+        pub(crate) fn notes(&self) -> Vec<SpinWait> {
+            self.notes.lock().unwrap().clone()
+        }
+    }
+
+    impl<const N: usize> PvOps for Notifying<N> {
+        fn wait(&self, ptr: &crate::AtomicU8, val: u8) {
+            self.inner.wait(ptr, val);
+        }
+        fn kick(&self, cpu: u32) {
+            self.inner.kick(cpu);
+        }
+        fn cpu_id(&self) -> u32 {
+            self.inner.cpu_id()
+        }
+        fn spin_window(&self) -> u32 {
+            self.window
+        }
+        fn spin_notify(&self, wait: &SpinWait) {
+            self.notes.lock().unwrap().push(*wait);
+        }
+    }
 
     /// `threads` threads each take the lock `rounds` times and do a torn read-modify-write
     /// inside; any overlap of two holders loses an update and fails the final count. Thread

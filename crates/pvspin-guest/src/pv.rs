@@ -8,7 +8,7 @@ use core::sync::atomic::{AtomicU64, AtomicU8 as CoreAtomicU8, Ordering as CoreOr
 
 use crate::pv_queued::McsNode;
 use crate::pv_ticket::TicketWaitSlot;
-use crate::sync::AtomicU8;
+use crate::sync::{spin_loop, AtomicU8};
 #[cfg(not(loom))]
 use crate::RawSpinLock;
 
@@ -38,6 +38,34 @@ pub trait PvOps: Sync {
 
     /// This CPU's index in the domain, `0..N`.
     fn cpu_id(&self) -> u32;
+
+    /// How many spins a waiter does before it tells the host ([`spin_notify`](Self::spin_notify)).
+    /// `u32::MAX` (the default) never notifies. A guest over pvspin's ABI returns the window
+    /// the host published (read once at boot and again after each notification).
+    fn spin_window(&self) -> u32 {
+        u32::MAX
+    }
+
+    /// Called by a waiter that spun [`spin_window`](Self::spin_window) times without getting the
+    /// lock, and before it halts if it did not notify during that spin phase. The guest over
+    /// pvspin's ABI writes the SPIN doorbell (the host may yield to `wait.waiting_for`). Must
+    /// not block. The default does nothing.
+    fn spin_notify(&self, _wait: &SpinWait) {}
+}
+
+/// What a waiter tells the host when it spun past its window: see [`PvOps::spin_notify`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpinWait {
+    /// The lock's address (a lock id for the host; pvspin's ABI sends a hash of it).
+    pub lock: usize,
+    /// The CPU the waiter waits for, if known: the ticket lock's holder (recorded at
+    /// acquisition), or the queued lock's predecessor in the queue.
+    pub waiting_for: Option<u32>,
+    /// `waiting_for` is the CPU that gets the lock next (the queued lock's predecessor when it
+    /// is not the holder), not the holder.
+    pub next_owner: bool,
+    /// Spins since the previous notification of this wait (or since it started).
+    pub spun: u32,
 }
 
 /// Errors of PV lock configuration; each names the rule that was broken.
@@ -421,6 +449,39 @@ impl<O> Clone for Pv<'_, O> {
 impl<O> Copy for Pv<'_, O> {}
 
 impl<O: PvOps> Pv<'_, O> {
+    /// One spin phase of a waiter: up to `spin_threshold` spins until `done()`, calling
+    /// [`PvOps::spin_notify`] each time the spins since the last notification reach
+    /// [`PvOps::spin_window`] (re-read after each notification), and once more at the end if
+    /// the phase did not notify (the waiter is about to halt). `wait(spun)` describes the
+    /// wait. Returns whether `done()` became true.
+    #[inline]
+    pub(crate) fn spin_phase(
+        &self,
+        done: impl Fn() -> bool,
+        wait: impl Fn(u32) -> SpinWait,
+    ) -> bool {
+        let mut window = self.ops.spin_window();
+        let mut since = 0u32;
+        let mut notified = false;
+        for _ in 0..self.config.spin_threshold {
+            if done() {
+                return true;
+            }
+            spin_loop();
+            since += 1;
+            if since >= window {
+                self.ops.spin_notify(&wait(since));
+                notified = true;
+                since = 0;
+                window = self.ops.spin_window();
+            }
+        }
+        if !notified && window != u32::MAX {
+            self.ops.spin_notify(&wait(since));
+        }
+        false
+    }
+
     /// This CPU's id and state, or `None` (counted) if the backend's id is out of range.
     pub(crate) fn this_cpu(&self) -> Option<(u32, &PvCpu)> {
         let id = self.ops.cpu_id();

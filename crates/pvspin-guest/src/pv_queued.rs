@@ -22,7 +22,7 @@
 //! kick (and the host's directed yield) are for. The holder keeps its node until unlock, so a
 //! vCPU may hold or await at most [`NODES_PER_CPU`](crate::NODES_PER_CPU) queued locks at once.
 
-use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, NODES_PER_CPU};
+use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, SpinWait, NODES_PER_CPU};
 use crate::sync::{full_fence, spin_loop, AtomicU32, AtomicU8, Ordering};
 
 /// The node's vCPU is running (spinning, or not waiting).
@@ -93,7 +93,8 @@ fn decode(code: u32) -> (u32, usize) {
 pub struct PvQueuedLock {
     /// The last queued node's code, or `NONE` when free.
     tail: AtomicU32,
-    /// The holder's node code; written and read only by the holder.
+    /// The holder's node code; written and read by the holder (waiters read it racily, as a
+    /// hint for spin notifications).
     holder: AtomicU32,
 }
 
@@ -148,14 +149,26 @@ impl PvQueuedLock {
         at(&at(pv.cpus, cpu as usize).nodes, index)
     }
 
+    /// What a waiter behind node `prev` tells the host: it waits for `prev`'s CPU, which is
+    /// the holder or, when the holder's node is another, the next owner before it.
+    fn spin_wait(&self, prev: u32, spun: u32) -> SpinWait {
+        SpinWait {
+            lock: self as *const Self as usize,
+            waiting_for: Some(decode(prev).0),
+            // `holder` is the holder's own word; a racy read is fine for a hint.
+            next_owner: self.holder.load(Ordering::Relaxed) != prev,
+            spun,
+        }
+    }
+
     #[cold]
-    fn wait_for_handoff<O: PvOps>(pv: Pv<'_, O>, cpu: &PvCpu, node: &McsNode) {
+    fn wait_for_handoff<O: PvOps>(&self, pv: Pv<'_, O>, cpu: &PvCpu, node: &McsNode, prev: u32) {
         loop {
-            for _ in 0..pv.config.spin_threshold {
-                if node.locked.load(Ordering::Acquire) != 0 {
-                    return;
-                }
-                spin_loop();
+            if pv.spin_phase(
+                || node.locked.load(Ordering::Acquire) != 0,
+                |spun| self.spin_wait(prev, spun),
+            ) {
+                return;
             }
             if !pv.config.halt {
                 continue;
@@ -197,7 +210,7 @@ unsafe impl RawPvLock for PvQueuedLock {
         let prev = self.tail.swap(code, Ordering::AcqRel);
         if prev != NONE {
             Self::node(&pv, prev).next.store(code, Ordering::Release);
-            Self::wait_for_handoff(pv, cpu, at(&cpu.nodes, index));
+            self.wait_for_handoff(pv, cpu, at(&cpu.nodes, index), prev);
         }
         self.holder.store(code, Ordering::Relaxed);
     }
@@ -409,6 +422,54 @@ mod tests {
         for cpu in 1..5 {
             assert_eq!(domain.ops().kicks_to(cpu), 1, "cpu {cpu}");
         }
+    }
+
+    #[test]
+    fn waiters_name_their_predecessor_and_whether_it_holds() {
+        use crate::tests_common::Notifying;
+        let domain: Arc<PvDomain<Notifying<3>, 3>> = Arc::new(PvDomain::new(
+            Notifying::new(4),
+            SpinConfig {
+                spin_threshold: 8,
+                halt: true,
+            },
+        ));
+        let lock = Arc::new(PvQueuedLock::new());
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let mut threads = Vec::new();
+        for cpu in 1..3u32 {
+            let (d, l) = (domain.clone(), lock.clone());
+            threads.push(std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                l.lock(d.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { l.unlock(d.pv()) };
+            }));
+            // Queue in order: wait until this waiter halted.
+            let mut tries = 0;
+            while domain.ops().inner.parked(cpu) == 0 {
+                tries += 1;
+                assert!(tries < 20_000, "waiter {cpu} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        let notes = domain.ops().notes();
+        // CPU 1 waits behind the holder (CPU 0); CPU 2 behind CPU 1, the next owner.
+        assert!(notes
+            .iter()
+            .any(|n| n.waiting_for == Some(0) && !n.next_owner && n.spun == 4));
+        assert!(notes
+            .iter()
+            .any(|n| n.waiting_for == Some(1) && n.next_owner && n.spun == 4));
+        assert!(notes
+            .iter()
+            .all(|n| n.lock == &*lock as *const PvQueuedLock as usize));
     }
 
     #[test]

@@ -22,8 +22,10 @@
 //! `fence(SeqCst)` here means `sync::full_fence`: loom's fence under loom, a locked OR on
 //! x86-64 (no MFENCE, an SSE2 instruction that KVM's emulator may not handle).
 
-use crate::pv::{Pv, PvOps, RawPvLock};
-use crate::sync::{full_fence, spin_loop, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU32 as HintU32, Ordering as HintOrdering};
+
+use crate::pv::{Pv, PvOps, RawPvLock, SpinWait};
+use crate::sync::{full_fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 /// The waiter runs (or has not published a wait).
 pub(crate) const RUNNING: u8 = 0;
@@ -76,6 +78,9 @@ pub struct PvTicketLock {
     next: AtomicU32,
     /// The ticket being served; only the holder writes it.
     owner: AtomicU32,
+    /// The holder's CPU id + 1, 0 when unknown or free: a hint for spin notifications, not
+    /// part of the handshake (a `core` atomic, so loom does not model it).
+    holder: HintU32,
 }
 
 impl PvTicketLock {
@@ -85,6 +90,7 @@ impl PvTicketLock {
         Self {
             next: AtomicU32::new(0),
             owner: AtomicU32::new(0),
+            holder: HintU32::new(0),
         }
     }
 
@@ -94,7 +100,13 @@ impl PvTicketLock {
         Self {
             next: AtomicU32::new(0),
             owner: AtomicU32::new(0),
+            holder: HintU32::new(0),
         }
+    }
+
+    /// The CPU that holds the lock, as recorded at its acquisition (a racy hint).
+    pub fn holder_hint(&self) -> Option<u32> {
+        self.holder.load(HintOrdering::Relaxed).checked_sub(1)
     }
 
     /// How many callers hold or wait for the lock (a racy snapshot).
@@ -110,12 +122,34 @@ impl PvTicketLock {
     #[cold]
     fn lock_slow<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
         let me = if pv.config.halt { pv.this_cpu() } else { None };
+        let my_id = if pv.ops.spin_window() != u32::MAX {
+            // Notifications on: publish {lock, ticket} in this CPU's slot now (state stays
+            // RUNNING, so no unlocker acts on it), so that other waiters can name this CPU
+            // as the next owner once the lock is released to it. Off (and under loom, whose
+            // backend never notifies), the slot is written only on the way to a halt.
+            pv.this_cpu().map(|(id, cpu)| {
+                cpu.ticket.lock.store(self.id(), Ordering::Relaxed);
+                cpu.ticket.ticket.store(ticket, Ordering::Relaxed);
+                id
+            })
+        } else {
+            None
+        };
+        let wait = |spun| {
+            let (waiting_for, next_owner) = match self.holder_hint() {
+                Some(holder) => (Some(holder), false),
+                None => (self.next_owner_hint(pv, my_id), true),
+            };
+            SpinWait {
+                lock: self.id(),
+                waiting_for,
+                next_owner: next_owner && waiting_for.is_some(),
+                spun,
+            }
+        };
         loop {
-            for _ in 0..pv.config.spin_threshold {
-                if self.owner.load(Ordering::Acquire) == ticket {
-                    return;
-                }
-                spin_loop();
+            if pv.spin_phase(|| self.owner.load(Ordering::Acquire) == ticket, wait) {
+                return;
             }
             let Some((_, cpu)) = me else {
                 continue;
@@ -138,6 +172,27 @@ impl PvTicketLock {
             }
             cpu.stats.spurious();
         }
+    }
+
+    /// The CPU whose published slot holds the ticket being served (the lock was released to
+    /// it and it has not recorded itself holder yet), other than `me`. A racy hint.
+    fn next_owner_hint<O: PvOps>(&self, pv: Pv<'_, O>, me: Option<u32>) -> Option<u32> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        let id = self.id();
+        let found = pv.cpus.iter().position(|cpu| {
+            cpu.ticket.lock.load(Ordering::Relaxed) == id
+                && cpu.ticket.ticket.load(Ordering::Relaxed) == owner
+        })?;
+        // `found < N <= MAX_CPUS`, so it fits.
+        let found = found as u32;
+        (Some(found) != me).then_some(found)
+    }
+
+    #[inline]
+    fn record_holder<O: PvOps>(&self, pv: Pv<'_, O>) {
+        let id = pv.ops.cpu_id();
+        self.holder
+            .store(id.saturating_add(1), HintOrdering::Relaxed);
     }
 
     #[cold]
@@ -192,21 +247,28 @@ unsafe impl RawPvLock for PvTicketLock {
         if self.owner.load(Ordering::Acquire) != ticket {
             self.lock_slow(pv, ticket);
         }
+        self.record_holder(pv);
     }
 
-    fn try_lock<O: PvOps>(&self, _pv: Pv<'_, O>) -> bool {
+    fn try_lock<O: PvOps>(&self, pv: Pv<'_, O>) -> bool {
         let owner = self.owner.load(Ordering::Relaxed);
-        self.next
+        let taken = self
+            .next
             .compare_exchange(
                 owner,
                 owner.wrapping_add(1),
                 Ordering::Acquire,
                 Ordering::Relaxed,
             )
-            .is_ok()
+            .is_ok();
+        if taken {
+            self.record_holder(pv);
+        }
+        taken
     }
 
     unsafe fn unlock<O: PvOps>(&self, pv: Pv<'_, O>) {
+        self.holder.store(0, HintOrdering::Relaxed);
         let served = self.owner.load(Ordering::Relaxed).wrapping_add(1);
         self.owner.store(served, Ordering::Release);
         if !pv.config.halt {
@@ -419,6 +481,76 @@ mod tests {
     }
 
     #[test]
+    fn waiter_notifies_naming_the_holder_then_halts() {
+        use crate::tests_common::Notifying;
+        let domain: Arc<PvDomain<Notifying<2>, 2>> = Arc::new(PvDomain::new(
+            Notifying::new(4),
+            SpinConfig {
+                spin_threshold: 10,
+                halt: true,
+            },
+        ));
+        let lock = Arc::new(PvTicketLock::new());
+        bind_current_thread(1);
+        lock.lock(domain.pv());
+        assert_eq!(lock.holder_hint(), Some(1));
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(0);
+                lock.lock(domain.pv());
+                assert_eq!(lock.holder_hint(), Some(0));
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let mut tries = 0;
+        while domain.ops().inner.parked(0) == 0 {
+            tries += 1;
+            assert!(tries < 20_000, "the waiter never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        assert_eq!(lock.holder_hint(), None, "cleared at unlock");
+        waiter.join().unwrap();
+        let notes = domain.ops().notes();
+        // Threshold 10, window 4: notified after 4 and 8 spins, not again before halting.
+        assert!(notes.len() >= 2, "{notes:?}");
+        // With notifications on, the waiter published {lock, ticket} before halting.
+        assert_eq!(
+            domain.pv().cpus[0].ticket.lock.load(Ordering::Relaxed),
+            &*lock as *const PvTicketLock as usize
+        );
+        for n in &notes[..2] {
+            assert_eq!(n.lock, &*lock as *const PvTicketLock as usize);
+            assert_eq!(n.waiting_for, Some(1));
+            assert!(!n.next_owner);
+            assert_eq!(n.spun, 4);
+        }
+    }
+
+    #[test]
+    fn a_released_but_untaken_lock_names_its_next_owner() {
+        use crate::tests_common::Notifying;
+        let domain: PvDomain<Notifying<3>, 3> = PvDomain::new(Notifying::new(4), small());
+        let lock = PvTicketLock::new();
+        // CPU 1 drew ticket 1 and published it; the holder (ticket 0) released: owner = 1.
+        lock.next.store(3, Ordering::Relaxed);
+        lock.owner.store(1, Ordering::Relaxed);
+        let slot = &domain.pv().cpus[1].ticket;
+        slot.lock.store(lock.id(), Ordering::Relaxed);
+        slot.ticket.store(1, Ordering::Relaxed);
+        assert_eq!(lock.holder_hint(), None);
+        assert_eq!(lock.next_owner_hint(domain.pv(), Some(2)), Some(1));
+        // Never names the asker itself, nor a CPU waiting on another lock.
+        assert_eq!(lock.next_owner_hint(domain.pv(), Some(1)), None);
+        let other = PvTicketLock::new();
+        other.owner.store(1, Ordering::Relaxed);
+        assert_eq!(other.next_owner_hint(domain.pv(), Some(2)), None);
+    }
+
+    #[test]
     fn without_halting_it_is_a_plain_ticket_lock() {
         let config = SpinConfig {
             spin_threshold: 1,
@@ -439,6 +571,7 @@ mod tests {
         let lock = PvTicketLock {
             next: AtomicU32::new(u32::MAX),
             owner: AtomicU32::new(u32::MAX),
+            holder: HintU32::new(0),
         };
         for _ in 0..4 {
             lock.lock(domain.pv());

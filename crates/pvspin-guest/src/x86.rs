@@ -5,7 +5,7 @@
 //! `pvspin-abi` says). Not run in this crate's tests (HLT faults outside ring 0); it runs in
 //! the guest programs of `examples/pvspin-vmm`.
 
-use crate::pv::PvOps;
+use crate::pv::{PvOps, SpinWait};
 use crate::sync::{AtomicU8, Ordering};
 
 /// What the embedding guest provides: its vCPU index and the kick doorbell.
@@ -16,6 +16,18 @@ pub trait PvPlatform: Sync {
     /// Rings the kick doorbell for vCPU `cpu` (a single port or MMIO write; the host latches
     /// the kick if `cpu` is not halted yet). Must not wait for the target.
     fn kick(&self, cpu: u32);
+
+    /// Spins before notifying the host ([`PvOps::spin_window`]); the default, `u32::MAX`,
+    /// never notifies. Over pvspin's ABI: the window read from the SPIN register (an `IN`,
+    /// one exit), cached, and re-read only after a notification.
+    fn spin_window(&self) -> u32 {
+        u32::MAX
+    }
+
+    /// Tells the host this vCPU spun past its window ([`PvOps::spin_notify`]). Over pvspin's
+    /// ABI: one `OUT` of `pvspin_abi::doorbell::SpinNotify` to the SPIN register, when the
+    /// host sets `SPIN_NOTIFY`. The default does nothing.
+    fn spin_notify(&self, _wait: &SpinWait) {}
 }
 
 /// `cli`; if `*ptr == val` then halt; restore the interrupt flag.
@@ -88,5 +100,13 @@ impl<P: PvPlatform> PvOps for HaltPvOps<P> {
 
     fn cpu_id(&self) -> u32 {
         self.platform.cpu_id()
+    }
+
+    fn spin_window(&self) -> u32 {
+        self.platform.spin_window()
+    }
+
+    fn spin_notify(&self, wait: &SpinWait) {
+        self.platform.spin_notify(wait);
     }
 }

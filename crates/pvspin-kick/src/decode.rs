@@ -12,9 +12,12 @@ pub enum Command {
         /// The vCPU index to wake.
         target: u32,
     },
-    /// SPIN (reserved in the ABI): the writer spins on a lock; the holder hint, if any, is
-    /// already checked to be `< nr_vcpus`.
+    /// SPIN: the writer spins on a lock; the vCPU it waits for, if named, is already checked
+    /// to be `< nr_vcpus`.
     Spin(SpinNotify),
+    /// A 32-bit read of the SPIN register: the VMM answers with the reading vCPU's spin window
+    /// (the device pre-fills all ones in case it does not).
+    ReadSpinWindow,
     /// SHARED_PAGE (reserved in the ABI): register (or, with 0, unregister) the writing vCPU's
     /// shared page at this guest page frame number.
     SharedPage {
@@ -26,7 +29,7 @@ pub enum Command {
 /// Why a doorbell access was ignored. Each reason has its own counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reject {
-    /// A KICK target or a SPIN holder hint names a vCPU that does not exist.
+    /// A KICK target or a SPIN waited-for vCPU names a vCPU that does not exist.
     NoSuchVcpu,
     /// The access was not a 4-byte write.
     WrongWidth,
@@ -94,8 +97,8 @@ pub fn decode(offset: u16, data: &[u8], nr_vcpus: u32) -> Result<Command, Reject
         }
         SPIN_OFFSET => {
             let n = SpinNotify::decode(value);
-            match n.holder {
-                Some(h) if u32::from(h) >= nr_vcpus => Err(Reject::NoSuchVcpu),
+            match n.waiting_for {
+                Some(w) if u32::from(w) >= nr_vcpus => Err(Reject::NoSuchVcpu),
                 _ => Ok(Command::Spin(n)),
             }
         }
@@ -153,9 +156,11 @@ mod tests {
     }
 
     #[test]
-    fn spin_checks_the_holder_hint() {
+    fn spin_checks_the_waited_for_vcpu() {
         let ok = SpinNotify {
-            holder: Some(2),
+            waiting_for: Some(2),
+            next_owner: true,
+            spun_bucket: 4,
             lock_hash: 9,
         };
         assert_eq!(
@@ -167,7 +172,9 @@ mod tests {
             Err(Reject::NoSuchVcpu)
         );
         let unknown = SpinNotify {
-            holder: None,
+            waiting_for: None,
+            next_owner: false,
+            spun_bucket: 31,
             lock_hash: 9,
         };
         assert_eq!(

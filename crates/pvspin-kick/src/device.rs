@@ -9,7 +9,7 @@ use std::time::Duration;
 use pvspin_abi::cpuid::{
     PvspinInfo, FEATURE_KICK, FEATURE_KICK_IN_KERNEL, FEATURE_SHARED_PAGE, FEATURE_SPIN_NOTIFY,
 };
-use pvspin_abi::doorbell::{DEFAULT_PORT, PORT_COUNT};
+use pvspin_abi::doorbell::{COMMAND_WIDTH, DEFAULT_PORT, PORT_COUNT, SPIN_OFFSET};
 
 use crate::decode::{decode, Command, Reject};
 use crate::latch::{KickResult, ParkOutcome, ParkPolicy, WakeLatch};
@@ -449,14 +449,23 @@ impl KickDevice {
         }
     }
 
-    /// Handles a guest `IN` from the doorbell: it is write-only, so the guest reads all ones
-    /// and the access is counted as [`Reject::Read`].
+    /// Handles a guest `IN` from the doorbell. The guest reads all ones unless the VMM fills
+    /// in an answer: a 4-byte read of the SPIN register with SPIN enabled is forwarded as
+    /// [`Command::ReadSpinWindow`] (the VMM writes the reading vCPU's window into `data`);
+    /// every other read is counted as [`Reject::Read`].
     pub fn handle_pio_read(&self, port: u16, data: &mut [u8]) -> PioOutcome {
-        if self.offset(port).is_none() {
+        let Some(offset) = self.offset(port) else {
             return PioOutcome::NotMine;
-        }
+        };
         bump(&self.counters.accesses);
         data.fill(0xff);
+        if offset == SPIN_OFFSET
+            && data.len() == COMMAND_WIDTH
+            && self.cfg.extra_commands & FEATURE_SPIN_NOTIFY != 0
+        {
+            bump(&self.counters.forwarded);
+            return PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow));
+        }
         self.reject(Reject::Read, port, &[])
     }
 
@@ -605,7 +614,7 @@ impl KickDevice {
 mod tests {
     use super::*;
     use crate::ratelimit::ManualClock;
-    use pvspin_abi::doorbell::{KICK_OFFSET, SHARED_PAGE_OFFSET, SPIN_OFFSET};
+    use pvspin_abi::doorbell::{KICK_OFFSET, SHARED_PAGE_OFFSET};
     use std::sync::Mutex;
     use std::thread;
     use std::time::Instant;
@@ -781,14 +790,42 @@ mod tests {
             PioOutcome::Handled(Handled::Forward(Command::Spin(_)))
         ));
         assert_eq!(
-            d.handle_pio_write(P + SPIN_OFFSET, &le(0x0042_0002)),
+            d.handle_pio_write(P + SPIN_OFFSET, &le(0x0042_0002)), // waits for vCPU 2 of 2
             PioOutcome::Handled(Handled::Rejected(Reject::NoSuchVcpu))
         );
         assert_eq!(
             d.handle_pio_write(P + SHARED_PAGE_OFFSET, &le(9)),
             PioOutcome::Handled(Handled::Forward(Command::SharedPage { pfn: 9 }))
         );
-        assert_eq!(d.stats().forwarded, 2);
+        let mut buf = [0u8; 4];
+        assert_eq!(
+            d.handle_pio_read(P + SPIN_OFFSET, &mut buf),
+            PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow))
+        );
+        assert_eq!(buf, [0xff; 4], "pre-filled for a VMM that does not answer");
+        let mut short = [0u8; 2];
+        assert_eq!(
+            d.handle_pio_read(P + SPIN_OFFSET, &mut short),
+            PioOutcome::Handled(Handled::Rejected(Reject::Read))
+        );
+        assert_eq!(
+            d.handle_pio_read(P + KICK_OFFSET, &mut buf),
+            PioOutcome::Handled(Handled::Rejected(Reject::Read))
+        );
+        let s = d.stats();
+        assert_eq!(s.forwarded, 3);
+        assert_eq!(s.kicks + s.forwarded + s.rejected_total(), s.accesses);
+    }
+
+    #[test]
+    fn spin_window_read_is_rejected_when_spin_is_not_enabled() {
+        let d = KickDevice::userspace(cfg(2)).unwrap();
+        let mut buf = [0u8; 4];
+        assert_eq!(
+            d.handle_pio_read(P + SPIN_OFFSET, &mut buf),
+            PioOutcome::Handled(Handled::Rejected(Reject::Read))
+        );
+        assert_eq!(buf, [0xff; 4]);
     }
 
     #[test]

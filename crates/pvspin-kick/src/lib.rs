@@ -29,9 +29,11 @@
 //! Loom model of the latch: `RUSTFLAGS="--cfg loom" cargo test -p pvspin-kick --release --lib
 //! loom`.
 //!
-//! **Not implemented yet:** the reserved SPIN and SHARED_PAGE commands are decoded and, when
-//! the configuration enables them, forwarded to the VMM ([`Handled::Forward`]); nothing acts on
-//! them yet. vCPU index and APIC ID are assumed equal (an ABI rule), and the MSI paths address
+//! SPIN notifications and spin-window reads are decoded, bounds-checked and, when the
+//! configuration enables `FEATURE_SPIN_NOTIFY`, forwarded to the VMM ([`Handled::Forward`]);
+//! the embedding API (`pvspin`) acts on them (directed yield, adaptive window).
+//! **Not implemented yet:** the reserved SHARED_PAGE command is decoded and forwarded when
+//! enabled, but nothing acts on it. vCPU index and APIC ID are assumed equal (an ABI rule), and the MSI paths address
 //! at most 256 vCPUs (xAPIC physical destination).
 #![deny(missing_docs)]
 

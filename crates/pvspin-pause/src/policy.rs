@@ -4,7 +4,7 @@
 //! 0. fewer than two vCPUs, or a spinner index out of range: nothing;
 //! 1. **the guest's hint**: the vCPU the spinner waits for (the holder, or the next owner of a
 //!    fair lock), if it is in range, not the spinner, and *ready* (preempted, or halted with a
-//!    pending kick). It bypasses the kernel-mode filter and the eligibility alternation: the
+//!    pending kick; or running, with [`PolicyConfig::boost_running_hint`]). It bypasses the kernel-mode filter and the eligibility alternation: the
 //!    guest knows better than any heuristic. A hint naming a running vCPU falls through to 2;
 //! 2. **KVM's candidate scan**, round robin from the vCPU after the last one boosted (the
 //!    vCPU *index* is stored, not the loop counter: the v6.13 bug), skipping:
@@ -243,6 +243,13 @@ pub struct PolicyConfig {
     /// a decision stays under 1 us at any vCPU count. vCPUs the board's ready bitmap skips
     /// are not examined and do not count.
     pub scan_budget: u32,
+    /// Rule 1 also accepts a hinted vCPU that the view says is *running* (in the guest or in
+    /// the VMM, not recorded preempted). For hosts that cannot see a vCPU thread preempted
+    /// inside `KVM_RUN` (no steal time, no VMM scheduler): there "running" may well be
+    /// "preempted by another host thread", and boosting the vCPU the guest waits for is what
+    /// helps it. Off by default (KVM yields only to ready vCPUs). A hinted vCPU that is halted
+    /// without a kick, or stopped, is still refused.
+    pub boost_running_hint: bool,
 }
 
 impl Default for PolicyConfig {
@@ -253,6 +260,7 @@ impl Default for PolicyConfig {
             yield_self_when_no_candidate: true,
             max_failures: 3,
             scan_budget: 64,
+            boost_running_hint: false,
         }
     }
 }
@@ -326,6 +334,11 @@ impl DirectedYield {
         }
     }
 
+    /// Whether a hinted vCPU in state `s` may be boosted (rule 1).
+    fn hint_acceptable(&self, s: VcpuSnapshot) -> bool {
+        is_ready(s) || (self.cfg.boost_running_hint && s.is_running())
+    }
+
     /// The index of the last vCPU boosted (the scan starts after it).
     pub fn last_boosted(&self) -> usize {
         self.last_boosted.load(Ordering::Relaxed)
@@ -385,7 +398,7 @@ impl DirectedYield {
                 HintStatus::OutOfRange
             } else if h == me {
                 HintStatus::SelfHint
-            } else if !is_ready(view.snapshot(h)) {
+            } else if !self.hint_acceptable(view.snapshot(h)) {
                 HintStatus::NotReady
             } else {
                 match boost(h) {

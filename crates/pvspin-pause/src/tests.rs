@@ -210,6 +210,33 @@ fn rule1_hint_halted_with_kick_is_ready() {
 }
 
 #[test]
+fn rule1_running_hint_is_boosted_only_when_configured() {
+    let h = Hand::new(vec![
+        running(0),
+        running(0),
+        snap(VcpuState::Halted, 0),
+        preempted(true),
+    ]);
+    let kvm_like = policy();
+    let o = kvm_like.decide(&h, &note(0, Some(1)));
+    assert_eq!(o.hint, HintStatus::NotReady);
+    assert_eq!(o.decision, Decision::YieldTo(3, Reason::Candidate));
+    let trusting = DirectedYield::new(PolicyConfig {
+        boost_running_hint: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let o = trusting.decide(&h, &note(0, Some(1)));
+    assert_eq!(
+        (o.hint, o.decision),
+        (HintStatus::Used, Decision::YieldTo(1, Reason::Hint))
+    );
+    // A halted vCPU without a kick is still not boosted.
+    let o = trusting.decide(&h, &note(0, Some(2)));
+    assert_eq!(o.hint, HintStatus::NotReady);
+}
+
+#[test]
 fn rule1_bad_hints_fall_through_to_scan() {
     let p = policy();
     let h = Hand::new(vec![running(0), preempted(true), running(0)]);

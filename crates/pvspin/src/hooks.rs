@@ -3,11 +3,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvm_ioctls::VcpuExit;
-use pvspin_kick::{Handled, KickPath, PioOutcome};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use pvspin_abi::doorbell::SpinNotify;
+use pvspin_kick::{Command, Handled, KickPath, PioOutcome};
 use pvspin_kvm::telemetry::VcpuCounterCell;
 
 use crate::counters::{ExitKind, SharedCounters};
+use crate::directed::YieldState;
 use crate::kick::KickState;
 
 /// Whether pvspin consumed an exit.
@@ -27,6 +29,13 @@ pub struct VcpuHooks {
     /// Every vCPU's telemetry cell: a kick is counted on its target.
     cells: Arc<[Arc<VcpuCounterCell>]>,
     kick: Option<Arc<KickState>>,
+    /// Directed yield, when enabled (it needs `kick`).
+    dy: Option<Arc<YieldState>>,
+    /// Whether this thread's id is on the board.
+    tid_recorded: bool,
+    /// A SPIN notification that arrived with this exit, handled in `after_run` once the CPL
+    /// is known.
+    pending_spin: Option<SpinNotify>,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -37,12 +46,16 @@ impl VcpuHooks {
         counters: Arc<SharedCounters>,
         cells: Arc<[Arc<VcpuCounterCell>]>,
         kick: Option<Arc<KickState>>,
+        dy: Option<Arc<YieldState>>,
     ) -> Self {
         Self {
             index,
             counters,
             cells,
             kick,
+            dy,
+            tid_recorded: false,
+            pending_spin: None,
             run_started: None,
             last_exit: None,
         }
@@ -53,8 +66,16 @@ impl VcpuHooks {
         self.index
     }
 
-    /// Call right before `KVM_RUN`.
+    /// Call right before `KVM_RUN`, on the vCPU's thread.
     pub fn before_run(&mut self) {
+        if let Some(dy) = &self.dy {
+            if !self.tid_recorded {
+                dy.board
+                    .set_tid(self.index, pvspin_hints::sched::current_tid());
+                self.tid_recorded = true;
+            }
+            dy.board.on_enter_run(self.index);
+        }
         self.run_started = Some(Instant::now());
     }
 
@@ -75,9 +96,28 @@ impl VcpuHooks {
         };
         let outcome = match exit {
             Ok(VcpuExit::IoOut(port, data)) => kick.device.handle_pio_write(*port, data),
-            Ok(VcpuExit::IoIn(port, data)) => kick.device.handle_pio_read(*port, data),
+            Ok(VcpuExit::IoIn(port, data)) => {
+                let outcome = kick.device.handle_pio_read(*port, data);
+                if outcome == PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow)) {
+                    if let Some(dy) = &self.dy {
+                        let window = dy.read_window(self.index).to_le_bytes();
+                        // The device forwards only 4-byte reads.
+                        if data.len() == window.len() {
+                            data.copy_from_slice(&window);
+                        }
+                    }
+                }
+                outcome
+            }
             Ok(VcpuExit::Hlt) if kick.device.path() == KickPath::Userspace => {
+                if let Some(dy) = &self.dy {
+                    dy.board.on_halt(self.index);
+                }
                 self.park(kick);
+                if let Some(dy) = &self.dy {
+                    dy.board.on_wake(self.index);
+                    dy.actuator.on_target_exit(self.index);
+                }
                 return ExitOutcome::Handled;
             }
             _ => return ExitOutcome::NotHandled,
@@ -86,6 +126,9 @@ impl VcpuHooks {
             PioOutcome::NotMine => ExitOutcome::NotHandled,
             PioOutcome::Handled(Handled::Kicked { target, .. }) => {
                 kick.note_kick(target);
+                if let Some(dy) = &self.dy {
+                    dy.board.kick(target as usize);
+                }
                 if let Some(cell) = self.cells.get(target as usize) {
                     cell.record_kick(kick.telemetry_path());
                 }
@@ -97,7 +140,14 @@ impl VcpuHooks {
                 }
                 ExitOutcome::Handled
             }
-            // Reserved commands are not enabled, so nothing is forwarded yet.
+            PioOutcome::Handled(Handled::Forward(Command::Spin(n))) => {
+                // Decided in `after_run`, once the CPL of this exit is known.
+                if self.dy.is_some() {
+                    self.pending_spin = Some(n);
+                }
+                ExitOutcome::Handled
+            }
+            // Window reads were answered above; SHARED_PAGE is never enabled.
             PioOutcome::Handled(Handled::Forward(_)) => ExitOutcome::Handled,
         }
     }
@@ -117,9 +167,37 @@ impl VcpuHooks {
         }
     }
 
-    /// Call after the VMM has dealt with the exit, before the next `before_run`.
-    pub fn after_run(&mut self) {
+    /// Call after the VMM has dealt with the exit, before the next `before_run`, with the
+    /// vCPU (not borrowed by the exit any more). With directed yield, reads the CPL of this
+    /// exit from `kvm_run`'s sync registers (no ioctl), records it on the board and handles
+    /// a spin notification that came with the exit (which may yield this thread).
+    pub fn after_run(&mut self, vcpu: &VcpuFd) {
+        let cpl = self
+            .dy
+            .as_ref()
+            .map(|_| pvspin_track::cpl_from_sync_regs(vcpu));
+        self.after_run_with_cpl(cpl);
+    }
+
+    /// [`after_run`](Self::after_run) for a VMM that reads the CPL itself (or for tests):
+    /// `cpl` is the guest's privilege level at this exit, `None` when unknown.
+    pub fn after_run_with_cpl(&mut self, cpl: Option<u8>) {
         self.last_exit = None;
+        let Some(dy) = &self.dy else {
+            return;
+        };
+        dy.board.on_exit(self.index, cpl);
+        dy.actuator.on_target_exit(self.index);
+        if let Some(n) = self.pending_spin.take() {
+            let cell = self.cells.get(self.index);
+            if let Some(cell) = cell {
+                cell.record_spin_notification();
+            }
+            let handled = dy.on_notification(self.index, n);
+            if let (Some(cell), Some(successful)) = (cell, handled.yielded) {
+                cell.record_yield(successful);
+            }
+        }
     }
 
     /// The kind of the exit being handled, between `handle_exit` and `after_run`.
@@ -151,7 +229,7 @@ mod tests {
     fn classifies_and_counts_hand_built_exits() {
         let counters = Arc::new(SharedCounters::default());
         let cells: Arc<[Arc<VcpuCounterCell>]> = Arc::new([]);
-        let mut hooks = VcpuHooks::new(3, counters.clone(), cells, None);
+        let mut hooks = VcpuHooks::new(3, counters.clone(), cells, None, None);
         let mut data = [0u8; 4];
         let mut exits: Vec<Result<VcpuExit<'_>, kvm_ioctls::Error>> = vec![
             Ok(VcpuExit::IoOut(0x3f8, b"a")),
@@ -165,7 +243,7 @@ mod tests {
         for exit in &mut exits {
             hooks.before_run();
             assert_eq!(hooks.handle_exit(exit), ExitOutcome::NotHandled);
-            hooks.after_run();
+            hooks.after_run_with_cpl(None);
         }
         hooks.before_run();
         let mut read = Ok(VcpuExit::IoIn(0x3fd, &mut data));
@@ -180,5 +258,366 @@ mod tests {
         assert_eq!(snapshot.exits_of(ExitKind::Interrupted), 1);
         assert_eq!(snapshot.exits_of(ExitKind::Other), 1);
         assert_eq!(hooks.index(), 3);
+    }
+}
+
+#[cfg(test)]
+mod directed_tests {
+    use super::*;
+    use crate::directed::DirectedYieldOptions;
+    use pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY;
+    use pvspin_abi::doorbell::{DEFAULT_PORT, SPIN_OFFSET};
+    use pvspin_hints::{Actuator, YieldReport};
+    use std::sync::Mutex;
+
+    /// Records what it was asked to do; reports "descheduled" as told.
+    #[derive(Debug, Default)]
+    struct RecorderInner {
+        calls: Mutex<Vec<String>>,
+        deschedule: bool,
+    }
+
+    #[derive(Debug, Default, Clone)]
+    struct Recorder(Arc<RecorderInner>);
+
+    impl std::ops::Deref for Recorder {
+        type Target = RecorderInner;
+        fn deref(&self) -> &RecorderInner {
+            &self.0
+        }
+    }
+
+    impl Actuator for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("yield_to {target} tid {tid}"));
+            YieldReport {
+                boosted: true,
+                descheduled: self.deschedule,
+            }
+        }
+        fn yield_self(&self) -> YieldReport {
+            self.calls.lock().unwrap().push("yield_self".into());
+            YieldReport {
+                boosted: false,
+                descheduled: self.deschedule,
+            }
+        }
+        fn on_target_exit(&self, v: usize) {
+            self.calls.lock().unwrap().push(format!("exit {v}"));
+        }
+        fn restore_all(&self) {
+            self.calls.lock().unwrap().push("restore_all".into());
+        }
+    }
+
+    struct Vm {
+        hooks: Vec<VcpuHooks>,
+        cells: Arc<[Arc<VcpuCounterCell>]>,
+        dy: Arc<YieldState>,
+        rec: Recorder,
+    }
+
+    fn vm(n: usize, deschedule: bool) -> Vm {
+        vm_with(n, deschedule, &DirectedYieldOptions::default())
+    }
+
+    fn vm_with(n: usize, deschedule: bool, options: &DirectedYieldOptions) -> Vm {
+        let rec = Recorder(Arc::new(RecorderInner {
+            deschedule,
+            ..RecorderInner::default()
+        }));
+        let dy = Arc::new(YieldState::with_actuator(options, n, Box::new(rec.clone())).unwrap());
+        let kick = Arc::new(KickState::userspace_for_tests(n, FEATURE_SPIN_NOTIFY));
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..n).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let hooks = (0..n)
+            .map(|i| {
+                VcpuHooks::new(
+                    i,
+                    Arc::default(),
+                    cells.clone(),
+                    Some(kick.clone()),
+                    Some(dy.clone()),
+                )
+            })
+            .collect();
+        Vm {
+            hooks,
+            cells,
+            dy,
+            rec,
+        }
+    }
+
+    const SPIN_PORT: u16 = DEFAULT_PORT + SPIN_OFFSET;
+
+    /// One exit of `v`: a SPIN write of `value`, at CPL `cpl`.
+    fn spin(vm: &mut Vm, v: usize, value: u32, cpl: u8) -> ExitOutcome {
+        let h = &mut vm.hooks[v];
+        h.before_run();
+        let bytes = value.to_le_bytes();
+        let mut exit = Ok(VcpuExit::IoOut(SPIN_PORT, &bytes));
+        let out = h.handle_exit(&mut exit);
+        h.after_run_with_cpl(Some(cpl));
+        out
+    }
+
+    fn read_window(vm: &mut Vm, v: usize) -> u32 {
+        let h = &mut vm.hooks[v];
+        h.before_run();
+        let mut data = [0u8; 4];
+        let mut exit = Ok(VcpuExit::IoIn(SPIN_PORT, &mut data));
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        drop(exit);
+        h.after_run_with_cpl(Some(0));
+        u32::from_le_bytes(data)
+    }
+
+    fn notify(waiting_for: Option<u16>) -> u32 {
+        SpinNotify {
+            waiting_for,
+            next_owner: false,
+            spun_bucket: 5,
+            lock_hash: 0x123,
+        }
+        .encode()
+    }
+
+    #[test]
+    fn hint_naming_a_preempted_vcpu_yields_to_it() {
+        let mut vm = vm(3, false);
+        // vCPU 1 exits in kernel mode and its VMM scheduler parks it: preempted in kernel.
+        vm.hooks[1].before_run();
+        assert_eq!(vm.dy.board.tid(1), pvspin_hints::sched::current_tid());
+        vm.dy.board.set_tid(1, 4242);
+        vm.hooks[1].after_run_with_cpl(Some(0));
+        vm.dy.board.park(1);
+        vm.rec.calls.lock().unwrap().clear();
+        assert_eq!(spin(&mut vm, 0, notify(Some(1)), 0), ExitOutcome::Handled);
+        let calls = vm.rec.calls.lock().unwrap().clone();
+        assert_eq!(calls, ["exit 0", "yield_to 1 tid 4242"]);
+        let s = vm.cells[0].snapshot();
+        assert_eq!(
+            (
+                s.spin_notifications,
+                s.yields_attempted,
+                s.yields_successful
+            ),
+            (1, 1, 1)
+        );
+        let st = vm.dy.stats();
+        assert_eq!((st.notifications, st.yield_to_hint, st.boosted), (1, 1, 1));
+    }
+
+    #[test]
+    fn running_holder_is_boosted_by_default() {
+        let mut vm = vm(2, false);
+        vm.hooks[1].before_run();
+        vm.dy.board.set_tid(1, 77);
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert!(vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .contains(&"yield_to 1 tid 77".to_string()));
+        assert_eq!(vm.dy.stats().yield_to_hint, 1);
+    }
+
+    #[test]
+    fn with_kvm_rules_a_running_holder_falls_back_to_the_scan_and_yields_self() {
+        let options = DirectedYieldOptions {
+            policy: pvspin_pause::PolicyConfig::default(),
+            ..DirectedYieldOptions::default()
+        };
+        let mut vm = vm_with(2, false, &options);
+        // vCPU 1 is in the guest: running, not ready.
+        vm.hooks[1].before_run();
+        assert_eq!(spin(&mut vm, 0, notify(Some(1)), 0), ExitOutcome::Handled);
+        assert!(vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .contains(&"yield_self".to_string()));
+        let st = vm.dy.stats();
+        assert_eq!(
+            (st.yield_self, st.hint_not_ready, st.yield_to_hint),
+            (1, 1, 0)
+        );
+        // Not descheduled: counted as attempted, not successful.
+        let s = vm.cells[0].snapshot();
+        assert_eq!((s.yields_attempted, s.yields_successful), (1, 0));
+    }
+
+    /// Guest memory whose bytes tests flip while vCPUs "run".
+    #[derive(Debug)]
+    struct FlipMemory(Vec<std::sync::atomic::AtomicU8>);
+
+    impl pvspin_track::GuestBytes for FlipMemory {
+        fn read_u8(&self, gpa: u64) -> Option<u8> {
+            let i = usize::try_from(gpa).ok()?;
+            Some(self.0.get(i)?.load(std::sync::atomic::Ordering::Relaxed))
+        }
+    }
+
+    #[test]
+    fn steal_time_shows_preemption_inside_kvm_run_and_in_which_mode() {
+        // KVM's rules (no trust in running hints): only steal time can make a vCPU ready.
+        let options = DirectedYieldOptions {
+            policy: pvspin_pause::PolicyConfig::default(),
+            ..DirectedYieldOptions::default()
+        };
+        let mut vm = vm_with(3, false, &options);
+        let mem = Arc::new(FlipMemory(
+            (0..512)
+                .map(|_| std::sync::atomic::AtomicU8::new(0))
+                .collect(),
+        ));
+        // A state with the memory (the builder installs it for a real VM).
+        let dy = Arc::new({
+            let mut state =
+                YieldState::with_actuator(&options, 3, Box::new(vm.rec.clone())).unwrap();
+            state.mem = Some(mem.clone());
+            for (v, gpa) in [(1usize, 64u64), (2, 128)] {
+                state.board.set_steal_time_gpa(v, Some(gpa));
+            }
+            state
+        });
+        for h in &mut vm.hooks {
+            h.dy = Some(dy.clone());
+        }
+        vm.dy = dy;
+        // vCPU 1 last exited in user mode, vCPU 2 in kernel mode; both are back in the guest.
+        for (v, cpl) in [(1, 3), (2, 0)] {
+            vm.hooks[v].before_run();
+            vm.hooks[v].after_run_with_cpl(Some(cpl));
+            vm.hooks[v].before_run();
+        }
+        // Not preempted: the hint names a running vCPU, the scan finds nobody.
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert_eq!(vm.dy.stats().yield_self, 1);
+        // KVM marks both preempted: the hint is used.
+        mem.0[64 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        mem.0[128 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        spin(&mut vm, 0, notify(Some(1)), 0);
+        assert_eq!(vm.dy.stats().yield_to_hint, 1);
+        // No hint, spinner in kernel mode: the filter skips vCPU 1 (preempted in user mode).
+        spin(&mut vm, 0, notify(None), 0);
+        let calls = vm.rec.calls.lock().unwrap().clone();
+        assert_eq!(
+            calls.iter().rfind(|c| c.starts_with("yield_to")).unwrap(),
+            &format!("yield_to 2 tid {}", pvspin_hints::sched::current_tid())
+        );
+        assert_eq!(vm.dy.stats().yield_to_candidate, 1);
+    }
+
+    #[test]
+    fn kernel_mode_filter_skips_a_vcpu_preempted_in_user_mode() {
+        let mut vm = vm(3, false);
+        // vCPU 1 preempted at CPL 3, vCPU 2 preempted at CPL 0; the spinner (kernel mode)
+        // names nobody, so the scan decides.
+        for (v, cpl) in [(1, 3), (2, 0)] {
+            vm.hooks[v].before_run();
+            vm.hooks[v].after_run_with_cpl(Some(cpl));
+            vm.dy.board.park(v);
+        }
+        spin(&mut vm, 0, notify(None), 0);
+        assert!(vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.starts_with("yield_to 2")));
+        assert_eq!(vm.dy.stats().yield_to_candidate, 1);
+        // A spinner in user mode does not filter: the round robin moves on to vCPU 1.
+        spin(&mut vm, 0, notify(None), 3);
+        assert!(vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.starts_with("yield_to 1")));
+    }
+
+    #[test]
+    fn window_grows_per_notification_and_resets_when_descheduled() {
+        let mut vm = vm(2, false);
+        assert_eq!(read_window(&mut vm, 0), 16);
+        spin(&mut vm, 0, notify(None), 0);
+        assert_eq!(read_window(&mut vm, 0), 32);
+        spin(&mut vm, 0, notify(None), 0);
+        assert_eq!(read_window(&mut vm, 0), 64);
+        assert_eq!(read_window(&mut vm, 1), 16, "windows are per vCPU");
+        let mut vm = vm_descheduling();
+        spin(&mut vm, 0, notify(None), 0);
+        assert_eq!(
+            read_window(&mut vm, 0),
+            16,
+            "grown, then reset by the deschedule"
+        );
+        assert_eq!(vm.dy.stats().window_reads, 1);
+    }
+
+    fn vm_descheduling() -> Vm {
+        vm(2, true)
+    }
+
+    #[test]
+    fn bad_spin_writes_are_counted_and_ignored() {
+        let mut vm = vm(2, false);
+        // Names vCPU 7 of 2: rejected by the device, no decision, no yield.
+        assert_eq!(spin(&mut vm, 0, notify(Some(7)), 0), ExitOutcome::Handled);
+        // Wrong width.
+        let h = &mut vm.hooks[0];
+        h.before_run();
+        let mut exit = Ok(VcpuExit::IoOut(SPIN_PORT, &[1, 2]));
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        h.after_run_with_cpl(Some(0));
+        // Names itself: reaches the policy, which counts and ignores the hint.
+        spin(&mut vm, 0, notify(Some(0)), 0);
+        let s = vm.cells[0].snapshot();
+        assert_eq!(s.rejected_guest_inputs.get("no_such_vcpu"), Some(&1));
+        assert_eq!(s.rejected_guest_inputs.get("wrong_width"), Some(&1));
+        assert_eq!(s.spin_notifications, 1);
+        let st = vm.dy.stats();
+        assert_eq!((st.notifications, st.hint_self), (1, 1));
+        assert!(!vm
+            .rec
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.starts_with("yield_to")));
+    }
+
+    #[test]
+    fn kicks_and_userspace_halts_reach_the_board() {
+        let mut vm = vm(2, false);
+        vm.hooks[1].before_run();
+        vm.hooks[1].after_run_with_cpl(Some(0));
+        vm.dy.board.park(1);
+        let h = &mut vm.hooks[0];
+        h.before_run();
+        let bytes = 1u32.to_le_bytes();
+        let mut exit = Ok(VcpuExit::IoOut(DEFAULT_PORT, &bytes));
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        h.after_run_with_cpl(Some(0));
+        assert!(vm.dy.board.snapshot(1).unwrap().has_pending_kick());
+        // vCPU 1's halt consumes the latched kick without blocking, and it is awake again.
+        let h = &mut vm.hooks[1];
+        h.before_run();
+        let mut exit = Ok(VcpuExit::Hlt);
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        let snap = vm.dy.board.snapshot(1).unwrap();
+        assert!(!snap.is_halted() && !snap.has_pending_kick());
     }
 }

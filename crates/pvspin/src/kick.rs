@@ -86,11 +86,13 @@ impl KickState {
     /// routes. Must run before any vCPU is created.
     pub(crate) fn configure_vm(
         options: KickOptions,
+        extra_commands: u32,
         vcpus: usize,
         vm: &VmFd,
     ) -> Result<Self, Error> {
         let cfg = KickConfig {
             nr_vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
+            extra_commands,
             spin: options.park_spin,
             ..KickConfig::default()
         };
@@ -121,6 +123,22 @@ impl KickState {
             kicked_at: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
             epoch: Instant::now(),
         })
+    }
+
+    /// A userspace-path device with no VM, for the hooks' unit tests.
+    #[cfg(test)]
+    pub(crate) fn userspace_for_tests(vcpus: usize, extra_commands: u32) -> Self {
+        let cfg = KickConfig {
+            nr_vcpus: u32::try_from(vcpus).unwrap_or(u32::MAX),
+            extra_commands,
+            ..KickConfig::default()
+        };
+        Self {
+            device: Arc::new(KickDevice::userspace(cfg).expect("valid test config")),
+            _routes: Mutex::new(None),
+            kicked_at: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
+            epoch: Instant::now(),
+        }
     }
 
     /// vCPU stage: advertise the device in the vCPU's CPUID.

@@ -12,7 +12,7 @@
 //! 4. After all vCPUs exist: [`PvSpin::vcpus_created`].
 //! 5. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
 //!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it), then
-//!    [`VcpuHooks::after_run`].
+//!    [`VcpuHooks::after_run`] with the vCPU (where a spin notification is acted on).
 //! 6. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
 //! 7. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
 //!
@@ -30,19 +30,19 @@
 //! pvspin.configure_vm(&kvm, &vm)?;
 //! let mut vcpu = vm.create_vcpu(0)?;
 //! let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
-//! let (mut hooks, _) = pvspin.configure_vcpu(0, &vcpu, &mut cpuid)?;
+//! let (mut hooks, _) = pvspin.configure_vcpu(0, &mut vcpu, &mut cpuid)?;
 //! pvspin.vcpus_created([&vcpu])?;
 //! loop {
 //!     hooks.before_run();
 //!     let mut exit = vcpu.run();
 //!     let outcome = hooks.handle_exit(&mut exit);
-//!     if outcome == pvspin::ExitOutcome::NotHandled {
-//!         match exit {
-//!             Ok(VcpuExit::Hlt) => break,
-//!             _ => { /* the VMM's own devices */ }
-//!         }
+//!     let done = outcome == pvspin::ExitOutcome::NotHandled
+//!         && matches!(exit, Ok(VcpuExit::Hlt)); // else: the VMM's own devices
+//!     drop(exit);
+//!     hooks.after_run(&vcpu);
+//!     if done {
+//!         break;
 //!     }
-//!     hooks.after_run();
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -53,18 +53,37 @@
 //! for stock guests; the hooks keep per-vCPU counters of runs, exits by kind and time spent in
 //! `KVM_RUN` ([`VcpuCounters`]); [`PvSpin::telemetry`] merges pvspin's counters with KVM's
 //! binary statistics.
-//! **Not implemented yet** (each comes with its crate): the kick doorbell and its wake paths
-//! (`pvspin-kick`), spin notifications and directed yield (`pvspin-pause`, `pvspin-track`),
-//! scheduler hints (`pvspin-hints`).
+//! With [`PvSpinBuilder::kick`], the kick doorbell and its three wake paths (`pvspin-kick`).
+//! With [`PvSpinBuilder::directed_yield`] (needs the kick), spin notifications: the hooks keep
+//! a `pvspin_track::VcpuBoard` (state per vCPU, CPL at each exit from the sync registers, halts,
+//! kicks, thread ids), and on a SPIN doorbell write decide with `pvspin_pause::DirectedYield`
+//! (the guest's hint first, KVM's rules otherwise), act with a `pvspin_hints` actuator and
+//! adapt the vCPU's spin window, which the guest reads from the same register.
+//! **Preemption inside `KVM_RUN`:** with [`PvSpinBuilder::steal_time_memory`] and
+//! [`PvSpin::set_steal_time_gpa`], decisions read each candidate's KVM steal-time `preempted`
+//! byte, so the candidate scan (and its kernel-mode filter) sees vCPUs the host descheduled.
+//! KVM only sets that byte for a preemption at an instruction boundary; on the emulating
+//! development hosts it never does (KVM's own stats there: `preemption_reported` 0,
+//! `preemption_other` > 0), so there the board shows every vCPU in the guest as running. The
+//! default [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads
+//! as running (`PolicyConfig::boost_running_hint`); a notification without a usable hint then
+//! finds no ready candidate and yields undirected.
+//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; scheduler
+//! hints through shared pages.
 #![deny(missing_docs)]
 
 mod counters;
+mod directed;
 mod hooks;
 mod kick;
 mod telemetry;
 
+pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
 pub use kick::KickOptions;
+pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_pause::{PolicyConfig, WindowConfig};
+pub use pvspin_track::GuestBytes;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -122,6 +141,21 @@ pub enum ConfigError {
     /// `configure_vcpu` called twice for one index.
     #[error("vCPU {0} is already configured: configure_vcpu must be called once per vCPU")]
     VcpuConfiguredTwice(usize),
+    /// Directed yield without the kick device.
+    #[error("directed yield needs the kick device (PvSpinBuilder::kick): spin notifications ride its doorbell")]
+    DirectedYieldNeedsKick,
+    /// The directed-yield policy or window configuration broke a rule.
+    #[error("directed yield: {0}")]
+    DirectedYield(String),
+    /// The actuator could not be built (unknown name, or a boost the process may not apply,
+    /// such as `fifo` without real-time privilege, with `fallback` off).
+    #[error("directed yield actuator {name:?}: {reason}")]
+    Actuator {
+        /// The name asked for.
+        name: String,
+        /// Why it was refused.
+        reason: String,
+    },
 }
 
 /// Errors from the setup hooks.
@@ -136,6 +170,9 @@ pub enum Error {
     /// The paravirt plan was refused or could not be applied.
     #[error("paravirt plan: {0}")]
     Plan(#[from] PlanError),
+    /// The host cannot report the CPL at exits through sync registers (directed yield).
+    #[error("directed yield: {0}")]
+    SyncRegs(#[from] pvspin_track::CplError),
     /// `KVM_SET_CPUID2` failed.
     #[error("KVM_SET_CPUID2 on vCPU {index}: {source}")]
     SetCpuid {
@@ -164,6 +201,8 @@ pub struct PvSpinBuilder {
     keep_hypercall_quirk: bool,
     paravirt: Option<PlanRequest>,
     kick: Option<KickOptions>,
+    directed_yield: Option<DirectedYieldOptions>,
+    steal_time: Option<StealTimeMemory>,
 }
 
 impl PvSpinBuilder {
@@ -204,6 +243,27 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Acts on the guest's spin notifications (the SPIN doorbell command, `docs/abi.md`):
+    /// directed yield to the vCPU the guest waits for, KVM's candidate rules otherwise
+    /// (kernel-mode filter from the CPL at each exit), and an adaptive per-vCPU spin window the
+    /// guest reads. Needs [`kick`](Self::kick); the host then advertises `SPIN_NOTIFY`. The
+    /// actuator is built here: a `fifo` (or `nice`) actuator the process may not apply is
+    /// refused with [`ConfigError::Actuator`] unless `options.fallback` is set.
+    pub fn directed_yield(mut self, options: DirectedYieldOptions) -> Self {
+        self.directed_yield = Some(options);
+        self
+    }
+
+    /// Lets directed yield see vCPUs the host preempted inside `KVM_RUN`: `memory` reads guest
+    /// bytes by GPA, and [`PvSpin::set_steal_time_gpa`] says where each vCPU's KVM steal-time
+    /// area is (the guest registers it with `MSR_KVM_STEAL_TIME`; KVM sets its `preempted`
+    /// byte when it deschedules a runnable vCPU). Candidates' bytes are read as a decision
+    /// examines them. Without it, a vCPU inside `KVM_RUN` always reads as running.
+    pub fn steal_time_memory(mut self, memory: StealTimeMemory) -> Self {
+        self.steal_time = Some(memory);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -214,7 +274,17 @@ impl PvSpinBuilder {
             });
         }
         let interrupter = self.interrupter.ok_or(ConfigError::MissingInterrupter)?;
+        let directed_yield = match &self.directed_yield {
+            Some(_) if self.kick.is_none() => return Err(ConfigError::DirectedYieldNeedsKick),
+            Some(options) => {
+                let mut state = directed::YieldState::new(options, vcpus)?;
+                state.mem = self.steal_time.clone();
+                Some(Arc::new(state))
+            }
+            None => None,
+        };
         Ok(PvSpin {
+            directed_yield,
             interrupter,
             keep_hypercall_quirk: self.keep_hypercall_quirk,
             paravirt: self.paravirt,
@@ -249,6 +319,8 @@ pub struct PvSpin {
     keep_hypercall_quirk: bool,
     paravirt: Option<PlanRequest>,
     kick_options: Option<KickOptions>,
+    /// Directed yield and spin windows, when enabled.
+    directed_yield: Option<Arc<directed::YieldState>>,
     /// The kick device, made by `configure_vm`.
     kick: OnceLock<Arc<kick::KickState>>,
     /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
@@ -296,8 +368,16 @@ impl PvSpin {
                 }
             }
         };
+        if self.directed_yield.is_some() {
+            pvspin_track::cpl::check_sync_sregs(kvm)?;
+        }
         if let Some(options) = self.kick_options {
-            let state = kick::KickState::configure_vm(options, self.vcpus(), vm)?;
+            let extra = if self.directed_yield.is_some() {
+                pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY
+            } else {
+                0
+            };
+            let state = kick::KickState::configure_vm(options, extra, self.vcpus(), vm)?;
             let _ = self.kick.set(Arc::new(state));
         }
         let _ = self
@@ -323,10 +403,34 @@ impl PvSpin {
 
     /// The VM is stopping: releases every vCPU thread parked in pvspin (userspace kick path)
     /// for good. Call before interrupting the vCPU threads to join them.
+    /// Also ends every priority boost directed yield applied.
     pub fn shutdown(&self) {
         if let Some(kick) = self.kick.get() {
             kick.device.shutdown();
         }
+        if let Some(dy) = &self.directed_yield {
+            dy.actuator.restore_all();
+        }
+    }
+
+    /// The actuator directed yield uses (`"yield"`, `"nice"`, `"fifo"`; with `fallback`, the
+    /// one that was permitted), if directed yield is enabled.
+    pub fn actuator_name(&self) -> Option<&'static str> {
+        self.directed_yield.as_ref().map(|dy| dy.actuator.name())
+    }
+
+    /// Where vCPU `index`'s steal-time area is (`None`: it has none), for directed yield with
+    /// [`PvSpinBuilder::steal_time_memory`]. Any time, any thread; a no-op without directed
+    /// yield or for an index out of range.
+    pub fn set_steal_time_gpa(&self, index: usize, gpa: Option<u64>) {
+        if let Some(dy) = &self.directed_yield {
+            dy.board.set_steal_time_gpa(index, gpa);
+        }
+    }
+
+    /// What the directed-yield handler did so far, if it is enabled.
+    pub fn directed_yield_stats(&self) -> Option<DirectedYieldStats> {
+        self.directed_yield.as_ref().map(|dy| dy.stats())
     }
 
     /// The kick device's counters (kicks, rejected guest writes per reason), if it exists.
@@ -336,12 +440,14 @@ impl PvSpin {
 
     /// vCPU-stage setup: call once per vCPU after creating it, before its first `KVM_RUN`.
     /// `cpuid` is the CPUID the VMM wants the vCPU to have; pvspin edits it (the paravirt
-    /// plan's leaf 0x40000001) and sets it with `KVM_SET_CPUID2`. The returned hooks belong
-    /// to that vCPU's thread.
+    /// plan's leaf 0x40000001) and sets it with `KVM_SET_CPUID2`. With directed yield it asks
+    /// KVM to copy the special registers into `kvm_run` at every exit (`KVM_SYNC_X86_SREGS`,
+    /// so the hooks read the CPL without an ioctl). The returned hooks belong to that vCPU's
+    /// thread.
     pub fn configure_vcpu(
         &self,
         index: usize,
-        vcpu: &VcpuFd,
+        vcpu: &mut VcpuFd,
         cpuid: &mut CpuId,
     ) -> Result<(VcpuHooks, Option<AppliedVcpu>), Error> {
         let configured = self.configured.get(index).ok_or(ConfigError::VcpuIndex {
@@ -364,11 +470,15 @@ impl PvSpin {
             }
         };
         self.stats.open_vcpu(index, vcpu);
+        if self.directed_yield.is_some() {
+            pvspin_track::enable_sync_sregs(vcpu);
+        }
         let hooks = VcpuHooks::new(
             index,
             self.counters[index].clone(),
             self.cells.clone(),
             self.kick.get().cloned(),
+            self.directed_yield.clone(),
         );
         Ok((hooks, applied))
     }
@@ -447,6 +557,56 @@ mod tests {
                 .vcpus(),
             2
         );
+    }
+
+    #[test]
+    fn directed_yield_needs_kick_and_a_known_actuator() {
+        let interrupter = Arc::new(CountingInterrupter::default());
+        let kick = KickOptions {
+            path: KickPath::Userspace,
+            park_spin: std::time::Duration::ZERO,
+        };
+        let base = || PvSpin::builder().vcpus(2).interrupter(interrupter.clone());
+        assert_eq!(
+            base()
+                .directed_yield(DirectedYieldOptions::default())
+                .build()
+                .unwrap_err(),
+            ConfigError::DirectedYieldNeedsKick
+        );
+        let err = base()
+            .kick(kick)
+            .directed_yield(DirectedYieldOptions {
+                actuator: "teleport".into(),
+                ..DirectedYieldOptions::default()
+            })
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::Actuator { .. }), "{err}");
+        assert!(err.to_string().contains("one of yield, nice, fifo"));
+        let err = base()
+            .kick(kick)
+            .directed_yield(DirectedYieldOptions {
+                windows: WindowConfig {
+                    base: 0,
+                    ..WindowConfig::default()
+                },
+                ..DirectedYieldOptions::default()
+            })
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("rule: spin window base"), "{err}");
+        let ok = base()
+            .kick(kick)
+            .directed_yield(DirectedYieldOptions::default())
+            .build()
+            .unwrap();
+        assert_eq!(ok.actuator_name(), Some("yield"));
+        assert_eq!(
+            ok.directed_yield_stats(),
+            Some(DirectedYieldStats::default())
+        );
+        ok.shutdown();
     }
 
     #[test]

@@ -39,7 +39,12 @@ impl Variant {
         let pv = match parts.next().unwrap_or("off") {
             "off" => PvMode::Off,
             "kick" => PvMode::Kick,
-            other => return Err(format!("{text:?}: unknown pv mode {other:?} (off, kick)")),
+            "kick+yield" => PvMode::KickYield,
+            other => {
+                return Err(format!(
+                    "{text:?}: unknown pv mode {other:?} (off, kick, kick+yield)"
+                ))
+            }
         };
         let kick_path = match parts.next().unwrap_or("in-kernel") {
             "in-kernel" => pvspin::KickPath::InKernel,
@@ -66,13 +71,18 @@ impl Variant {
         let lock = vmm::lock_name(self.lock);
         match self.pv {
             PvMode::Off => format!("{lock}:off"),
-            PvMode::Kick => {
+            PvMode::Kick | PvMode::KickYield => {
                 let path = match self.kick_path {
                     pvspin::KickPath::InKernel => "in-kernel",
                     pvspin::KickPath::SignalMsi => "signal-msi",
                     pvspin::KickPath::Userspace => "userspace",
                 };
-                format!("{lock}:kick:{path}")
+                let pv = if self.pv == PvMode::KickYield {
+                    "kick+yield"
+                } else {
+                    "kick"
+                };
+                format!("{lock}:{pv}:{path}")
             }
         }
     }
@@ -266,6 +276,8 @@ mod tests {
             "ticket:off",
             "queued:kick:userspace",
             "ticket:kick:signal-msi",
+            "ticket:kick+yield:in-kernel",
+            "queued:kick+yield:userspace",
         ] {
             assert_eq!(Variant::parse(name).unwrap().name(), name);
         }

@@ -80,6 +80,31 @@ pub enum PvArg {
     Off,
     /// Halt past the spin threshold; the unlocker kicks the next waiter (pvspin's doorbell).
     Kick,
+    /// As kick, plus spin notifications past the host's spin window and directed yield.
+    #[value(name = "kick+yield")]
+    KickYield,
+}
+
+/// Directed-yield actuators (with --pv kick+yield).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ActuatorArg {
+    /// sched_yield() only.
+    Yield,
+    /// Bounded nice boost of the target's thread, then yield.
+    Nice,
+    /// Bounded SCHED_FIFO boost of the target's thread, then yield (needs privilege).
+    Fifo,
+}
+
+impl ActuatorArg {
+    /// pvspin's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ActuatorArg::Yield => "yield",
+            ActuatorArg::Nice => "nice",
+            ActuatorArg::Fifo => "fifo",
+        }
+    }
 }
 
 /// Kick wake paths.
@@ -131,6 +156,9 @@ pub struct VmArgs {
     /// How a kick wakes a halted vCPU (with --pv kick).
     #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
     pub kick_path: KickPathArg,
+    /// What directed yield does (with --pv kick+yield).
+    #[arg(long, value_enum, default_value_t = ActuatorArg::Yield)]
+    pub actuator: ActuatorArg,
     /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
     #[arg(long, default_value_t = 128)]
     pub spin_threshold: u32,
@@ -260,9 +288,11 @@ impl VmArgs {
             pv: match self.pv {
                 PvArg::Off => crate::config::PvMode::Off,
                 PvArg::Kick => crate::config::PvMode::Kick,
+                PvArg::KickYield => crate::config::PvMode::KickYield,
             },
             kick_path: self.kick_path.into(),
             spin_threshold: self.spin_threshold,
+            actuator: self.actuator.name(),
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
         }

@@ -39,6 +39,8 @@ pub struct RunConfig {
     pub kick_path: pvspin::KickPath,
     /// PV locks: spins before a waiter halts.
     pub spin_threshold: u32,
+    /// With `pv: KickYield`: the directed-yield actuator, `"yield"`, `"nice"` or `"fifo"`.
+    pub actuator: &'static str,
     /// KVM's per-VM halt-polling limit in ns (`None`: the host's default).
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
@@ -53,6 +55,16 @@ pub enum PvMode {
     /// Waiters halt past the spin threshold; the unlocker kicks the next one through pvspin's
     /// doorbell.
     Kick,
+    /// As `Kick`, and waiters past the host's spin window send spin notifications; the host
+    /// yields (directed yield to the vCPU they wait for when it can tell it is preempted).
+    KickYield,
+}
+
+impl PvMode {
+    /// Whether the guest's locks halt and are kicked through pvspin's doorbell.
+    pub fn kicks(self) -> bool {
+        matches!(self, PvMode::Kick | PvMode::KickYield)
+    }
 }
 
 impl Default for RunConfig {
@@ -74,6 +86,7 @@ impl Default for RunConfig {
             pv: PvMode::Off,
             kick_path: pvspin::KickPath::InKernel,
             spin_threshold: 128,
+            actuator: pvspin::DEFAULT_ACTUATOR,
             halt_poll_ns: None,
             park_spin_us: 0,
         }
@@ -194,10 +207,10 @@ impl RunConfig {
         if self.watchdog_ms == 0 || self.timeout_ms == 0 {
             return Err(ConfigError::ZeroBound);
         }
-        if self.pv == PvMode::Kick && self.lock == LockKind::Tas {
+        if self.pv.kicks() && self.lock == LockKind::Tas {
             return Err(ConfigError::NoPvVariant);
         }
-        if (self.pv == PvMode::Kick || self.lock == LockKind::Queued) && self.vcpus > MAX_PV_VCPUS {
+        if (self.pv.kicks() || self.lock == LockKind::Queued) && self.vcpus > MAX_PV_VCPUS {
             return Err(ConfigError::TooManyPvVcpus {
                 got: self.vcpus,
                 max: MAX_PV_VCPUS,

@@ -16,6 +16,6 @@ pub mod report;
 pub mod vcpu;
 pub mod vmm;
 
-pub use config::{ConfigError, RunConfig};
+pub use config::{ConfigError, PvMode, RunConfig};
 pub use report::RunReport;
 pub use vmm::{run, RunError};

@@ -173,6 +173,15 @@ impl RunReport {
                 (crate::config::PvMode::Kick, pvspin::KickPath::InKernel) => "kick/in-kernel",
                 (crate::config::PvMode::Kick, pvspin::KickPath::SignalMsi) => "kick/signal-msi",
                 (crate::config::PvMode::Kick, pvspin::KickPath::Userspace) => "kick/userspace",
+                (crate::config::PvMode::KickYield, pvspin::KickPath::InKernel) => {
+                    "kick+yield/in-kernel"
+                }
+                (crate::config::PvMode::KickYield, pvspin::KickPath::SignalMsi) => {
+                    "kick+yield/signal-msi"
+                }
+                (crate::config::PvMode::KickYield, pvspin::KickPath::Userspace) => {
+                    "kick+yield/userspace"
+                }
             },
             pv_slow_paths: result.pv_slow_paths,
             pv_halts: result.pv_halts,

@@ -243,7 +243,7 @@ impl VcpuRunner {
                 Step::End(VcpuEnd::Fault(format!("KVM_RUN failed: {err}")))
             }
         };
-        self.hooks.after_run();
+        self.hooks.after_run(&self.vcpu);
         match step {
             Step::InternalError => Step::End(VcpuEnd::Fault(self.describe_internal_error())),
             step => step,

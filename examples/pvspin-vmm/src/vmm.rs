@@ -321,16 +321,33 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .and_then(|n| u32::try_from(n.get()).ok());
         builder = builder.paravirt(request);
     }
-    if config.pv == PvMode::Kick {
+    if config.pv.kicks() {
         builder = builder.kick(pvspin::KickOptions {
             path: config.kick_path,
             park_spin: Duration::from_micros(config.park_spin_us),
         });
     }
+    if config.pv == PvMode::KickYield {
+        builder = builder
+            .directed_yield(pvspin::DirectedYieldOptions {
+                actuator: config.actuator.to_string(),
+                ..pvspin::DirectedYieldOptions::default()
+            })
+            .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
+    }
     let pvspin = builder
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin.configure_vm(&kvm, &vm).map_err(pvspin_error)?;
+    if config.pv == PvMode::KickYield {
+        // Where the guest registers its steal-time areas (it does when KVM offers them).
+        for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
+            pvspin.set_steal_time_gpa(
+                index as usize,
+                Some(pvspin_vmm_proto::steal_time_addr(index)),
+            );
+        }
+    }
     if let Some(max_ns) = config.halt_poll_ns {
         let mut cap = kvm_bindings::kvm_enable_cap {
             cap: kvm_bindings::KVM_CAP_HALT_POLL,
@@ -365,13 +382,13 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .map_err(setup_err("KVM_GET_SUPPORTED_CPUID"))?;
     let mut vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)> = Vec::new();
     for index in 0..config.vcpus {
-        let vcpu = vm
+        let mut vcpu = vm
             .create_vcpu(u64::from(index))
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported_cpuid.clone();
         set_initial_apic_id(&mut cpuid, index);
         let (hooks, applied) = pvspin
-            .configure_vcpu(index as usize, &vcpu, &mut cpuid)
+            .configure_vcpu(index as usize, &mut vcpu, &mut cpuid)
             .map_err(pvspin_error)?;
         if let (Some(applied), 0) = (applied, index) {
             plan_lines.push(format!(
@@ -408,6 +425,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             pv: match config.pv {
                 PvMode::Off => pvspin_vmm_proto::PV_OFF,
                 PvMode::Kick => pvspin_vmm_proto::PV_KICK,
+                PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
             },
             spin_threshold: config.spin_threshold,
             result: Default::default(),
@@ -508,6 +526,19 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     hogs.stop();
     let telemetry = pvspin.telemetry();
     let kick_stats = pvspin.kick_stats();
+    if let Some(stats) = pvspin.directed_yield_stats() {
+        for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
+            let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index));
+            let steal: u64 = vm_memory::Bytes::read_obj(&memory, gpa).unwrap_or(0);
+            let version: u32 =
+                vm_memory::Bytes::read_obj(&memory, GuestAddress(gpa.0 + 8)).unwrap_or(0);
+            log::debug!("vCPU {index} steal time: {steal} ns (version {version})");
+        }
+        log::info!(
+            "directed yield ({} actuator): {stats:?}",
+            pvspin.actuator_name().unwrap_or("-")
+        );
+    }
     let reports: Vec<VcpuReport> = shared
         .iter()
         .map(|vcpu| VcpuReport::collect(vcpu, &memory, pvspin.vcpu_counters(vcpu.index as usize)))
@@ -617,5 +648,15 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Ticket => "ticket",
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
+    }
+}
+
+/// Guest memory as pvspin reads steal-time bytes from it.
+#[derive(Debug)]
+struct StealTimeBytes(memory::GuestMemory);
+
+impl pvspin::GuestBytes for StealTimeBytes {
+    fn read_u8(&self, gpa: u64) -> Option<u8> {
+        vm_memory::Bytes::read_obj::<u8>(&self.0, GuestAddress(gpa)).ok()
     }
 }

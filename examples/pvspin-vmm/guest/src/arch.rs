@@ -14,6 +14,26 @@ pub fn outl(port: u16, value: u32) {
     unsafe { asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags)) };
 }
 
+/// Reads four bytes from an I/O port.
+pub fn inl(port: u16) -> u32 {
+    let value: u32;
+    // SAFETY: as for `outb`: port I/O has no memory effects in this guest.
+    unsafe { asm!("in eax, dx", in("dx") port, out("eax") value, options(nomem, nostack, preserves_flags)) };
+    value
+}
+
+/// Writes a model-specific register.
+///
+/// # Safety
+///
+/// CPL 0; `msr` must exist (an unknown MSR raises #GP, which this guest cannot handle).
+pub unsafe fn wrmsr(msr: u32, value: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!("wrmsr", in("ecx") msr, in("eax") value as u32, in("edx") (value >> 32) as u32, options(nostack, preserves_flags))
+    };
+}
+
 /// Reads the time-stamp counter.
 pub fn rdtsc() -> u64 {
     let (lo, hi): (u32, u32);

@@ -21,7 +21,7 @@ use pvspin_guest::{
     RawSpinLock, SpinMutex, StaticPvQueuedLock, StaticPvTicketLock, TasLock, TicketLock,
 };
 use pvspin_vmm_proto::{
-    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_KICK, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
+    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
 
@@ -64,7 +64,8 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
         }
         Some(Workload::Lock) => {
             let lock = LockKind::from_u32(boot.lock);
-            let uses_pv_domain = boot.pv == PV_KICK || lock == Some(LockKind::Queued);
+            let uses_pv_domain =
+                matches!(boot.pv, PV_KICK | PV_KICK_YIELD) || lock == Some(LockKind::Queued);
             if uses_pv_domain {
                 if let Err(code) = setup_pv(vcpu, &boot) {
                     outl(EXIT_PORT, code);
@@ -76,11 +77,11 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                     lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
                 }
                 (Some(LockKind::Tas), PV_OFF) => lock_workload(vcpu, &boot, params, &TAS_COUNTER),
-                (Some(LockKind::Ticket), PV_KICK) => {
+                (Some(LockKind::Ticket), PV_KICK | PV_KICK_YIELD) => {
                     lock_workload(vcpu, &boot, params, &PV_TICKET_COUNTER)
                 }
                 // With PV off the queued lock's waiters never halt: a plain MCS lock.
-                (Some(LockKind::Queued), PV_OFF | PV_KICK) => {
+                (Some(LockKind::Queued), PV_OFF | PV_KICK | PV_KICK_YIELD) => {
                     lock_workload(vcpu, &boot, params, &PV_QUEUED_COUNTER)
                 }
                 _ => {
@@ -158,10 +159,17 @@ fn report_cpuid(boot: &BootParams, params: *mut BootParams) {
 
 /// Finds pvspin (with PV on) and applies the spin policy to the PV lock domain.
 fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
-    let halt = boot.pv == PV_KICK;
+    let halt = matches!(boot.pv, PV_KICK | PV_KICK_YIELD);
     if halt {
         match pv::discover() {
-            Ok(info) if info.nr_vcpus >= boot.vcpus => {}
+            Ok(info) if info.nr_vcpus >= boot.vcpus => {
+                if boot.pv == PV_KICK_YIELD {
+                    if info.features & pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY == 0 {
+                        return Err(status::NO_PVSPIN);
+                    }
+                    pv::enable_spin_notify(vcpu);
+                }
+            }
             _ => return Err(status::NO_PVSPIN),
         }
     }

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | [`GDT_ADDR`] | GDT |
 //! | [`PML4_ADDR`] .. | page tables (PML4, PDPT, one PD per GiB mapped) |
+//! | [`STEAL_TIME_ADDR`] | KVM steal-time areas, 64 bytes per PV vCPU |
 //! | [`BOOT_PARAMS_ADDR`] | [`BootParams`], then [`VcpuSlot`] per vCPU |
 //! | [`IMAGE_BASE`] | the guest ELF image |
 //! | [`STACKS_ADDR`] | one [`STACK_SIZE`] stack per vCPU |
@@ -29,6 +30,16 @@ pub const PML4_ADDR: u64 = 0x2000;
 pub const MAPPED_BYTES: u64 = 1 << 30;
 /// GPA of [`BootParams`].
 pub const BOOT_PARAMS_ADDR: u64 = 0x8000;
+/// GPA of the first KVM steal-time area (64 bytes per vCPU, for the first [`MAX_PV_VCPUS`]
+/// vCPUs; free memory between the page tables and the boot parameters). A guest with
+/// [`PV_KICK_YIELD`] registers its area with `MSR_KVM_STEAL_TIME` when KVM offers steal time,
+/// and the VMM tells pvspin where it is, so directed yield sees host preemption.
+pub const STEAL_TIME_ADDR: u64 = 0x6000;
+
+/// GPA of vCPU `index`'s steal-time area (64-byte aligned).
+pub const fn steal_time_addr(index: u32) -> u64 {
+    STEAL_TIME_ADDR + index as u64 * 64
+}
 /// GPA of the first [`VcpuSlot`].
 pub const VCPU_SLOTS_ADDR: u64 = BOOT_PARAMS_ADDR + 0x1000;
 /// Where the guest ELF is linked.
@@ -140,6 +151,10 @@ pub mod status {
 pub const PV_OFF: u32 = 0;
 /// [`BootParams::pv`]: PV locks that halt past the spin threshold and are kicked at unlock.
 pub const PV_KICK: u32 = 1;
+/// [`BootParams::pv`]: as [`PV_KICK`], and waiters that spin past the host's spin window send
+/// a spin notification (pvspin ABI SPIN command) naming the vCPU they wait for, so the host
+/// can yield to it.
+pub const PV_KICK_YIELD: u32 = 2;
 
 /// The most vCPUs the guest's PV lock domain has per-vCPU state for.
 pub const MAX_PV_VCPUS: u32 = 16;
@@ -168,7 +183,7 @@ pub struct BootParams {
     pub tsc_khz: u64,
     /// CPUID leaves the [`Workload::Cpuid`] workload executes (0 = unused).
     pub cpuid_leaves: [u32; CPUID_QUERIES],
-    /// [`PV_OFF`] or [`PV_KICK`].
+    /// [`PV_OFF`], [`PV_KICK`] or [`PV_KICK_YIELD`].
     pub pv: u32,
     /// PV locks: spins before a waiter halts.
     pub spin_threshold: u32,

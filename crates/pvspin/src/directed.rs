@@ -1,0 +1,250 @@
+//! Spin notifications and directed yield inside the embedding API: the per-VM state the
+//! hooks share (the board of vCPU facts, the policy, the spin windows, the actuator) and the
+//! handler of one notification.
+//!
+//! Per exit, on the vCPU's own thread (see [`crate::VcpuHooks`]): `before_run` records the
+//! thread id once and `board.on_enter_run`; `after_run` reads the CPL from `kvm_run`'s sync
+//! registers (enabled once per vCPU in `configure_vcpu`, no ioctl per exit),
+//! `board.on_exit(v, cpl)`, ends a boost of this vCPU (`actuator.on_target_exit`), then handles
+//! a SPIN notification that arrived with this exit: `windows.on_notification`,
+//! `policy.decide(board, ..)`, `actuator.yield_to` / `yield_self`, and
+//! `windows.on_scheduled_out` when the yield descheduled the thread. A 32-bit `IN` of the SPIN
+//! register is answered with the vCPU's current window in `handle_exit`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
+use pvspin_hints::Actuator;
+use pvspin_pause::{
+    Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification, SpinWindows,
+    WindowConfig,
+};
+use pvspin_track::{GuestBytes, VcpuBoard};
+
+/// Guest memory directed yield reads steal-time `preempted` bytes from: anything that reads
+/// a guest byte by GPA and may be shared between vCPU threads.
+pub trait GuestByteSource: GuestBytes + Send + Sync + std::fmt::Debug {}
+
+impl<T: GuestBytes + Send + Sync + std::fmt::Debug + ?Sized> GuestByteSource for T {}
+
+/// A shared [`GuestByteSource`], as [`crate::PvSpinBuilder::steal_time_memory`] takes it.
+pub type StealTimeMemory = std::sync::Arc<dyn GuestByteSource>;
+
+use crate::ConfigError;
+
+/// How the embedding VMM configures spin notifications and directed yield.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirectedYieldOptions {
+    /// What "yield to vCPU X" does: `"yield"` (`sched_yield` only), `"nice"` (bounded nice
+    /// boost of X's thread, then yield) or `"fifo"` (bounded `SCHED_FIFO` boost, then yield;
+    /// needs real-time scheduling privilege). See `pvspin_hints::actuator`.
+    pub actuator: String,
+    /// When the actuator is not permitted (fifo or nice without privilege): `false` refuses
+    /// the configuration naming the rule; `true` steps down fifo -> nice -> yield with a
+    /// warning ([`crate::PvSpin::actuator_name`] says which one is used).
+    pub fallback: bool,
+    /// The decision's rules (hint first, KVM's candidate scan, kernel-mode filter, ...).
+    pub policy: PolicyConfig,
+    /// The adaptive per-vCPU spin window the guest reads (KVM's PLE window knobs).
+    pub windows: WindowConfig,
+}
+
+impl Default for DirectedYieldOptions {
+    /// The `yield` actuator, KVM's window knobs as `pvspin-pause` sets them, and KVM's policy
+    /// except that a hinted vCPU the board sees running is boosted too
+    /// ([`PolicyConfig::boost_running_hint`]): the hooks cannot see a vCPU thread preempted
+    /// inside `KVM_RUN`, so without it every hint would read "not ready".
+    fn default() -> Self {
+        Self {
+            actuator: pvspin_hints::DEFAULT_ACTUATOR.to_string(),
+            fallback: false,
+            policy: PolicyConfig {
+                boost_running_hint: true,
+                ..PolicyConfig::default()
+            },
+            windows: WindowConfig::default(),
+        }
+    }
+}
+
+/// What the directed-yield handler did, summed over all vCPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DirectedYieldStats {
+    /// SPIN notifications handled (valid ones; bad writes are the kick device's rejects).
+    pub notifications: u64,
+    /// Decisions to yield to the vCPU the guest named.
+    pub yield_to_hint: u64,
+    /// Decisions to yield to a vCPU found by the candidate scan.
+    pub yield_to_candidate: u64,
+    /// Undirected yields (no candidate).
+    pub yield_self: u64,
+    /// Decisions to do nothing.
+    pub nothing: u64,
+    /// Actuations that boosted the target's thread.
+    pub boosted: u64,
+    /// Actuations after which the spinner's thread had been descheduled (the window shrinks).
+    pub descheduled: u64,
+    /// Hints naming a vCPU that was not ready (running, halted without a kick): normal.
+    pub hint_not_ready: u64,
+    /// Hints naming the spinner itself (a guest bug; counted, logged once, ignored).
+    pub hint_self: u64,
+    /// Spin-window reads answered.
+    pub window_reads: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    notifications: AtomicU64,
+    yield_to_hint: AtomicU64,
+    yield_to_candidate: AtomicU64,
+    yield_self: AtomicU64,
+    nothing: AtomicU64,
+    boosted: AtomicU64,
+    descheduled: AtomicU64,
+    hint_not_ready: AtomicU64,
+    window_reads: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What handling one notification did, for the hooks' telemetry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Handled {
+    pub(crate) decision: Decision,
+    /// `Some(successful)` when a yield was attempted: successful = the target was boosted or
+    /// the spinner's thread was descheduled.
+    pub(crate) yielded: Option<bool>,
+}
+
+/// The per-VM directed-yield state, shared by every vCPU thread.
+#[derive(Debug)]
+pub(crate) struct YieldState {
+    pub(crate) board: VcpuBoard,
+    pub(crate) policy: DirectedYield,
+    pub(crate) windows: SpinWindows,
+    pub(crate) actuator: Box<dyn Actuator>,
+    /// With it, candidates' steal-time areas are read as they are examined, so a vCPU the
+    /// host preempted inside `KVM_RUN` reads as ready (and preempted in kernel or user mode).
+    pub(crate) mem: Option<StealTimeMemory>,
+    counters: Counters,
+}
+
+impl YieldState {
+    /// Validates `options` for `vcpus` vCPUs and builds the actuator.
+    pub(crate) fn new(options: &DirectedYieldOptions, vcpus: usize) -> Result<Self, ConfigError> {
+        let name = options.actuator.as_str();
+        let actuator = if options.fallback {
+            pvspin_hints::by_name_or_fallback(name, vcpus)
+        } else {
+            pvspin_hints::by_name(name, vcpus)
+        }
+        .map_err(|err| ConfigError::Actuator {
+            name: name.to_string(),
+            reason: err.to_string(),
+        })?;
+        Self::with_actuator(options, vcpus, actuator)
+    }
+
+    /// Like [`new`](Self::new) with a given actuator (tests inject a recording one).
+    pub(crate) fn with_actuator(
+        options: &DirectedYieldOptions,
+        vcpus: usize,
+        actuator: Box<dyn Actuator>,
+    ) -> Result<Self, ConfigError> {
+        let rule = |err: &dyn std::fmt::Display| ConfigError::DirectedYield(err.to_string());
+        Ok(Self {
+            board: VcpuBoard::new(vcpus).map_err(|e| rule(&e))?,
+            policy: DirectedYield::new(options.policy).map_err(|e| rule(&e))?,
+            windows: SpinWindows::new(vcpus, options.windows).map_err(|e| rule(&e))?,
+            actuator,
+            mem: None,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The window vCPU `v` reads from the SPIN register.
+    pub(crate) fn read_window(&self, v: usize) -> u32 {
+        bump(&self.counters.window_reads);
+        self.windows
+            .get(v)
+            .max(pvspin_abi::doorbell::SPIN_WINDOW_MIN)
+    }
+
+    /// Handles a SPIN notification from vCPU `me`, on `me`'s thread, after the board has its
+    /// CPL for this exit. The notification's `waiting_for` is already range-checked by the
+    /// kick device.
+    pub(crate) fn on_notification(&self, me: usize, n: SpinNotify) -> Handled {
+        let c = &self.counters;
+        bump(&c.notifications);
+        self.windows.on_notification(me);
+        let notification = SpinNotification {
+            spinner: me,
+            lock_id: u64::from(n.lock_hash),
+            waiting_for: n.waiting_for.map(u32::from),
+            spun: u64::from(spun_bucket_floor(n.spun_bucket)),
+        };
+        let outcome = match &self.mem {
+            Some(mem) => self.policy.decide(
+                &pvspin_pause::StealTimeView {
+                    board: &self.board,
+                    mem: &**mem,
+                },
+                &notification,
+            ),
+            None => self.policy.decide(&self.board, &notification),
+        };
+        if outcome.hint == HintStatus::NotReady {
+            bump(&c.hint_not_ready);
+        }
+        let report = match outcome.decision {
+            Decision::YieldTo(target, reason) => {
+                bump(if reason == Reason::Hint {
+                    &c.yield_to_hint
+                } else {
+                    &c.yield_to_candidate
+                });
+                Some(self.actuator.yield_to(target, self.board.tid(target)))
+            }
+            Decision::YieldSelf(_) => {
+                bump(&c.yield_self);
+                Some(self.actuator.yield_self())
+            }
+            Decision::Nothing(_) => {
+                bump(&c.nothing);
+                None
+            }
+        };
+        if let Some(r) = report {
+            if r.boosted {
+                bump(&c.boosted);
+            }
+            if r.descheduled {
+                bump(&c.descheduled);
+                self.windows.on_scheduled_out(me);
+            }
+        }
+        Handled {
+            decision: outcome.decision,
+            yielded: report.map(|r| r.boosted || r.descheduled),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> DirectedYieldStats {
+        let c = &self.counters;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DirectedYieldStats {
+            notifications: ld(&c.notifications),
+            yield_to_hint: ld(&c.yield_to_hint),
+            yield_to_candidate: ld(&c.yield_to_candidate),
+            yield_self: ld(&c.yield_self),
+            nothing: ld(&c.nothing),
+            boosted: ld(&c.boosted),
+            descheduled: ld(&c.descheduled),
+            hint_not_ready: ld(&c.hint_not_ready),
+            hint_self: self.policy.bad_hints().self_hint.load(Ordering::Relaxed),
+            window_reads: ld(&c.window_reads),
+        }
+    }
+}
