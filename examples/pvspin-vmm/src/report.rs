@@ -122,6 +122,8 @@ pub struct RunReport {
     pub host_kicks: Option<u64>,
     /// Kick-to-wake latency measured by the guest (ping-pong workload).
     pub kick_to_wake: Option<LatencySummary>,
+    /// What directed yield did (`--pv kick+yield`).
+    pub directed_yield: Option<YieldSummary>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -189,6 +191,7 @@ impl RunReport {
             pv_spurious_wakeups: result.pv_spurious_wakeups,
             host_kicks: None,
             kick_to_wake: None,
+            directed_yield: None,
             cpuid: params
                 .cpuid_leaves
                 .iter()
@@ -271,6 +274,25 @@ impl RunReport {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
     }
+}
+
+/// Directed yield's decisions over a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct YieldSummary {
+    /// The actuator in use.
+    pub actuator: String,
+    /// Spin notifications handled.
+    pub notifications: u64,
+    /// Yields to the vCPU the guest named.
+    pub yield_to_hint: u64,
+    /// Yields to a vCPU the candidate scan found.
+    pub yield_to_candidate: u64,
+    /// Undirected yields.
+    pub yield_self: u64,
+    /// Target threads boosted.
+    pub boosted: u64,
+    /// Yields after which the spinner had been descheduled.
+    pub descheduled: u64,
 }
 
 /// Percentiles of the guest's kick-to-wake samples.

@@ -526,7 +526,9 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     hogs.stop();
     let telemetry = pvspin.telemetry();
     let kick_stats = pvspin.kick_stats();
-    if let Some(stats) = pvspin.directed_yield_stats() {
+    let yield_stats = pvspin.directed_yield_stats();
+    let actuator = pvspin.actuator_name().map(str::to_string);
+    if let Some(stats) = yield_stats {
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
             let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index));
             let steal: u64 = vm_memory::Bytes::read_obj(&memory, gpa).unwrap_or(0);
@@ -593,6 +595,15 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     report.telemetry = Some(telemetry);
     report.host_kicks = kick_stats.map(|stats| stats.kicks);
     report.kick_to_wake = crate::report::LatencySummary::from_guest(&memory, &params, tsc_khz);
+    report.directed_yield = yield_stats.map(|stats| crate::report::YieldSummary {
+        actuator: actuator.unwrap_or_default(),
+        notifications: stats.notifications,
+        yield_to_hint: stats.yield_to_hint,
+        yield_to_candidate: stats.yield_to_candidate,
+        yield_self: stats.yield_self,
+        boosted: stats.boosted,
+        descheduled: stats.descheduled,
+    });
     Ok(report)
 }
 
