@@ -20,6 +20,8 @@ pub struct Variant {
     pub pv: PvMode,
     /// Kick path (with PV on).
     pub kick_path: pvspin::KickPath,
+    /// Directed-yield actuator (with `kick+yield`).
+    pub actuator: &'static str,
 }
 
 impl Variant {
@@ -56,6 +58,20 @@ impl Variant {
                 ))
             }
         };
+        let actuator = match parts.next() {
+            None => pvspin::DEFAULT_ACTUATOR,
+            Some(_) if pv != PvMode::KickYield => {
+                return Err(format!("{text:?}: an actuator needs kick+yield"))
+            }
+            Some("yield") => "yield",
+            Some("nice") => "nice",
+            Some("fifo") => "fifo",
+            Some(other) => {
+                return Err(format!(
+                    "{text:?}: unknown actuator {other:?} (yield, nice, fifo)"
+                ))
+            }
+        };
         if let Some(extra) = parts.next() {
             return Err(format!("{text:?}: unexpected {extra:?}"));
         }
@@ -63,6 +79,7 @@ impl Variant {
             lock,
             pv,
             kick_path,
+            actuator,
         })
     }
 
@@ -82,7 +99,11 @@ impl Variant {
                 } else {
                     "kick"
                 };
-                format!("{lock}:{pv}:{path}")
+                if self.pv == PvMode::KickYield && self.actuator != pvspin::DEFAULT_ACTUATOR {
+                    format!("{lock}:{pv}:{path}:{}", self.actuator)
+                } else {
+                    format!("{lock}:{pv}:{path}")
+                }
             }
         }
     }
@@ -93,6 +114,7 @@ impl Variant {
             lock: self.lock,
             pv: self.pv,
             kick_path: self.kick_path,
+            actuator: self.actuator,
             hogs,
             ..base.clone()
         }
@@ -212,6 +234,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             lock: base.lock,
             pv: base.pv,
             kick_path: base.kick_path,
+            actuator: base.actuator,
         }]
     } else {
         options.variants.clone()

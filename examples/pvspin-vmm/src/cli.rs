@@ -261,7 +261,7 @@ pub struct BenchArgs {
     /// Runs per case (cases are interleaved run by run, so noise spreads evenly).
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
-    /// Variants to compare side by side, `lock:pv[:kick-path]` (e.g.
+    /// Variants to compare side by side, `lock:pv[:kick-path[:actuator]]` (e.g.
     /// `ticket:off,ticket:kick,queued:kick:userspace`); the first is the baseline. Default:
     /// the one --lock/--pv/--kick-path describe.
     #[arg(long, value_delimiter = ',', value_parser = crate::bench::Variant::parse)]
