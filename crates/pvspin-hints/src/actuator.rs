@@ -8,17 +8,24 @@
 //!
 //! [`by_name`] builds one from "yield", "nice" or "fifo", so an embedding VMM can compare them
 //! from a command line; [`by_name_or_fallback`] steps down fifo -> nice -> yield when a boost
-//! is not permitted instead of failing. Which one is best on a given host is measured with the
-//! VMM's guests (not done here); until then the default ([`DEFAULT_ACTUATOR`]) is
-//! `YieldOnly`, the one measured to help on these machines (kvm-on-these-machines.md §8).
+//! is not permitted instead of failing.
+//!
+//! The default ([`DEFAULT_ACTUATOR`]) is [`NiceBoost`], from the example VMM's guests
+//! (`docs/benchmarks.md` §3; lock workload, median guest time against `--pv kick`, 5
+//! interleaved runs per case): 4 vCPUs on 2 host CPUs, no hogs: yield -42%, nice -44%,
+//! fifo -7%; with 2 hogs: yield +9%, nice -44%, fifo -30%; 8 vCPUs: yield -14%, nice -23%,
+//! fifo -22%; 2 vCPUs with 4 hogs: yield +92%, nice +2%, fifo +7%. Nice was best or within
+//! noise of the best in every case and never the worst; plain yield collapsed when hogs
+//! outnumber vCPUs (the spinner yields to a hog, not to the holder).
 //!
 //! A host-thread stand-in (`examples/actuators.rs`: threads pinned to one CPU contending for
 //! a lock that names its holder) gave, on the shared, loaded development machine, medians of
 //! 3 runs in us of wall time per acquisition (4 threads: yield 7.6 / 14.7, nice 7.8 / 7.9,
 //! fifo 5.5 / 7.0; 8 threads: yield 10.2, nice 15.2, fifo 7.0). FIFO came out ahead in
-//! every run, but the spread between identical runs is up to 2x, the lock is not a guest's,
-//! and a FIFO boost that lands on a thread that has meanwhile become a spinner starves the
-//! holder until the deadline: not enough to change the default without the VMM's numbers.
+//! every run there, but the spread between identical runs is up to 2x and the lock is not a
+//! guest's; with guests, a FIFO boost that lands on a thread that has meanwhile become a
+//! spinner starves the holder until the deadline, which is the likely reason fifo trails
+//! nice above.
 
 use std::time::Duration;
 
@@ -28,7 +35,7 @@ use crate::boost::{BoostError, BoostKind, BoostResult, BoostTracker};
 use crate::sched::yield_now;
 
 /// The actuator an embedding VMM should use unless it measured better: see the module docs.
-pub const DEFAULT_ACTUATOR: &str = "yield";
+pub const DEFAULT_ACTUATOR: &str = "nice";
 
 /// Default boost deadline: a few host time slices' worth of lock hold time.
 pub const DEFAULT_BOOST_DEADLINE: Duration = Duration::from_millis(2);

@@ -50,14 +50,15 @@ pub struct DirectedYieldOptions {
 }
 
 impl Default for DirectedYieldOptions {
-    /// The `yield` actuator, KVM's window knobs as `pvspin-pause` sets them, and KVM's policy
+    /// The `nice` actuator (stepping down to `yield` without the privilege to lower a nice
+    /// value), KVM's window knobs as `pvspin-pause` sets them, and KVM's policy
     /// except that a hinted vCPU the board sees running is boosted too
     /// ([`PolicyConfig::boost_running_hint`]): the hooks cannot see a vCPU thread preempted
     /// inside `KVM_RUN`, so without it every hint would read "not ready".
     fn default() -> Self {
         Self {
             actuator: pvspin_hints::DEFAULT_ACTUATOR.to_string(),
-            fallback: false,
+            fallback: true,
             policy: PolicyConfig {
                 boost_running_hint: true,
                 ..PolicyConfig::default()

@@ -601,7 +601,12 @@ mod tests {
             .directed_yield(DirectedYieldOptions::default())
             .build()
             .unwrap();
-        assert_eq!(ok.actuator_name(), Some("yield"));
+        // The default boosts with nice, stepping down to a plain yield without the privilege.
+        assert!(
+            matches!(ok.actuator_name(), Some("nice" | "yield")),
+            "{:?}",
+            ok.actuator_name()
+        );
         assert_eq!(
             ok.directed_yield_stats(),
             Some(DirectedYieldStats::default())

@@ -206,7 +206,7 @@ impl fmt::Display for BenchTable {
             };
             writeln!(
                 f,
-                "case {load:.0}x ({} hogs)  {:<22} {:>9.4} ({:.4})  median {:.4}  {change:>7}  runs: {}",
+                "case {load:.0}x ({} hogs)  {:<34} {:>9.4} ({:.4})  median {:.4}  {change:>7}  runs: {}",
                 case.hogs,
                 case.variant.name(),
                 case.mean(),

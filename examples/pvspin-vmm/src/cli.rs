@@ -157,7 +157,7 @@ pub struct VmArgs {
     #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
     pub kick_path: KickPathArg,
     /// What directed yield does (with --pv kick+yield).
-    #[arg(long, value_enum, default_value_t = ActuatorArg::Yield)]
+    #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
     pub actuator: ActuatorArg,
     /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
     #[arg(long, default_value_t = 128)]
