@@ -3,6 +3,7 @@
 
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_vmm::cli::main_with_args;
+use pvspin_vmm::config::PvMode;
 use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
@@ -400,4 +401,43 @@ fn telemetry_merges_kvm_stats_that_move() {
     assert!(halts >= 1, "halt_exits did not move");
     let prometheus = telemetry.to_prometheus();
     assert!(prometheus.contains("vcpu=\"1\""), "{prometheus}");
+}
+
+#[test]
+fn lock_workload_runs_in_guest_user_mode() {
+    if kvm_or_skip("lock_workload_runs_in_guest_user_mode").is_none() {
+        return;
+    }
+    for pv in [PvMode::Off, PvMode::KickYield] {
+        for lock in [LockKind::Ticket, LockKind::Queued] {
+            let config = RunConfig {
+                lock,
+                pv,
+                user_mode: true,
+                iterations: 200,
+                ..config(Workload::Lock, 4)
+            };
+            let report = run(&config).unwrap_or_else(|err| panic!("{lock:?} {pv:?}: {err}"));
+            assert_eq!(report.counter, 4 * config.iterations, "{lock:?} {pv:?}");
+            // The vCPUs that finished first parked in user mode; the VMM stopped them there.
+            let cpls: Vec<u8> = report
+                .per_vcpu
+                .iter()
+                .filter_map(|vcpu| vcpu.regs.map(|regs| regs.cpl))
+                .collect();
+            assert!(
+                !cpls.is_empty() && cpls.iter().all(|&cpl| cpl == 3),
+                "{cpls:?}"
+            );
+        }
+    }
+    let halting = RunConfig {
+        pv: PvMode::Kick,
+        user_mode: true,
+        ..config(Workload::Lock, 2)
+    };
+    assert!(matches!(
+        run(&halting),
+        Err(RunError::Config(ConfigError::UserModeCannotHalt))
+    ));
 }

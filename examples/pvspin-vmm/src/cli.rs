@@ -73,6 +73,15 @@ pub enum LockArg {
     Queued,
 }
 
+/// Guest privilege level of the lock workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CsModeArg {
+    /// CPL 0.
+    Kernel,
+    /// CPL 3.
+    User,
+}
+
 /// Paravirtual locks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PvArg {
@@ -168,6 +177,10 @@ pub struct VmArgs {
     /// Userspace kick path: spin this long on the latch before sleeping.
     #[arg(long, default_value_t = 0)]
     pub park_spin_us: u64,
+    /// Lock workload: where the critical sections run, guest kernel mode (CPL 0) or user
+    /// mode (CPL 3; waiters cannot halt there, so PV means notify-and-yield only).
+    #[arg(long, value_enum, default_value_t = CsModeArg::Kernel)]
+    pub cs_mode: CsModeArg,
     /// Lock acquisitions per vCPU.
     #[arg(long, default_value_t = 2000)]
     pub iterations: u64,
@@ -295,6 +308,7 @@ impl VmArgs {
             actuator: self.actuator.name(),
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
+            user_mode: self.cs_mode == CsModeArg::User,
         }
     }
 }

@@ -45,6 +45,8 @@ pub struct RunConfig {
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
     pub park_spin_us: u64,
+    /// Lock workload: run the critical sections (the whole lock loop) in guest user mode.
+    pub user_mode: bool,
 }
 
 /// Whether the guest's locks are paravirtual.
@@ -89,6 +91,7 @@ impl Default for RunConfig {
             actuator: pvspin::DEFAULT_ACTUATOR,
             halt_poll_ns: None,
             park_spin_us: 0,
+            user_mode: false,
         }
     }
 }
@@ -157,6 +160,9 @@ pub enum ConfigError {
     /// Ping-pong measures kicks, so it needs PV and a partner.
     #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
     PingPongNeedsPv,
+    /// User mode cannot halt.
+    #[error("--cs-mode user needs --workload lock and --pv off or kick+yield (a user-mode waiter cannot halt, so --pv kick has nothing to do)")]
+    UserModeCannotHalt,
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -226,6 +232,9 @@ impl RunConfig {
             && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
         {
             return Err(ConfigError::PingPongNeedsPv);
+        }
+        if self.user_mode && (self.workload != Workload::Lock || self.pv == PvMode::Kick) {
+            return Err(ConfigError::UserModeCannotHalt);
         }
         if self.hogs > MAX_HOGS {
             return Err(ConfigError::TooManyHogs {

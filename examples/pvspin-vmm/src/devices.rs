@@ -74,6 +74,8 @@ pub enum PioAction {
     Continue,
     /// The guest ended the run with this status.
     Exit(u32),
+    /// The vCPU has nothing more to do (and cannot `hlt`, in user mode): park it.
+    Park,
 }
 
 /// The port-I/O bus: the UART, the exit port, and counters for everything else.
@@ -107,6 +109,9 @@ impl IoBus {
                 }
             }
             return PioAction::Continue;
+        }
+        if port == pvspin_vmm_proto::PARK_PORT {
+            return PioAction::Park;
         }
         if port == EXIT_PORT {
             return match <[u8; 4]>::try_from(data) {

@@ -95,7 +95,9 @@ pub fn write_tables(memory: &GuestMemory) -> Result<(), MemoryError> {
     }
     let pdpt = PML4_ADDR + 0x1000;
     let directories = MAPPED_BYTES >> 30;
-    const PRESENT_WRITABLE: u64 = 0x3;
+    // User-accessible too: the lock workload can run in user mode (no SMEP/SMAP is enabled,
+    // so kernel mode is unaffected).
+    const PRESENT_WRITABLE: u64 = 0x7;
     const HUGE: u64 = 0x80;
     write(memory, "PML4", PML4_ADDR, pdpt | PRESENT_WRITABLE)?;
     for gib in 0..directories {
@@ -232,10 +234,10 @@ mod tests {
         let memory = create(16 << 20).unwrap();
         write_tables(&memory).unwrap();
         let pml4: u64 = memory.read_obj(GuestAddress(PML4_ADDR)).unwrap();
-        assert_eq!(pml4, (PML4_ADDR + 0x1000) | 3);
+        assert_eq!(pml4, (PML4_ADDR + 0x1000) | 7);
         let pd = PML4_ADDR + 0x2000;
         let second: u64 = memory.read_obj(GuestAddress(pd + 8)).unwrap();
-        assert_eq!(second, (2 << 20) | 0x83);
+        assert_eq!(second, (2 << 20) | 0x87);
         let gdt_code: u64 = memory.read_obj(GuestAddress(GDT_ADDR + 8)).unwrap();
         assert_eq!(gdt_code, GDT[1]);
     }

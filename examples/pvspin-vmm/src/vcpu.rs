@@ -258,6 +258,7 @@ fn handle_exit(shared: &VcpuShared, bus: &IoBus, exit: VcpuExit<'_>) -> Step {
             VcpuExit::IoOut(port, data) => match bus.write(port, data) {
                 PioAction::Continue => Step::Continue,
                 PioAction::Exit(status) => Step::End(VcpuEnd::GuestExit(status)),
+                PioAction::Park => Step::Halt,
             },
             VcpuExit::IoIn(port, data) => {
                 bus.read(port, data);

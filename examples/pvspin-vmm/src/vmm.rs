@@ -428,6 +428,8 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
                 PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
             },
             spin_threshold: config.spin_threshold,
+            user_mode: u32::from(config.user_mode),
+            reserved: 0,
             result: Default::default(),
         },
         config.vcpus,

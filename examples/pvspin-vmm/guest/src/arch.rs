@@ -42,11 +42,50 @@ pub fn rdtsc() -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-/// Halts forever with interrupts off: the vCPU has nothing more to do.
+/// The current privilege level (CS.RPL).
+pub fn cpl() -> u16 {
+    let cs: u16;
+    // SAFETY: reads the CS selector into a register.
+    unsafe { asm!("mov {0:x}, cs", out(reg) cs, options(nomem, nostack, preserves_flags)) };
+    cs & 3
+}
+
+/// Stops this vCPU for good: the vCPU has nothing more to do. In kernel mode `cli; hlt`; in
+/// user mode, where `hlt` is privileged, a write to the park port asks the VMM to park it.
 pub fn halt_forever() -> ! {
     loop {
-        // SAFETY: cli; hlt stops this vCPU until the VMM resumes it; no memory is touched.
-        unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+        if cpl() == 0 {
+            // SAFETY: CPL 0: cli; hlt stops this vCPU until the VMM resumes it.
+            unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+        } else {
+            outb(pvspin_vmm_proto::PARK_PORT, 0);
+            core::hint::spin_loop();
+        }
+    }
+}
+
+/// Drops to user mode (CPL 3, IOPL 3, interrupts still off) on the same stack, and returns
+/// there. The GDT's user code and data selectors are 0x23 and 0x1b; the page tables map
+/// everything user-accessible. There is no TSS or IDT: any exception in user mode is a triple
+/// fault.
+pub fn enter_user_mode() {
+    // SAFETY: builds an iretq frame to the label right after it, with the current stack
+    // pointer and flags (plus IOPL 3): execution continues in place, only the privilege
+    // changes. The selectors name user descriptors in the VMM's GDT.
+    unsafe {
+        asm!(
+            "mov {tmp}, rsp",
+            "push 0x1b",
+            "push {tmp}",
+            "pushfq",
+            "or qword ptr [rsp], 0x3000",
+            "push 0x23",
+            "lea {tmp}, [rip + 2f]",
+            "push {tmp}",
+            "iretq",
+            "2:",
+            tmp = out(reg) _,
+        );
     }
 }
 

@@ -72,6 +72,10 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                     halt_forever();
                 }
             }
+            if boot.user_mode != 0 {
+                pv::USER_MODE.store(true, Ordering::Relaxed);
+                arch::enter_user_mode();
+            }
             match (lock, boot.pv) {
                 (Some(LockKind::Ticket), PV_OFF) => {
                     lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
@@ -159,8 +163,10 @@ fn report_cpuid(boot: &BootParams, params: *mut BootParams) {
 
 /// Finds pvspin (with PV on) and applies the spin policy to the PV lock domain.
 fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
-    let halt = matches!(boot.pv, PV_KICK | PV_KICK_YIELD);
-    if halt {
+    let pv_on = matches!(boot.pv, PV_KICK | PV_KICK_YIELD);
+    // `hlt` is privileged: in user mode waiters spin (and notify, with kick+yield).
+    let halt = pv_on && boot.user_mode == 0;
+    if pv_on {
         match pv::discover() {
             Ok(info) if info.nr_vcpus >= boot.vcpus => {
                 if boot.pv == PV_KICK_YIELD {

@@ -1,18 +1,21 @@
 //! The guest side of pvspin's ABI: discovery through CPUID, the kick doorbell, and the PV lock
 //! domain all PV locks of this guest share.
 
-use core::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
 
 use pvspin_abi::cpuid::{find_base, CpuidRegs, PvspinInfo, FEATURE_KICK, INFO_LEAF_OFFSET};
 use pvspin_abi::doorbell::{lock_hash, spun_bucket, SpinNotify, KICK_OFFSET, SPIN_OFFSET};
 use pvspin_guest::x86::{HaltPvOps, PvPlatform};
 use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinWait};
-use pvspin_vmm_proto::{MAX_PV_VCPUS, VCPU_SLOT_INDEX_OFFSET};
+use pvspin_vmm_proto::{MAX_PV_VCPUS, STACKS_ADDR, STACK_SIZE, VCPU_SLOT_INDEX_OFFSET};
 
 use crate::arch::{cpuid, inl, outl, wrmsr};
 
 /// The doorbell's first port, learned at boot (0: pvspin not found).
 static DOORBELL: AtomicU16 = AtomicU16::new(0);
+
+/// Set once the lock workload runs in user mode (`BootParams::user_mode`).
+pub static USER_MODE: AtomicBool = AtomicBool::new(false);
 
 /// Per vCPU: the spin window the host published, read at boot and after each notification;
 /// `u32::MAX` (never notify) until [`enable_spin_notify`].
@@ -60,6 +63,14 @@ pub struct Platform;
 
 impl PvPlatform for Platform {
     fn cpu_id(&self) -> u32 {
+        if USER_MODE.load(Ordering::Relaxed) {
+            // In user mode GS may have been nulled by the privilege change; every vCPU runs
+            // on its own stack, which names it just as well.
+            let rsp: u64;
+            // SAFETY: reads the stack pointer.
+            unsafe { core::arch::asm!("mov {0}, rsp", out(reg) rsp, options(nomem, nostack, preserves_flags)) };
+            return (rsp.saturating_sub(STACKS_ADDR) / STACK_SIZE) as u32;
+        }
         let index: u32;
         // SAFETY: the VMM points each vCPU's GS base at its own progress slot, whose `index`
         // field holds the vCPU's index; a 4-byte load from there has no other effect.

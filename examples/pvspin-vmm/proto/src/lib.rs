@@ -57,6 +57,9 @@ pub const MAX_VCPUS: u32 = 255;
 pub const SERIAL_PORT: u16 = 0x3f8;
 /// I/O port the guest writes a 32-bit status to when the run is over.
 pub const EXIT_PORT: u16 = 0x501;
+/// I/O port a vCPU writes (any value) when it has nothing more to do but cannot `hlt`
+/// (in user mode): the VMM parks it until the run ends.
+pub const PARK_PORT: u16 = 0x502;
 
 /// Guest memory needed for `vcpus` vCPUs: everything up to the end of the last stack.
 pub const fn min_memory_bytes(vcpus: u32) -> u64 {
@@ -187,6 +190,11 @@ pub struct BootParams {
     pub pv: u32,
     /// PV locks: spins before a waiter halts.
     pub spin_threshold: u32,
+    /// Lock workload: 1 runs the lock loop, and everything after it, in guest user mode
+    /// (CPL 3, IOPL 3 so port I/O still works); 0 in kernel mode.
+    pub user_mode: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
     /// Results written by the guest.
     pub result: RunResult,
 }
@@ -259,7 +267,7 @@ const _: () = {
     assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
     assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
-    assert!(size_of::<BootParams>() == 80 + size_of::<RunResult>());
+    assert!(size_of::<BootParams>() == 88 + size_of::<RunResult>());
     assert!(size_of::<RunResult>() == 80 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
