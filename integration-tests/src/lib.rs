@@ -12,3 +12,43 @@ pub fn kvm_or_skip(test: &str) -> Option<kvm_ioctls::Kvm> {
         }
     }
 }
+
+/// A VM with guest memory at GPA 0, for tests that write guest code by hand. Guest memory is
+/// vm-memory's mmap, registered as slot 0; it outlives the VM (fields drop in order).
+#[derive(Debug)]
+pub struct TestVm {
+    /// The VM.
+    pub vm: kvm_ioctls::VmFd,
+    /// Its memory.
+    pub memory: vm_memory::GuestMemoryMmap<()>,
+}
+
+impl TestVm {
+    /// Creates a VM with `size` bytes of zeroed memory at GPA 0. Panics on failure: a fixture.
+    pub fn new(kvm: &kvm_ioctls::Kvm, size: usize) -> TestVm {
+        let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+        let memory =
+            vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), size)])
+                .expect("guest memory");
+        let host =
+            vm_memory::GuestMemoryBackend::get_host_address(&memory, vm_memory::GuestAddress(0))
+                .expect("host address of guest memory");
+        let region = kvm_bindings::kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: size as u64,
+            userspace_addr: host as u64,
+            flags: 0,
+        };
+        // SAFETY: the region is `memory`'s mapping of `size` bytes, which the returned struct
+        // keeps alive after the VM (field order drops `vm` first).
+        unsafe { vm.set_user_memory_region(region) }.expect("KVM_SET_USER_MEMORY_REGION");
+        TestVm { vm, memory }
+    }
+
+    /// Writes `bytes` at `gpa`. Panics outside guest memory.
+    pub fn write(&self, gpa: u64, bytes: &[u8]) {
+        vm_memory::Bytes::write_slice(&self.memory, bytes, vm_memory::GuestAddress(gpa))
+            .expect("write into guest memory");
+    }
+}

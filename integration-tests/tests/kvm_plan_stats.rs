@@ -3,9 +3,9 @@
 //! written into guest memory by hand. Every guest only executes instructions that exit (HLT
 //! without an in-kernel irqchip, OUT), and every run loop is bounded.
 
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use pvspin_integration_tests::kvm_or_skip;
+use pvspin_integration_tests::{kvm_or_skip, TestVm};
 use pvspin_kvm::plan::{
     apply_vcpu, apply_vm, kvm_leaf, ExitFlags, HostCaps, Placement, Plan, PlanError, PlanRequest,
     PvFeatures,
@@ -16,63 +16,15 @@ use pvspin_kvm::telemetry::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
 const MEM_SIZE: usize = 0x10000;
 const CODE_AT: u64 = 0x1000;
 
-/// Guest memory mapped anonymously; unmapped on drop (after the VM, by field order).
-struct Mem {
-    ptr: *mut u8,
-}
-
-impl Mem {
-    fn new() -> Mem {
-        // SAFETY: anonymous private mapping, no address hint; the result is checked.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                MEM_SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED, "mmap guest memory");
-        Mem { ptr: ptr.cast() }
-    }
-
-    fn write(&self, at: u64, bytes: &[u8]) {
-        let at = at as usize;
-        assert!(at + bytes.len() <= MEM_SIZE);
-        // SAFETY: `at` is inside the mapping (checked above).
-        let dst = unsafe { self.ptr.add(at) };
-        // SAFETY: `dst..dst + len` is inside the mapping (checked above), no guest runs now,
-        // and `bytes` cannot overlap an anonymous mapping we own.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
-    }
-}
-
-impl Drop for Mem {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from mmap with MEM_SIZE and is unmapped once.
-        unsafe { libc::munmap(self.ptr.cast(), MEM_SIZE) };
-    }
-}
-
 struct Guest {
     vcpu: VcpuFd,
-    vm: VmFd,
-    _mem: Mem,
+    test_vm: TestVm,
 }
 
-fn map_memory(vm: &VmFd, mem: &Mem) {
-    let region = kvm_userspace_memory_region {
-        slot: 0,
-        guest_phys_addr: 0,
-        memory_size: MEM_SIZE as u64,
-        userspace_addr: mem.ptr as u64,
-        flags: 0,
-    };
-    // SAFETY: the region is a live mapping of MEM_SIZE bytes that outlives the VM (Guest's
-    // field order drops the VM first).
-    unsafe { vm.set_user_memory_region(region) }.expect("set memory region");
+impl Guest {
+    fn vm(&self) -> &VmFd {
+        &self.test_vm.vm
+    }
 }
 
 /// Puts the vCPU in real mode at CODE_AT (CS base 0).
@@ -89,18 +41,12 @@ fn real_mode(vcpu: &VcpuFd) {
 
 /// A VM with one vCPU and memory; `before_vcpu` runs between VM and vCPU creation.
 fn guest_with(kvm: &Kvm, code: &[u8], before_vcpu: impl FnOnce(&VmFd)) -> Guest {
-    let vm = kvm.create_vm().expect("create VM");
-    let mem = Mem::new();
-    mem.write(CODE_AT, code);
-    map_memory(&vm, &mem);
-    before_vcpu(&vm);
-    let vcpu = vm.create_vcpu(0).expect("create vCPU");
+    let test_vm = TestVm::new(kvm, MEM_SIZE);
+    test_vm.write(CODE_AT, code);
+    before_vcpu(&test_vm.vm);
+    let vcpu = test_vm.vm.create_vcpu(0).expect("create vCPU");
     real_mode(&vcpu);
-    Guest {
-        vcpu,
-        vm,
-        _mem: mem,
-    }
+    Guest { vcpu, test_vm }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -206,13 +152,13 @@ fn every_refusal_on_the_real_host() {
         return;
     }
     let g = guest_with(&kvm, &[0xf4], |_| {});
-    let e = apply_vm(&dedicated, &g.vm, 1).unwrap_err();
+    let e = apply_vm(&dedicated, g.vm(), 1).unwrap_err();
     assert!(
         matches!(e, PlanError::ExitsAfterVcpus { vcpus_created: 1 }),
         "{e}"
     );
     // ... and KVM's own refusal when the VMM does not say so.
-    let e = apply_vm(&dedicated, &g.vm, 0).unwrap_err();
+    let e = apply_vm(&dedicated, g.vm(), 0).unwrap_err();
     assert!(matches!(e, PlanError::ExitsAfterVcpus { .. }), "{e}");
     assert!(e.to_string().contains("before any vCPU"), "{e}");
 }
@@ -316,7 +262,7 @@ fn stats_move_with_the_guest() {
     code.extend_from_slice(&[0xe6, 0x10, 0xf4]); // out 0x10, al; hlt
     let mut g = guest_with(&kvm, &code, |_| {});
 
-    let vm_stats = StatsFd::for_vm(&g.vm).expect("VM stats fd");
+    let vm_stats = StatsFd::for_vm(g.vm()).expect("VM stats fd");
     assert!(vm_stats.id().starts_with("kvm-"), "{}", vm_stats.id());
     assert!(!vm_stats.descriptors().is_empty());
     let vm_snap = vm_stats.read().expect("read VM stats");
@@ -412,7 +358,7 @@ fn in_kernel_halt_moves_halt_stats_and_histogram() {
 
     let done = AtomicBool::new(false);
     let exits = std::thread::scope(|s| {
-        let vm = &g.vm;
+        let vm = &g.test_vm.vm;
         let done = &done;
         s.spawn(move || {
             // Kick vCPU 0 (APIC ID 0) with REMRD every 20 ms, at most 5 s; past that the guest

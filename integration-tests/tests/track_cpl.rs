@@ -3,8 +3,9 @@
 //! The CPL pvspin-track reports at each exit comes from `kvm_run.s.regs.sregs` only; a
 //! `KVM_GET_SREGS` afterwards cross-checks it.
 
-use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
+use kvm_bindings::kvm_segment;
 use kvm_ioctls::VcpuExit;
+use pvspin_integration_tests::TestVm;
 use pvspin_track::{cpl, VcpuBoard};
 
 const MEM_SIZE: usize = 0x20_0000;
@@ -16,10 +17,6 @@ const CODE: usize = 0x1_0000;
 const KSTACK: u64 = 0x8000;
 const USTACK: u32 = 0x9000;
 const PORT: u16 = 0x3f8;
-
-fn put_u64(mem: &mut [u8], at: usize, v: u64) {
-    mem[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
 
 /// The guest program, assembled by hand.
 fn program() -> Vec<u8> {
@@ -65,43 +62,16 @@ fn seg(selector: u16, type_: u8, dpl: u8, l: u8, db: u8) -> kvm_segment {
 
 /// A VM with the program loaded and one vCPU at its first instruction, in long mode.
 struct Guest {
-    vm: Option<kvm_ioctls::VmFd>,
     vcpu: Option<kvm_ioctls::VcpuFd>,
-    host: *mut libc::c_void,
-}
-
-impl Drop for Guest {
-    fn drop(&mut self) {
-        self.vcpu.take();
-        self.vm.take();
-        // SAFETY: the mapping made in `guest`, no longer used by the (dropped) VM.
-        unsafe { libc::munmap(self.host, MEM_SIZE) };
-    }
+    _vm: TestVm,
 }
 
 fn guest(kvm: &kvm_ioctls::Kvm) -> Guest {
-    let vm = kvm.create_vm().unwrap();
-
-    // SAFETY: anonymous private mapping with no address hint; checked for failure below.
-    let host = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            MEM_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(host, libc::MAP_FAILED);
-    // SAFETY: the mapping is MEM_SIZE bytes, readable and writable, and lives until munmap
-    // at the end of this test; nothing else aliases it on the host side.
-    let mem = unsafe { std::slice::from_raw_parts_mut(host.cast::<u8>(), MEM_SIZE) };
-
+    let test_vm = TestVm::new(kvm, MEM_SIZE);
     // Identity map of the first 2 MiB, user-accessible (P | RW | US, PS on the PD entry).
-    put_u64(mem, PML4, 0x7 | PDPT as u64);
-    put_u64(mem, PDPT, 0x7 | PD as u64);
-    put_u64(mem, PD, 0x87);
+    test_vm.write(PML4 as u64, &(0x7 | PDPT as u64).to_le_bytes());
+    test_vm.write(PDPT as u64, &(0x7 | PD as u64).to_le_bytes());
+    test_vm.write(PD as u64, &0x87u64.to_le_bytes());
     // GDT: null, kernel code, kernel data, user data (DPL 3), user code (DPL 3, 64-bit).
     for (i, d) in [
         0,
@@ -113,21 +83,10 @@ fn guest(kvm: &kvm_ioctls::Kvm) -> Guest {
     .into_iter()
     .enumerate()
     {
-        put_u64(mem, GDT + 8 * i, d);
+        test_vm.write((GDT + 8 * i) as u64, &d.to_le_bytes());
     }
-    let code = program();
-    mem[CODE..CODE + code.len()].copy_from_slice(&code);
-
-    let region = kvm_userspace_memory_region {
-        slot: 0,
-        guest_phys_addr: 0,
-        memory_size: MEM_SIZE as u64,
-        userspace_addr: host as u64,
-        flags: 0,
-    };
-    // SAFETY: the region is backed by the mapping above, which outlives the VM (the VM and
-    // vCPU are dropped before munmap).
-    unsafe { vm.set_user_memory_region(region) }.unwrap();
+    test_vm.write(CODE as u64, &program());
+    let vm = &test_vm.vm;
 
     let vcpu = vm.create_vcpu(0).unwrap();
     let mut sregs = vcpu.get_sregs().unwrap();
@@ -147,9 +106,8 @@ fn guest(kvm: &kvm_ioctls::Kvm) -> Guest {
     regs.rflags = 2;
     vcpu.set_regs(&regs).unwrap();
     Guest {
-        vm: Some(vm),
         vcpu: Some(vcpu),
-        host,
+        _vm: test_vm,
     }
 }
 
