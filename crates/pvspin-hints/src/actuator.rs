@@ -1,16 +1,16 @@
 //! What "yield to vCPU X" means in userspace, where there is no `yield_to()`.
 //!
 //! * [`YieldOnly`]: the spinner's thread calls `sched_yield()`; X is not touched.
-//! * [`NiceBoost`]: X's thread gets a lower nice value (bounded, see [`BoostTracker`]), then
+//! * [`BoostActuator::nice`]: X's thread gets a lower nice value (bounded, see [`BoostTracker`]), then
 //!   the spinner yields.
-//! * [`FifoBoost`]: X's thread becomes `SCHED_FIFO` at priority 1 (bounded), then the
+//! * [`BoostActuator::fifo`]: X's thread becomes `SCHED_FIFO` at priority 1 (bounded), then the
 //!   spinner yields. Refused at construction when the process may not do it.
 //!
 //! [`by_name`] builds one from "yield", "nice" or "fifo", so an embedding VMM can compare them
 //! from a command line; [`by_name_or_fallback`] steps down fifo -> nice -> yield when a boost
 //! is not permitted instead of failing.
 //!
-//! The default ([`DEFAULT_ACTUATOR`]) is [`NiceBoost`], from the example VMM's guests
+//! The default ([`DEFAULT_ACTUATOR`]) is the nice boost, from the example VMM's guests
 //! (`docs/benchmarks.md` §3; lock workload, median guest time against `--pv kick`, 5
 //! interleaved runs per case): 4 vCPUs on 2 host CPUs, no hogs: yield -42%, nice -44%,
 //! fifo -7%; with 2 hogs: yield +9%, nice -44%, fifo -30%; 8 vCPUs: yield -14%, nice -23%,
@@ -39,7 +39,7 @@ pub const DEFAULT_ACTUATOR: &str = "nice";
 
 /// Default boost deadline: a few host time slices' worth of lock hold time.
 pub const DEFAULT_BOOST_DEADLINE: Duration = Duration::from_millis(2);
-/// Default nice value of a [`NiceBoost`].
+/// Default nice value of a nice boost ([`BoostActuator::nice`]).
 pub const DEFAULT_BOOST_NICE: i32 = -10;
 
 /// What one actuation did.
@@ -114,63 +114,42 @@ fn boost_then_yield(t: &BoostTracker, target: usize, tid: i32) -> YieldReport {
     }
 }
 
-/// A nice-level boost of the target, then a yield.
+/// A bounded boost of the target's thread (nice value or `SCHED_FIFO`, by its
+/// [`BoostTracker`]'s kind), then a yield: [`BoostActuator::nice`] and [`BoostActuator::fifo`].
 #[derive(Debug)]
-pub struct NiceBoost {
+pub struct BoostActuator {
     tracker: BoostTracker,
+    name: &'static str,
 }
 
-impl NiceBoost {
-    /// For `n` vCPUs; `nice` within -20..=19, `deadline` within 1 us..=100 ms.
-    pub fn new(n: usize, nice: i32, deadline: Duration) -> Result<NiceBoost, ActuatorError> {
-        Ok(NiceBoost {
+impl BoostActuator {
+    /// A nice-level boost: the target's thread gets nice value `nice` (-20..=19) for at most
+    /// `deadline` (1 us..=100 ms).
+    pub fn nice(n: usize, nice: i32, deadline: Duration) -> Result<Self, ActuatorError> {
+        Ok(Self {
             tracker: BoostTracker::new(n, BoostKind::Nice(nice), deadline)?,
+            name: "nice",
         })
     }
-    /// The tracker (statistics, `is_boosted`).
-    pub fn tracker(&self) -> &BoostTracker {
-        &self.tracker
-    }
-}
 
-impl Actuator for NiceBoost {
-    fn name(&self) -> &'static str {
-        "nice"
-    }
-    fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
-        boost_then_yield(&self.tracker, target, tid)
-    }
-    fn on_target_exit(&self, v: usize) {
-        self.tracker.restore(v);
-    }
-    fn restore_all(&self) {
-        self.tracker.restore_all();
-    }
-}
-
-/// A `SCHED_FIFO` boost of the target at the lowest real-time priority, then a yield.
-#[derive(Debug)]
-pub struct FifoBoost {
-    tracker: BoostTracker,
-}
-
-impl FifoBoost {
-    /// For `n` vCPUs, at `SCHED_FIFO` priority 1; refuses with `NotPermitted` when the process
-    /// may not use real-time scheduling.
-    pub fn new(n: usize, deadline: Duration) -> Result<FifoBoost, ActuatorError> {
-        Ok(FifoBoost {
+    /// A `SCHED_FIFO` boost at the lowest real-time priority (1) for at most `deadline`;
+    /// refuses with `NotPermitted` when the process may not use real-time scheduling.
+    pub fn fifo(n: usize, deadline: Duration) -> Result<Self, ActuatorError> {
+        Ok(Self {
             tracker: BoostTracker::new(n, BoostKind::Fifo(1), deadline)?,
+            name: "fifo",
         })
     }
+
     /// The tracker (statistics, `is_boosted`).
     pub fn tracker(&self) -> &BoostTracker {
         &self.tracker
     }
 }
 
-impl Actuator for FifoBoost {
+impl Actuator for BoostActuator {
     fn name(&self) -> &'static str {
-        "fifo"
+        self.name
     }
     fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
         boost_then_yield(&self.tracker, target, tid)
@@ -188,12 +167,12 @@ impl Actuator for FifoBoost {
 pub fn by_name(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
     match name {
         "yield" => Ok(Box::new(YieldOnly)),
-        "nice" => Ok(Box::new(NiceBoost::new(
+        "nice" => Ok(Box::new(BoostActuator::nice(
             n,
             DEFAULT_BOOST_NICE,
             DEFAULT_BOOST_DEADLINE,
         )?)),
-        "fifo" => Ok(Box::new(FifoBoost::new(n, DEFAULT_BOOST_DEADLINE)?)),
+        "fifo" => Ok(Box::new(BoostActuator::fifo(n, DEFAULT_BOOST_DEADLINE)?)),
         other => Err(ActuatorError::UnknownName(other.to_string())),
     }
 }

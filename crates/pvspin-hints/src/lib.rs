@@ -1,7 +1,7 @@
 //! pvspin vCPU scheduler hints: host-thread actuators.
 //!
 //! Userspace has no `yield_to()`. [`actuator`] gives a spinning vCPU's thread three ways to
-//! favour the vCPU it waits for ([`YieldOnly`], [`NiceBoost`], [`FifoBoost`], built by name
+//! favour the vCPU it waits for ([`YieldOnly`], [`BoostActuator`] with a nice or `SCHED_FIFO` boost, built by name
 //! with [`by_name`]); [`boost`] keeps every priority boost bounded by a deadline and restores
 //! it on the target's next exit or kick, on errors, at shutdown and on drop; [`sched`] wraps
 //! the Linux calls on thread ids.
@@ -22,8 +22,8 @@ pub mod boost;
 pub mod sched;
 
 pub use actuator::{
-    by_name, by_name_or_fallback, Actuator, ActuatorError, FifoBoost, NiceBoost, YieldOnly,
-    YieldReport, DEFAULT_ACTUATOR,
+    by_name, by_name_or_fallback, Actuator, ActuatorError, BoostActuator, YieldOnly, YieldReport,
+    DEFAULT_ACTUATOR,
 };
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
 
