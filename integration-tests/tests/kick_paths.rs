@@ -18,8 +18,10 @@ use std::time::{Duration, Instant};
 
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use pvspin_abi::doorbell::DEFAULT_PORT;
+use pvspin_integration_tests::{kvm_or_skip, TestVm};
 use pvspin_kick::{kvm::setup_in_kernel, KickConfig, KickDevice, ParkOutcome, Reject};
 use pvspin_kvm::irqchip;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 const MEM_SIZE: usize = 0x10000;
@@ -39,7 +41,7 @@ const PINGPONG: u64 = 0x3000;
 const PINGPONG_KICKER: u64 = PINGPONG;
 const PINGPONG_WAITER: u64 = PINGPONG + 0x36;
 
-/// `tests/guest/pingpong.S`, assembled (the file says how). Many rounds of: the waiter
+/// `integration-tests/tests/guest/pingpong.S`, assembled (the file says how). Many rounds of: the waiter
 /// publishes `ready`, halts (`cli; hlt`) and, once woken by the kick of its round, acks; the
 /// kicker waits for `ready`, writes `kicked`, rings the doorbell and waits for the ack. With
 /// order 1 the waiter halts only after the kick's `OUT` has completed (kick before halt).
@@ -98,75 +100,26 @@ fn guest_code(mem: &mut [u8]) {
 
 extern "C" fn on_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
-fn kvm_or_skip(name: &str) -> Option<Kvm> {
-    match Kvm::new() {
-        Ok(k) => Some(k),
-        Err(e) => {
-            eprintln!("SKIPPED {name}: /dev/kvm cannot be opened ({e})");
-            None
-        }
-    }
-}
-
 struct Guest {
     vm: VmFd,
     vcpus: Vec<VcpuFd>,
-    mem: Mem,
+    mem: GuestMemoryMmap<()>,
 }
 
-/// Anonymous guest memory, unmapped on drop (after the VM fd is gone).
-struct Mem {
-    ptr: *mut libc::c_void,
-}
-
-impl Mem {
-    fn read_u32(&self, gpa: usize) -> u32 {
-        assert!(gpa + 4 <= MEM_SIZE);
-        // SAFETY: `gpa + 4 <= MEM_SIZE`, so the offset stays inside the live mapping.
-        let p = unsafe { self.ptr.cast::<u8>().add(gpa) };
-        // SAFETY: in bounds (above) and readable; unaligned-safe read of guest-written memory.
-        unsafe { std::ptr::read_unaligned(p.cast::<u32>()) }
-    }
-}
-
-impl Drop for Mem {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from a successful mmap of MEM_SIZE bytes and is unmapped once.
-        unsafe { libc::munmap(self.ptr, MEM_SIZE) };
-    }
+/// A guest-written little-endian `u32` (0 if `gpa` is outside guest memory).
+fn read_u32(mem: &GuestMemoryMmap<()>, gpa: usize) -> u32 {
+    mem.read_obj(GuestAddress(gpa as u64)).unwrap_or(0)
 }
 
 fn make_guest(kvm: &Kvm, irqchip_on: bool, entries: [u64; 2], data: &[(usize, u32)]) -> Guest {
-    let vm = kvm.create_vm().expect("KVM_CREATE_VM");
-    // SAFETY: a fresh anonymous private mapping; the result is checked below.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            MEM_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(ptr, libc::MAP_FAILED, "mmap");
-    let mem = Mem { ptr };
-    // SAFETY: the mapping is MEM_SIZE bytes, readable and writable, and nothing else uses it
-    // before the guest runs.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), MEM_SIZE) };
-    guest_code(bytes);
+    let TestVm { vm, memory: mem } = TestVm::new(kvm, MEM_SIZE);
+    let mut bytes = vec![0u8; MEM_SIZE];
+    guest_code(&mut bytes);
     for (gpa, v) in data {
         bytes[*gpa..*gpa + 4].copy_from_slice(&v.to_le_bytes());
     }
-    let region = kvm_bindings::kvm_userspace_memory_region {
-        slot: 0,
-        guest_phys_addr: 0,
-        memory_size: MEM_SIZE as u64,
-        userspace_addr: ptr as u64,
-        flags: 0,
-    };
-    // SAFETY: the region is a valid mapping that outlives the VM (the Guest/Outcome field order drops the VM first).
-    unsafe { vm.set_user_memory_region(region) }.expect("KVM_SET_USER_MEMORY_REGION");
+    mem.write_slice(&bytes, GuestAddress(0))
+        .expect("guest code");
     if irqchip_on {
         irqchip::create_irqchip(&vm).expect("irqchip");
     }
@@ -311,7 +264,7 @@ struct Outcome {
     /// From the kicker thread's start to the waiter thread's end (or the watchdog's stop).
     elapsed: Duration,
     /// Dropped last: the VM (held by a signal-msi device) must go before its memory.
-    mem: Mem,
+    mem: GuestMemoryMmap<()>,
 }
 
 /// Runs one scenario: the waiter starts (and, for the simple guest, reports ready: 50 ms
@@ -534,7 +487,7 @@ fn check_pingpong(name: &str, path: Path, kick_before_halt: bool) {
         None,
         Duration::from_secs(30),
     );
-    let acked = o.mem.read_u32(ACK_GPA);
+    let acked = read_u32(&o.mem, ACK_GPA);
     assert_eq!(
         o.kicker,
         End::Kicked,
@@ -546,7 +499,7 @@ fn check_pingpong(name: &str, path: Path, kick_before_halt: bool) {
         "{path:?}: waiter (acked {acked} rounds)"
     );
     assert_eq!(acked, rounds);
-    let spurious = o.mem.read_u32(SPURIOUS_GPA);
+    let spurious = read_u32(&o.mem, SPURIOUS_GPA);
     let s = o.dev.stats();
     eprintln!(
         "{name}: {rounds} rounds in {:?} ({:.1} us per round), {spurious} spurious wakes, {s:?}",
