@@ -368,7 +368,7 @@ pub mod hint {
     //! belongs to). Host and guest then talk through it without exits.
     //!
     //! The first cache line (bytes 0..64) is written by the host only, the second (64..128) by
-    //! the guest only; the rest is reserved (the host never reads or writes it). Every field is
+    //! the guest only (except that the host takes [`LAST_WAIT_TSC`] by exchanging it for 0); the rest is reserved (the host never reads or writes it). Every field is
     //! little-endian, naturally aligned, and accessed with single loads and stores of its
     //! width (atomics), so no value is ever torn.
     //!
@@ -384,6 +384,7 @@ pub mod hint {
     //! | 68 | 4 | guest | [`SPIN_STATE`]: [`SPIN_IDLE`], [`SPIN_SPINNING`] or [`SPIN_WAITING`] |
     //! | 72 | 4 | guest | [`WAITING_FOR`]: the current wait as a [`crate::doorbell::SpinNotify`] value |
     //! | 80 | 8 | guest | [`SPIN_SINCE_TSC`]: guest TSC when the current spin began |
+    //! | 88 | 8 | guest | [`LAST_WAIT_TSC`]: how long this vCPU's last wait lasted (WAIT or `HLT` in `pv_wait`), in TSC cycles; the host reads it at this vCPU's exits to adapt [`WAIT_AFTER_TSC`] (a wait that never exits, an in-kernel `HLT`, is otherwise invisible to it) |
     //!
     //! **Ordering.** The host stores the budgets, then increments `HOST_SEQ` with release
     //! semantics; budgets are advice, so a guest may read them with relaxed loads at any time
@@ -423,6 +424,10 @@ pub mod hint {
     pub const WAITING_FOR: usize = 72;
     /// u64, guest: TSC when the current spin began.
     pub const SPIN_SINCE_TSC: usize = 80;
+    /// u64, guest: TSC cycles the last wait lasted; 0: none since the host took it. The one
+    /// guest field the host also writes: it takes the value with an atomic exchange for 0,
+    /// so each wait is counted once.
+    pub const LAST_WAIT_TSC: usize = 88;
 
     /// First byte of the guest-written line.
     pub const GUEST_LINE: usize = 64;
@@ -547,12 +552,7 @@ mod tests {
 
     #[test]
     fn doorbell_offsets_are_distinct_aligned_and_inside_the_range() {
-        let offs = [
-            KICK_OFFSET,
-            SPIN_OFFSET,
-            SHARED_PAGE_OFFSET,
-            WAIT_OFFSET,
-        ];
+        let offs = [KICK_OFFSET, SPIN_OFFSET, SHARED_PAGE_OFFSET, WAIT_OFFSET];
         for (i, a) in offs.iter().enumerate() {
             assert_eq!(usize::from(*a) % COMMAND_WIDTH, 0);
             assert!(usize::from(*a) + COMMAND_WIDTH <= usize::from(PORT_COUNT));
@@ -680,12 +680,17 @@ mod tests {
             (SPIN_STATE, 4, false),
             (WAITING_FOR, 4, false),
             (SPIN_SINCE_TSC, 8, false),
+            (LAST_WAIT_TSC, 8, false),
         ];
         let mut used = [false; DEFINED_END];
         for (offset, size, host) in fields {
             assert_eq!(offset % size, 0, "field at {offset} is not aligned");
             assert!(offset + size <= DEFINED_END);
-            assert_eq!(offset < GUEST_LINE, host, "field at {offset} is in the wrong line");
+            assert_eq!(
+                offset < GUEST_LINE,
+                host,
+                "field at {offset} is in the wrong line"
+            );
             for b in &mut used[offset..offset + size] {
                 assert!(!*b, "fields overlap at {offset}");
                 *b = true;
