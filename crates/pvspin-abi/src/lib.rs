@@ -380,6 +380,8 @@ pub mod hint {
     //! | 16 | 8 | host | [`WAIT_AFTER_TSC`]: TSC cycles a waiter spins before it waits (`HLT` or WAIT) |
     //! | 24 | 4 | host | [`HOST_SEQ`]: incremented after every host update of the fields above |
     //! | 28 | 4 | host | [`TSC_KHZ`]: the guest TSC frequency the host converts with (0: unknown) |
+    //! | 32 | 8 | host | [`WAIT_AFTER_MIN_TSC`]: floor of the wait budget |
+    //! | 40 | 8 | host | [`WAIT_AFTER_MAX_TSC`]: ceiling of the wait budget, also the wait length that decides ([`adapt_wait_after`]) |
     //! | 64 | 4 | guest | [`CS_DEPTH`]: spinlocks this vCPU holds now |
     //! | 68 | 4 | guest | [`SPIN_STATE`]: [`SPIN_IDLE`], [`SPIN_SPINNING`] or [`SPIN_WAITING`] |
     //! | 72 | 4 | guest | [`WAITING_FOR`]: the current wait as a [`crate::doorbell::SpinNotify`] value |
@@ -400,6 +402,10 @@ pub mod hint {
     //! notifications turned out (a wait that a kick ended soon after it began means spinning a
     //! little longer would have avoided the exit; a long wait means waiting earlier saves CPU),
     //! so on an idle host waiters rarely leave their spin and under overcommit they wait early.
+    //! The host sees the guest's wait reports only at the vCPU's exits; a guest whose waits
+    //! never exit (`HLT` with an in-kernel irqchip) may apply the same rule itself
+    //! ([`adapt_wait_after`] with the published floor and ceiling) between host updates, and
+    //! takes the host's value whenever `HOST_SEQ` changes.
 
     /// Value of [`LAYOUT`] for the layout of this module.
     pub const LAYOUT_VERSION: u32 = 1;
@@ -416,6 +422,10 @@ pub mod hint {
     pub const HOST_SEQ: usize = 24;
     /// u32, host: TSC frequency in kHz the host converts with (0: unknown).
     pub const TSC_KHZ: usize = 28;
+    /// u64, host: floor of the wait budget, TSC cycles.
+    pub const WAIT_AFTER_MIN_TSC: usize = 32;
+    /// u64, host: ceiling of the wait budget, TSC cycles.
+    pub const WAIT_AFTER_MAX_TSC: usize = 40;
     /// u32, guest: spinlocks held.
     pub const CS_DEPTH: usize = 64;
     /// u32, guest: spin state.
@@ -443,6 +453,26 @@ pub mod hint {
     pub const SPIN_SPINNING: u32 = 1;
     /// [`SPIN_STATE`]: waiting (halted or in WAIT) for a lock.
     pub const SPIN_WAITING: u32 = 2;
+
+    /// The wait-budget rule both sides apply (KVM's halt-polling rule): after a wait of
+    /// `waited` (TSC cycles), a budget `current` doubles if the ceiling `max` would have covered
+    /// the wait (the kick came soon: spinning is cheaper than the exit and the wake-up) and
+    /// halves otherwise (the waited-for vCPU was not running: waiting earlier saves CPU), then
+    /// is clamped to `min..=max`.
+    pub const fn adapt_wait_after(current: u64, waited: u64, min: u64, max: u64) -> u64 {
+        let next = if waited <= max {
+            current.saturating_mul(2)
+        } else {
+            current / 2
+        };
+        if next < min {
+            min
+        } else if next > max {
+            max
+        } else {
+            next
+        }
+    }
 
     /// Whether a SHARED_PAGE value names a usable page: any non-zero PFN; the host still
     /// checks that the page is guest RAM.
@@ -676,6 +706,8 @@ mod tests {
             (WAIT_AFTER_TSC, 8, true),
             (HOST_SEQ, 4, true),
             (TSC_KHZ, 4, true),
+            (WAIT_AFTER_MIN_TSC, 8, true),
+            (WAIT_AFTER_MAX_TSC, 8, true),
             (CS_DEPTH, 4, false),
             (SPIN_STATE, 4, false),
             (WAITING_FOR, 4, false),
@@ -698,6 +730,10 @@ mod tests {
         }
         assert!(DEFINED_END as u64 <= SHARED_PAGE_SIZE);
         assert!(!is_registration(0) && is_registration(1));
+        assert_eq!(adapt_wait_after(100, 50, 10, 1000), 200);
+        assert_eq!(adapt_wait_after(800, 1000, 10, 1000), 1000);
+        assert_eq!(adapt_wait_after(100, 5000, 10, 1000), 50);
+        assert_eq!(adapt_wait_after(15, 5000, 10, 1000), 10);
     }
 
     #[test]

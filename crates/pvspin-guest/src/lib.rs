@@ -155,7 +155,7 @@ pub mod x86;
 pub use mutex::{SpinMutex, SpinMutexGuard};
 pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
-    SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
+    SpinBudget, SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
 };
 pub use pv_queued::{McsNode, PvQueuedLock};
 pub use pv_ticket::PvTicketLock;

@@ -165,7 +165,7 @@ impl PvTicketLock {
                 return;
             }
             cpu.stats.halt();
-            pv.ops.wait(&slot.state, HALTED);
+            pv.ops.wait_for(&slot.state, HALTED, &wait(0));
             slot.state.store(RUNNING, Ordering::Relaxed);
             if self.owner.load(Ordering::Acquire) == ticket {
                 return;

@@ -77,6 +77,15 @@ impl HintPage {
         self.u32_at(hint::HOST_SEQ).fetch_add(1, Ordering::Release);
     }
 
+    /// Publishes the wait budget's floor and ceiling (TSC cycles), for guests that adapt
+    /// between host updates.
+    pub fn publish_wait_bounds(&self, min_tsc: u64, max_tsc: u64) {
+        self.u64_at(hint::WAIT_AFTER_MIN_TSC)
+            .store(min_tsc, Ordering::Relaxed);
+        self.u64_at(hint::WAIT_AFTER_MAX_TSC)
+            .store(max_tsc, Ordering::Relaxed);
+    }
+
     /// Sets or clears `NOT_RUNNING` (SeqCst: ordered against the guest's lock-word accesses
     /// and the host's own park).
     pub fn set_not_running(&self, not_running: bool) {
@@ -201,6 +210,25 @@ impl HintPages {
     }
 }
 
+// SAFETY: a page inside one region of mmap-backed guest memory is contiguous host memory that
+// stays mapped while any clone of the region lives, and the map holds its regions; regions
+// start page-aligned (mmap), so a page-aligned GPA maps to a page-aligned host address.
+unsafe impl<B: vm_memory::bitmap::Bitmap + Send + Sync + fmt::Debug> GuestPageMap
+    for vm_memory::GuestMemoryMmap<B>
+{
+    fn host_page(&self, gpa: u64) -> Option<NonNull<u8>> {
+        use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+        if gpa % SHARED_PAGE_SIZE != 0 {
+            return None;
+        }
+        let (region, offset) = self.to_region_addr(GuestAddress(gpa))?;
+        if offset.0.checked_add(SHARED_PAGE_SIZE)? > region.len() {
+            return None;
+        }
+        NonNull::new(region.get_host_address(offset).ok()?)
+    }
+}
+
 /// A [`GuestPageMap`] over one host buffer standing in for guest RAM at GPA 0 (tests, fuzzing,
 /// simulators).
 #[derive(Debug)]
@@ -291,5 +319,31 @@ mod tests {
         );
         assert_eq!(page.take_last_wait(), Some(5_000));
         assert_eq!(page.take_last_wait(), None);
+    }
+
+    #[test]
+    fn vm_memory_pages_must_lie_inside_one_region() {
+        use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+        let mem: GuestMemoryMmap<()> = GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 0x4000),
+            (GuestAddress(0x10000), 0x2000),
+        ])
+        .unwrap();
+        assert!(mem.host_page(0x3000).is_some());
+        assert!(mem.host_page(0x11000).is_some());
+        assert!(mem.host_page(0x4000).is_none(), "a hole");
+        assert!(mem.host_page(0x12000).is_none(), "past the end");
+        assert!(mem.host_page(0x1008).is_none(), "not page-aligned");
+        let pages = HintPages::new(Arc::new(mem.clone()), 1);
+        pages
+            .register(0, 0x11)
+            .unwrap()
+            .unwrap()
+            .publish_budgets(7, 8, 9);
+        assert_eq!(
+            mem.read_obj::<u64>(GuestAddress(0x11000 + SPIN_WINDOW_TSC as u64))
+                .unwrap(),
+            7
+        );
     }
 }

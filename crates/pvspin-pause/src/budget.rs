@@ -107,13 +107,14 @@ impl BudgetConfig {
 }
 
 /// The halt-polling rule for the wait budget: `current` after a wait of `waited_ns`.
+/// The ABI's rule (`pvspin_abi::hint::adapt_wait_after`, which guests may apply too), in ns.
 pub fn adapt_wait_after(current: u64, waited_ns: u64, cfg: &BudgetConfig) -> u64 {
-    let next = if waited_ns <= cfg.wait_after_max_ns {
-        current.saturating_mul(2)
-    } else {
-        current / 2
-    };
-    next.clamp(cfg.wait_after_min_ns, cfg.wait_after_max_ns)
+    pvspin_abi::hint::adapt_wait_after(
+        current,
+        waited_ns,
+        cfg.wait_after_min_ns,
+        cfg.wait_after_max_ns,
+    )
 }
 
 /// The PLE rule for the notification window: `current` after a notification that was

@@ -74,14 +74,18 @@
 
 mod counters;
 mod directed;
+mod hints;
 mod hooks;
 mod kick;
 mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
+pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use kick::KickOptions;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
+pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_pause::BudgetConfig;
 pub use pvspin_pause::{PolicyConfig, WindowConfig};
 pub use pvspin_track::GuestBytes;
 
@@ -147,6 +151,12 @@ pub enum ConfigError {
     /// The directed-yield policy or window configuration broke a rule.
     #[error("directed yield: {0}")]
     DirectedYield(String),
+    /// Hint pages or WAIT without the kick device.
+    #[error("{0} needs the kick device (PvSpinBuilder::kick): its commands ride the doorbell")]
+    NeedsKick(&'static str),
+    /// The hint-page budgets broke a rule.
+    #[error("hint pages: {0}")]
+    HintPages(String),
     /// The actuator could not be built (unknown name, or a boost the process may not apply,
     /// such as `fifo` without real-time privilege, with `fallback` off).
     #[error("directed yield actuator {name:?}: {reason}")]
@@ -182,6 +192,15 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
+    /// `KVM_GET_TSC_KHZ` failed (hint pages publish budgets in TSC cycles).
+    #[error("KVM_GET_TSC_KHZ on vCPU {index}: {source}")]
+    TscKhz {
+        /// The vCPU.
+        index: usize,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
     /// `configure_vcpu` before `configure_vm`.
     #[error("configure_vm must be called before configure_vcpu")]
     VmNotConfigured,
@@ -203,6 +222,8 @@ pub struct PvSpinBuilder {
     kick: Option<KickOptions>,
     directed_yield: Option<DirectedYieldOptions>,
     steal_time: Option<StealTimeMemory>,
+    hints: Option<HintOptions>,
+    wait: Option<WaitOptions>,
 }
 
 impl PvSpinBuilder {
@@ -264,6 +285,26 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md` §3.4): pvspin
+    /// publishes the vCPU's spin and wait budgets there in TSC cycles, adapts them from the
+    /// guest's wait reports (`options.budgets`), and reads the guest's spin state, all without
+    /// exits. `options.memory` maps guest pages (a `vm_memory::GuestMemoryMmap` does). Needs
+    /// [`kick`](Self::kick); the host then advertises `SHARED_PAGE`.
+    pub fn hint_pages(mut self, options: HintOptions) -> Self {
+        self.hints = Some(options);
+        self
+    }
+
+    /// Gives the guest the WAIT command (ABI 0.3): `pv_wait` without `HLT`, for guest code
+    /// that cannot halt (user mode) or prefers one exit that also carries its spin
+    /// notification. A kick that lands first is remembered (HLT's latch); the in-kernel path
+    /// wakes a waiting vCPU without an exit of the kicker. Needs [`kick`](Self::kick); the host
+    /// then advertises `WAIT`.
+    pub fn pv_wait(mut self, options: WaitOptions) -> Self {
+        self.wait = Some(options);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -283,7 +324,25 @@ impl PvSpinBuilder {
             }
             None => None,
         };
+        if self.kick.is_none() {
+            if self.hints.is_some() {
+                return Err(ConfigError::NeedsKick("hint pages"));
+            }
+            if self.wait.is_some() {
+                return Err(ConfigError::NeedsKick("WAIT"));
+            }
+        }
+        let hints = match &self.hints {
+            Some(options) => Some(Arc::new(hints::HintState::new(
+                options,
+                vcpus,
+                directed_yield.is_some(),
+            )?)),
+            None => None,
+        };
         Ok(PvSpin {
+            hints,
+            wait: self.wait,
             directed_yield,
             interrupter,
             keep_hypercall_quirk: self.keep_hypercall_quirk,
@@ -321,6 +380,10 @@ pub struct PvSpin {
     kick_options: Option<KickOptions>,
     /// Directed yield and spin windows, when enabled.
     directed_yield: Option<Arc<directed::YieldState>>,
+    /// Hint pages and budgets, when enabled.
+    hints: Option<Arc<hints::HintState>>,
+    /// WAIT, when enabled.
+    wait: Option<WaitOptions>,
     /// The kick device, made by `configure_vm`.
     kick: OnceLock<Arc<kick::KickState>>,
     /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
@@ -372,11 +435,16 @@ impl PvSpin {
             pvspin_track::cpl::check_sync_sregs(kvm)?;
         }
         if let Some(options) = self.kick_options {
-            let extra = if self.directed_yield.is_some() {
-                pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY
-            } else {
-                0
-            };
+            let mut extra = 0;
+            if self.directed_yield.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY;
+            }
+            if self.hints.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_SHARED_PAGE;
+            }
+            if self.wait.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_WAIT;
+            }
             let state = kick::KickState::configure_vm(options, extra, self.vcpus(), vm)?;
             let _ = self.kick.set(Arc::new(state));
         }
@@ -433,6 +501,22 @@ impl PvSpin {
         self.directed_yield.as_ref().map(|dy| dy.stats())
     }
 
+    /// Hint-page and WAIT counters, if hint pages are enabled.
+    pub fn hint_stats(&self) -> Option<HintStats> {
+        self.hints.as_ref().map(|h| h.stats())
+    }
+
+    /// vCPU `index`'s current budgets in nanoseconds: (spin before notifying, spin before
+    /// waiting), if hint pages are enabled.
+    pub fn budgets_ns(&self, index: usize) -> Option<(u64, u64)> {
+        self.hints.as_ref().map(|h| {
+            (
+                h.budgets.notify_after_ns(index),
+                h.budgets.wait_after_ns(index),
+            )
+        })
+    }
+
     /// The kick device's counters (kicks, rejected guest writes per reason), if it exists.
     pub fn kick_stats(&self) -> Option<KickStats> {
         self.kick.get().map(|kick| kick.device.stats())
@@ -470,6 +554,14 @@ impl PvSpin {
             }
         };
         self.stats.open_vcpu(index, vcpu);
+        if let Some(hints) = &self.hints {
+            // Budgets are published in guest TSC cycles; without the frequency they read 0
+            // (spin not at all), so a host that cannot tell it is refused here.
+            let khz = vcpu
+                .get_tsc_khz()
+                .map_err(|source| Error::TscKhz { index, source })?;
+            hints.set_tsc_khz(khz);
+        }
         if self.directed_yield.is_some() {
             pvspin_track::enable_sync_sregs(vcpu);
         }
@@ -479,7 +571,8 @@ impl PvSpin {
             self.cells.clone(),
             self.kick.get().cloned(),
             self.directed_yield.clone(),
-        );
+        )
+        .with_hints(self.hints.clone(), self.wait);
         Ok((hooks, applied))
     }
 
