@@ -82,6 +82,26 @@ pub enum CsModeArg {
     User,
 }
 
+/// How PV waiters wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WaitArg {
+    /// `hlt` in kernel mode, the doorbell's WAIT command in user mode.
+    Auto,
+    /// `hlt` (kernel mode only).
+    Hlt,
+    /// The doorbell's WAIT command (ABI 0.3), in either mode.
+    Doorbell,
+}
+
+/// Unit of the guest's spin budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BudgetArg {
+    /// Time, from the hint page, adapted by host and guest (ABI 0.3).
+    Time,
+    /// Spin counts: --spin-threshold and the SPIN register's window (ABI 0.2).
+    Spins,
+}
+
 /// Paravirtual locks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PvArg {
@@ -168,17 +188,30 @@ pub struct VmArgs {
     /// What directed yield does (with --pv kick+yield).
     #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
     pub actuator: ActuatorArg,
-    /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
+    /// PV locks with `--budgets spins`: spins before a waiter halts (about 0.5 us each on
+    /// emulating hosts); with time budgets only a cap.
     #[arg(long, default_value_t = 128)]
     pub spin_threshold: u32,
+    /// PV waiters: how they wait.
+    #[arg(long, value_enum, default_value_t = WaitArg::Auto)]
+    pub wait: WaitArg,
+    /// PV waiters: spin budgets in time (hint page, adaptive) or in spins.
+    #[arg(long, value_enum, default_value_t = BudgetArg::Time)]
+    pub budgets: BudgetArg,
+    /// Time budgets: how long a waiter spins before it waits, at start, in us.
+    #[arg(long)]
+    pub wait_after_us: Option<u64>,
+    /// Time budgets: the ceiling of that budget, in us.
+    #[arg(long)]
+    pub wait_after_max_us: Option<u64>,
     /// KVM's halt-polling limit for this VM in ns (0: no polling; default: the host's).
     #[arg(long)]
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
     #[arg(long, default_value_t = 0)]
     pub park_spin_us: u64,
-    /// Lock workload: where the critical sections run, guest kernel mode (CPL 0) or user
-    /// mode (CPL 3; waiters cannot halt there, so PV means notify-and-yield only).
+    /// Lock and ping-pong workloads: guest kernel mode (CPL 0) or user mode (CPL 3; PV
+    /// waiters wait with the doorbell's WAIT command there).
     #[arg(long, value_enum, default_value_t = CsModeArg::Kernel)]
     pub cs_mode: CsModeArg,
     /// Lock acquisitions per vCPU.
@@ -309,6 +342,17 @@ impl VmArgs {
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
             user_mode: self.cs_mode == CsModeArg::User,
+            wait: match self.wait {
+                WaitArg::Auto => crate::config::WaitMode::Auto,
+                WaitArg::Hlt => crate::config::WaitMode::Hlt,
+                WaitArg::Doorbell => crate::config::WaitMode::Doorbell,
+            },
+            budgets: match self.budgets {
+                BudgetArg::Time => crate::config::BudgetMode::Time,
+                BudgetArg::Spins => crate::config::BudgetMode::Spins,
+            },
+            wait_after_us: self.wait_after_us,
+            wait_after_max_us: self.wait_after_max_us,
         }
     }
 }

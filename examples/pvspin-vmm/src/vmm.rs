@@ -322,10 +322,16 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         builder = builder.paravirt(request);
     }
     if config.pv.kicks() {
-        builder = builder.kick(pvspin::KickOptions {
-            path: config.kick_path,
-            park_spin: Duration::from_micros(config.park_spin_us),
-        });
+        builder = builder
+            .kick(pvspin::KickOptions {
+                path: config.kick_path,
+                park_spin: Duration::from_micros(config.park_spin_us),
+            })
+            .hint_pages(pvspin::HintOptions {
+                memory: Arc::new(memory.clone()),
+                budgets: config.budget_config(),
+            })
+            .pv_wait(pvspin::WaitOptions::default());
     }
     if config.pv == PvMode::KickYield {
         builder = builder
@@ -429,7 +435,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             },
             spin_threshold: config.spin_threshold,
             user_mode: u32::from(config.user_mode),
-            reserved: 0,
+            pv_flags: config.pv_flags(),
             result: Default::default(),
         },
         config.vcpus,
