@@ -198,7 +198,9 @@ pub enum ConfigError {
     #[error("--cs-mode user needs --workload lock or pingpong, and not --wait hlt (hlt is privileged: user-mode waiters wait with the doorbell's WAIT)")]
     UserModeCannotHalt,
     /// Budget overrides that contradict each other.
-    #[error("--wait-after-us ({start}) must be at most --wait-after-max-us ({max}) and both at least 2")]
+    #[error(
+        "--wait-after-us ({start}) must be at most --wait-after-max-us ({max}) and both at least 2"
+    )]
     WaitBudget {
         /// Start.
         start: u64,
