@@ -237,6 +237,15 @@ pub struct BufferPageMap {
 }
 
 impl BufferPageMap {
+    /// The 8-byte word at `gpa` (rounded down to 8), as the guest would access it.
+    ///
+    /// # Panics
+    ///
+    /// If `gpa` is outside the buffer.
+    pub fn word(&self, gpa: usize) -> &AtomicU64 {
+        &self.buf[gpa / 8]
+    }
+
     /// `pages` pages of zeroed memory.
     pub fn new(pages: usize) -> Self {
         let words = pages * (SHARED_PAGE_SIZE as usize / 8);

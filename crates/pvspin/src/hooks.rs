@@ -753,3 +753,103 @@ mod directed_tests {
         assert!(!snap.is_halted() && !snap.has_pending_kick());
     }
 }
+
+#[cfg(test)]
+mod hint_tests {
+    use super::*;
+    use crate::hints::{HintOptions, HintState};
+    use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_WAIT};
+    use pvspin_abi::doorbell::{DEFAULT_PORT, SHARED_PAGE_OFFSET, WAIT_OFFSET};
+    use pvspin_abi::hint;
+    use pvspin_hints::BufferPageMap;
+    use std::time::Duration;
+
+    struct Vm {
+        hooks: Vec<VcpuHooks>,
+        hints: Arc<HintState>,
+        cells: Arc<[Arc<VcpuCounterCell>]>,
+        map: Arc<BufferPageMap>,
+    }
+
+    fn vm() -> Vm {
+        let map = Arc::new(BufferPageMap::new(8));
+        let options = HintOptions {
+            memory: map.clone(),
+            budgets: pvspin_pause::BudgetConfig::default(),
+        };
+        let hints = Arc::new(HintState::new(&options, 2, false).unwrap());
+        hints.set_tsc_khz(1_000_000); // 1 GHz: cycles == ns
+        let kick = Arc::new(KickState::userspace_for_tests(
+            2,
+            FEATURE_SHARED_PAGE | FEATURE_WAIT,
+        ));
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let wait = crate::WaitOptions {
+            timeout: Duration::from_millis(20),
+        };
+        let hooks = (0..2)
+            .map(|i| {
+                VcpuHooks::new(i, Arc::default(), cells.clone(), Some(kick.clone()), None)
+                    .with_hints(Some(hints.clone()), Some(wait))
+            })
+            .collect();
+        Vm {
+            hooks,
+            hints,
+            cells,
+            map,
+        }
+    }
+
+    fn out(vm: &mut Vm, v: usize, offset: u16, value: u32) {
+        let h = &mut vm.hooks[v];
+        h.before_run();
+        let bytes = value.to_le_bytes();
+        let mut exit = Ok(VcpuExit::IoOut(DEFAULT_PORT + offset, &bytes));
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        drop(exit);
+        h.after_run_with_cpl(Some(3));
+    }
+
+    #[test]
+    fn page_registration_budgets_and_wait_reports() {
+        let mut vm = vm();
+        out(&mut vm, 0, SHARED_PAGE_OFFSET, 2);
+        let page = vm.hints.pages.get(0).expect("registered");
+        assert_eq!(page.budgets(), (u64::MAX, 50_000), "no notifications: window never");
+        // The guest reports a 10 us wait: short, so the budget doubles at its next exit.
+        let map = vm.map.clone();
+        let word = map.word(0x2000 + hint::LAST_WAIT_TSC);
+        word.store(10_000, std::sync::atomic::Ordering::Relaxed);
+        out(&mut vm, 0, 0, 1); // any exit: a kick of vCPU 1
+        assert_eq!(page.budgets().1, 100_000);
+        assert_eq!(word.load(std::sync::atomic::Ordering::Relaxed), 0, "taken once");
+        // A frame that is not guest RAM: counted and ignored.
+        out(&mut vm, 1, SHARED_PAGE_OFFSET, 4096);
+        assert!(vm.hints.pages.get(1).is_none());
+        let s = vm.hints.stats();
+        assert_eq!((s.registrations, s.bad_registrations, s.wait_reports), (1, 1, 1));
+        assert_eq!(
+            vm.cells[1].snapshot().rejected_guest_inputs.get("bad_hint_page"),
+            Some(&1)
+        );
+    }
+
+    #[test]
+    fn wait_consumes_a_pending_kick_or_ends_by_its_bound() {
+        let mut vm = vm();
+        out(&mut vm, 1, SHARED_PAGE_OFFSET, 3);
+        // vCPU 0 kicks vCPU 1 first: vCPU 1's WAIT returns at once.
+        out(&mut vm, 0, 0, 1);
+        let start = std::time::Instant::now();
+        out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
+        assert!(start.elapsed() < Duration::from_millis(20));
+        // No kick now: the bounded park ends by its 20 ms timeout.
+        out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        let s = vm.hints.stats();
+        assert_eq!((s.waits, s.waits_kick_pending, s.waits_timed_out), (2, 1, 1));
+        assert!(!vm.hints.pages.get(1).unwrap().not_running(), "cleared on wake");
+    }
+}
