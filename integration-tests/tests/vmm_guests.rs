@@ -408,7 +408,7 @@ fn lock_workload_runs_in_guest_user_mode() {
     if kvm_or_skip("lock_workload_runs_in_guest_user_mode").is_none() {
         return;
     }
-    for pv in [PvMode::Off, PvMode::KickYield] {
+    for pv in [PvMode::Off, PvMode::Kick, PvMode::KickYield] {
         for lock in [LockKind::Ticket, LockKind::Queued] {
             let config = RunConfig {
                 lock,
@@ -431,13 +431,12 @@ fn lock_workload_runs_in_guest_user_mode() {
             );
         }
     }
-    let halting = RunConfig {
-        pv: PvMode::Kick,
+    // Only the lock and ping-pong workloads have a user-mode variant.
+    let hello = RunConfig {
         user_mode: true,
-        ..config(Workload::Lock, 2)
+        ..config(Workload::Hello, 2)
     };
     assert!(matches!(
-        run(&halting),
+        run(&hello),
         Err(RunError::Config(ConfigError::UserModeCannotHalt))
-    ));
-}
+    ));}
