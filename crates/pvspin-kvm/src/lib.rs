@@ -51,6 +51,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod guest;
 pub mod irqchip;
 pub mod plan;
 pub mod quirks;
