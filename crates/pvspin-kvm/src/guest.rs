@@ -75,7 +75,9 @@ impl std::str::FromStr for GuestKernel {
         GuestKernel::ALL
             .into_iter()
             .find(|g| g.name() == s)
-            .ok_or_else(|| format!("unknown guest kernel {s:?} (expected unknown, legacy or modern)"))
+            .ok_or_else(|| {
+                format!("unknown guest kernel {s:?} (expected unknown, legacy or modern)")
+            })
     }
 }
 
@@ -146,8 +148,7 @@ impl LinuxGuest {
 
     /// The [`GuestKernel`] family this kernel belongs to.
     pub fn family(self) -> GuestKernel {
-        if self.line == KernelLine::V4_19 || self.line == KernelLine::Current || self.realtime_fix
-        {
+        if self.line == KernelLine::V4_19 || self.line == KernelLine::Current || self.realtime_fix {
             GuestKernel::Modern
         } else {
             GuestKernel::Legacy
@@ -313,7 +314,10 @@ mod tests {
         )
     }
     fn dedicated_hlt_on() -> GuestCpuid {
-        view(dedicated_hlt_off().pv_features.union(PvFeatures::PV_UNHALT), true)
+        view(
+            dedicated_hlt_off().pv_features.union(PvFeatures::PV_UNHALT),
+            true,
+        )
     }
     fn shared() -> GuestCpuid {
         view(KVM_ALL.difference(PvFeatures::POLL_CONTROL), false)
@@ -345,19 +349,59 @@ mod tests {
     #[test]
     fn table_dedicated_hlt_exits_disabled() {
         // No PV_UNHALT: only kernels that honour REALTIME first get native qspinlock.
-        row(V4_19, dedicated_hlt_off(), Native, false, false, true, NotInKernel);
+        row(
+            V4_19,
+            dedicated_hlt_off(),
+            Native,
+            false,
+            false,
+            true,
+            NotInKernel,
+        );
         for line in [V5_10, V5_15, V6_1, V6_6, V6_12] {
-            row(line, dedicated_hlt_off(), Tas, false, false, true, LoadedPollControl);
+            row(
+                line,
+                dedicated_hlt_off(),
+                Tas,
+                false,
+                false,
+                true,
+                LoadedPollControl,
+            );
         }
-        row(Current, dedicated_hlt_off(), Native, false, false, true, LoadedPollControl);
+        row(
+            Current,
+            dedicated_hlt_off(),
+            Native,
+            false,
+            false,
+            true,
+            LoadedPollControl,
+        );
     }
 
     #[test]
     fn table_dedicated_hlt_exits_kept() {
         // PV_UNHALT next to REALTIME: native qspinlock on every line.
-        row(V4_19, dedicated_hlt_on(), Native, false, false, true, NotInKernel);
+        row(
+            V4_19,
+            dedicated_hlt_on(),
+            Native,
+            false,
+            false,
+            true,
+            NotInKernel,
+        );
         for line in [V5_10, V5_15, V6_1, V6_6, V6_12, Current] {
-            row(line, dedicated_hlt_on(), Native, false, false, true, LoadedPollControl);
+            row(
+                line,
+                dedicated_hlt_on(),
+                Native,
+                false,
+                false,
+                true,
+                LoadedPollControl,
+            );
         }
     }
 
@@ -405,8 +449,14 @@ mod tests {
             pv_features: one.pv_features.difference(PvFeatures::PV_UNHALT),
             ..one
         };
-        assert_eq!(guest_outcome(LinuxGuest::base(V6_1), &one_no_unhalt).lock, Tas);
-        assert_eq!(guest_outcome(LinuxGuest::base(Current), &one_no_unhalt).lock, Native);
+        assert_eq!(
+            guest_outcome(LinuxGuest::base(V6_1), &one_no_unhalt).lock,
+            Tas
+        );
+        assert_eq!(
+            guest_outcome(LinuxGuest::base(Current), &one_no_unhalt).lock,
+            Native
+        );
         // MWAIT in the guest's CPUID: 6.1 and later skip PV TLB flush and sched yield.
         let mwait = GuestCpuid {
             mwait: true,

@@ -629,7 +629,9 @@ pub enum PlanError {
     #[error("rule: host does not support KVM_CAP_ENFORCE_PV_FEATURE_CPUID")]
     EnforceUnsupported,
     /// A quirk (pvspin's or the VMM's) cannot be disabled.
-    #[error("rule: host cannot disable quirk(s) {quirks:#x} (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})")]
+    #[error(
+        "rule: host cannot disable quirk(s) {quirks:#x} (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})"
+    )]
     QuirkUnsupported {
         /// The quirks that cannot be disabled.
         quirks: u64,
@@ -1197,11 +1199,8 @@ pub fn apply_vm(plan: &Plan, vm: &VmFd, vcpus_created: u32) -> Result<AppliedVm,
         disabled_quirks: 0,
     };
     if plan.disable_fix_hypercall_quirk {
-        applied.disabled_quirks = quirks::disable_quirks(
-            vm,
-            plan.vmm_disabled_quirks,
-            quirks::FIX_HYPERCALL_INSN,
-        )?;
+        applied.disabled_quirks =
+            quirks::disable_quirks(vm, plan.vmm_disabled_quirks, quirks::FIX_HYPERCALL_INSN)?;
         applied.fix_hypercall_quirk_disabled = true;
     }
     if !plan.disable_exits.is_empty() {
@@ -1421,7 +1420,10 @@ mod tests {
         r.guest_kernel = GuestKernel::Modern;
         r.lapic_in_kernel = Some(false);
         assert!(Plan::new(&r, &HOST).is_ok());
-        assert_eq!("legacy".parse::<GuestKernel>().unwrap(), GuestKernel::Legacy);
+        assert_eq!(
+            "legacy".parse::<GuestKernel>().unwrap(),
+            GuestKernel::Legacy
+        );
     }
 
     #[test]
@@ -1434,12 +1436,17 @@ mod tests {
         r.pv_features = Some(PvFeatures::PV_UNHALT);
         let e = Plan::new(&r, &HOST).unwrap_err();
         assert!(matches!(e, PlanError::PvUnhaltNeedsInKernelLapic));
-        assert!(e.to_string().starts_with("rule: PV_UNHALT needs an in-kernel LAPIC"));
+        assert!(e
+            .to_string()
+            .starts_with("rule: PV_UNHALT needs an in-kernel LAPIC"));
 
         // Decided at the vCPU stage when the request does not say.
         let shared = plan(Placement::Shared);
         assert_eq!(shared.lapic_in_kernel, None);
-        assert_eq!(shared.for_lapic(true).unwrap().pv_features, shared.pv_features);
+        assert_eq!(
+            shared.for_lapic(true).unwrap().pv_features,
+            shared.pv_features
+        );
         let resolved = shared.for_lapic(false).unwrap();
         assert!(!resolved.pv_features.contains(PvFeatures::PV_UNHALT));
         assert_eq!(resolved.lapic_in_kernel, Some(false));

@@ -90,11 +90,10 @@ pub fn disable_quirks(vm: &VmFd, vmm_disabled: u64, ours: u64) -> Result<u64, Qu
         ..Default::default()
     };
     cap.args[0] = mask;
-    vm.enable_cap(&cap)
-        .map_err(|source| QuirkError::Enable {
-            quirk: mask,
-            source,
-        })?;
+    vm.enable_cap(&cap).map_err(|source| QuirkError::Enable {
+        quirk: mask,
+        source,
+    })?;
     Ok(mask)
 }
 
