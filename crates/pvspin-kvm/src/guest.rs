@@ -7,14 +7,15 @@
 //! (`haltpoll_want`) of the kernel lines listed in [`KernelLine`]; `docs/stock-guests.md` says
 //! which line was read from which tree and what is inferred rather than read.
 //!
-//! The one difference that matters for the plan ([`GuestKernel`]): from the `nopvspin` rework
-//! (v5.5 era) until upstream commit 960550503965 ("x86/kvm: Prefer native qspinlock for
-//! dedicated vCPUs irrespective of PV_UNHALT", 2025; queued for the 5.4 to 6.17 stable trees in
-//! November 2025), `kvm_spinlock_init` returns early when `KVM_FEATURE_PV_UNHALT` is absent,
-//! *before* it looks at `KVM_HINTS_REALTIME`, so `virt_spin_lock_key` stays on and the guest
-//! uses the unfair test-and-set lock even on dedicated vCPUs. Kernels before the rework (4.16
-//! to 5.4, e.g. 4.19) turned the key off for `REALTIME` in `kvm_smp_prepare_cpus` regardless of
-//! `PV_UNHALT`, and kernels with 960550503965 check `REALTIME` first.
+//! The one difference that matters for the plan ([`GuestKernel`]): from 2019 (the `REALTIME`
+//! check moved into `kvm_spinlock_init`, behind the `PV_UNHALT` check, somewhere between v4.19
+//! and v5.4-rc; the exact commit is not pinned here) until upstream commit 960550503965
+//! ("x86/kvm: Prefer native qspinlock for dedicated vCPUs irrespective of PV_UNHALT", 2025;
+//! queued for the 5.4 to 6.17 stable trees in November 2025), `kvm_spinlock_init` returns early
+//! when `KVM_FEATURE_PV_UNHALT` is absent, *before* it looks at `KVM_HINTS_REALTIME`, so
+//! `virt_spin_lock_key` stays on and the guest uses the unfair test-and-set lock even on
+//! dedicated vCPUs. 4.19 turned the key off for `REALTIME` in `kvm_smp_prepare_cpus` regardless
+//! of `PV_UNHALT`, and kernels with 960550503965 check `REALTIME` first.
 
 use serde::Serialize;
 use std::fmt;
@@ -29,12 +30,12 @@ pub enum GuestKernel {
     /// Any Linux kernel: the plan must be right for all of them (the default).
     #[default]
     Unknown,
-    /// Honours `REALTIME` only together with `PV_UNHALT`: Linux from the v5.5-era `nopvspin`
-    /// rework up to (not including) 960550503965, i.e. the 5.10, 5.15, 6.1, 6.6 and 6.12 base
-    /// releases and every stable release of them without the November 2025 backport.
+    /// Honours `REALTIME` only together with `PV_UNHALT`: Linux from the 2019 rework (between
+    /// v4.19 and v5.4) up to (not including) 960550503965, i.e. the 5.10, 5.15, 6.1, 6.6 and
+    /// 6.12 base releases and every stable release of them without the November 2025 backport.
     Legacy,
     /// Honours `REALTIME` irrespective of `PV_UNHALT`: kernels with 960550503965 (mainline
-    /// since the 6.18 merge window, and stable releases with the backport), and 4.16 to 5.4
+    /// since the 6.18 merge window, and stable releases with the backport), and 4.19
     /// (`kvm_smp_prepare_cpus` turns the test-and-set lock off for `REALTIME`).
     Modern,
 }
@@ -230,7 +231,7 @@ pub fn guest_outcome(kernel: LinuxGuest, cpuid: &GuestCpuid) -> GuestOutcome {
                 GuestLockChoice::PvQspinlock
             }
         }
-        // 5.5 until 960550503965: PV_UNHALT first (return, key on), then REALTIME and one CPU
+        // 2019 rework until 960550503965: PV_UNHALT first (return, key on), then REALTIME and one CPU
         // (goto out: key off).
         GuestKernel::Legacy | GuestKernel::Unknown => {
             if !has(PvFeatures::PV_UNHALT) {

@@ -19,7 +19,7 @@
 //! and without `KVM_HINTS_REALTIME` the guest keeps the unfair test-and-set `virt_spin_lock`;
 //! with `PV_UNHALT` and without `REALTIME` (and more than one CPU) it uses PV qspinlock (wait =
 //! HLT, kick = `KVM_HC_KICK_CPU`); with `REALTIME` it uses native qspinlock, **but** kernels
-//! from the v5.5-era `nopvspin` rework up to upstream 960550503965 (2025; "Prefer native
+//! from a 2019 rework (between v4.19 and v5.4) up to upstream 960550503965 (2025; "Prefer native
 //! qspinlock for dedicated vCPUs irrespective of PV_UNHALT", backported to the stable trees in
 //! November 2025) check `PV_UNHALT` first and keep test-and-set when it is absent, `REALTIME`
 //! or not ([`GuestKernel::Legacy`]). `PV_TLB_FLUSH` and `PV_SCHED_YIELD` are used only with
@@ -87,8 +87,8 @@
 //!   KVM `kvm_pv_kick_cpu_op` delivers to the in-kernel LAPIC only; Linux `kvm_wait` halts with
 //!   interrupts off).
 //! * `KVM_HINTS_REALTIME` without `PV_UNHALT` is refused unless the guest is declared
-//!   [`GuestKernel::Modern`] (guest-version rule: Linux `kvm_spinlock_init` from the v5.5-era
-//!   rework up to 960550503965).
+//!   [`GuestKernel::Modern`] (guest-version rule: Linux `kvm_spinlock_init` from a 2019 rework,
+//!   between v4.19 and v5.4, up to 960550503965).
 //! * `KVM_HINTS_REALTIME` without dedicated placement is refused (its meaning is "vCPUs are never
 //!   preempted for an unlimited time", `Documentation/virt/kvm/x86/cpuid.rst`).
 //! * Disabling HLT, PAUSE or CSTATE exits without dedicated placement is refused: a vCPU that
@@ -100,7 +100,8 @@
 //! * `dedicated` or `shared` placement with more vCPUs than host CPUs (when
 //!   [`PlanRequest::host_cpus`] is given) is refused: that is overcommitted.
 //! * Exit flags after vCPUs exist are refused (host-version rule: KVM refuses them once a vCPU
-//!   exists since v5.18-era; older hosts accepted them and applied them to later vCPUs only).
+//!   exists since "KVM: x86: only allow exits disable before vCPUs created", 2023, Cc: stable;
+//!   older hosts accepted them and applied them only to vCPUs created afterwards).
 //! * A CPUID that hides the hypervisor (CPUID.1:ECX\[31\] clear), or lacks the KVM leaves with
 //!   `add_kvm_leaves = Some(false)`, or has only foreign hypervisor leaves, is refused.
 //! * The quirk mask pvspin writes includes [`PlanRequest::vmm_disabled_quirks`] (host-version
@@ -577,7 +578,7 @@ pub enum PlanError {
     #[error("rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)")]
     PvUnhaltNeedsInKernelLapic,
     /// `REALTIME` without `PV_UNHALT` for guests that may be legacy.
-    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the v5.5-era nopvspin rework up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (needs HLT exits enabled and an in-kernel LAPIC){why} or declare GuestKernel::Modern")]
+    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the 2019 kvm_spinlock_init rework (after v4.19) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (needs HLT exits enabled and an in-kernel LAPIC){why} or declare GuestKernel::Modern")]
     RealtimeWithoutPvUnhalt {
         /// The declared guest family.
         guest_kernel: GuestKernel,
