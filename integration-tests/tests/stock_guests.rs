@@ -7,7 +7,7 @@
 //!
 //! These tests fail, not skip, without /dev/kvm. Every guest run is bounded: CPUID guests only
 //! execute CPUID and OUT (at most a few exits), the hypercall probe is interrupted with a signal
-//! after 300 ms, and a watchdog aborts the test process if a run still hangs.
+//! after 1 s, and a watchdog aborts the test process if a run still hangs.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -423,7 +423,7 @@ extern "C" fn on_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c
 /// #UD handler (IVT vector 6) executes the wrong vendor's hypercall instruction (VMCALL on AMD,
 /// VMMCALL on Intel). #UD means the quirk is off. With it on, KVM rewrites the instruction and
 /// the guest continues (hardware virtualization) or loops on it (emulating hosts; interrupted
-/// after 300 ms).
+/// after 1 s).
 fn hypercall_faults(kvm: &Kvm, t: &TestVm) -> bool {
     let amd = supported(kvm)
         .as_slice()
@@ -464,7 +464,7 @@ fn hypercall_faults(kvm: &Kvm, t: &TestVm) -> bool {
             }
         });
         let start = Instant::now();
-        while !runner.is_finished() && start.elapsed() < Duration::from_millis(300) {
+        while !runner.is_finished() && start.elapsed() < Duration::from_millis(1000) {
             std::thread::sleep(Duration::from_millis(5));
         }
         stop.store(true, Ordering::SeqCst);
@@ -609,11 +609,13 @@ fn quirk_masks_set_by_the_vmm_are_kept() {
     );
 }
 
-/// Refusals that need the builder: the plan's vCPU count must be the VM's, and
-/// keep_hypercall_quirk(true) must not contradict the request.
+/// The remaining refusals against the real host's capabilities: the builder's (the plan's
+/// vCPU count must be the VM's; keep_hypercall_quirk(true) must not contradict the request),
+/// STEAL_TIME dependants, the placement fit, and KVM leaves next to a foreign hypervisor's.
 #[test]
-fn builder_refusals_name_the_rule() {
-    let _kvm = kvm_required("builder_refusals_name_the_rule");
+fn remaining_refusals_name_the_rule() {
+    let kvm = kvm_required("remaining_refusals_name_the_rule");
+    let caps = host(&kvm);
     let e = pvspin::PvSpin::builder()
         .vcpus(2)
         .interrupter(Arc::new(NoInterrupter))
@@ -625,4 +627,49 @@ fn builder_refusals_name_the_rule() {
             .starts_with("rule: the paravirt plan's vCPU count"),
         "{e}"
     );
+    let mut request = PlanRequest::new(Placement::Shared, 2);
+    request.disable_fix_hypercall_quirk = Some(true);
+    let e = pvspin::PvSpin::builder()
+        .vcpus(2)
+        .interrupter(Arc::new(NoInterrupter))
+        .keep_hypercall_quirk(true)
+        .paravirt(request)
+        .build()
+        .unwrap_err();
+    assert!(
+        e.to_string().starts_with("rule: keep_hypercall_quirk"),
+        "{e}"
+    );
+
+    let mut request = PlanRequest::new(Placement::Overcommitted, 2);
+    request.pv_features = Some(PvFeatures::PV_TLB_FLUSH.union(PvFeatures::PV_UNHALT));
+    let e = Plan::new(&request, &caps).unwrap_err();
+    assert!(matches!(e, PlanError::NeedsStealTime { .. }), "{e}");
+
+    let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let mut request = PlanRequest::new(Placement::Dedicated, host_cpus + 1);
+    request.host_cpus = Some(host_cpus);
+    let e = Plan::new(&request, &caps).unwrap_err();
+    assert!(matches!(e, PlanError::PlacementDoesNotFit { .. }), "{e}");
+
+    // Hyper-V's signature at 0x40000000 and no KVM signature anywhere.
+    let plan = Plan::new(&PlanRequest::new(Placement::Shared, 1), &caps).unwrap();
+    let mut entries: Vec<kvm_cpuid_entry2> = supported(&kvm)
+        .as_slice()
+        .iter()
+        .filter(|e| !(0x4000_0000..0x4001_0000).contains(&e.function))
+        .copied()
+        .collect();
+    entries.push(kvm_cpuid_entry2 {
+        function: 0x4000_0000,
+        eax: 0x4000_0005,
+        ebx: u32::from_le_bytes(*b"Micr"),
+        ecx: u32::from_le_bytes(*b"osof"),
+        edx: u32::from_le_bytes(*b"t Hv"),
+        ..Default::default()
+    });
+    let (_t, vcpu) = cpuid_vm(&kvm, true, |_| {});
+    let e = apply_vcpu(&plan, &vcpu, &mut CpuId::from_entries(&entries).unwrap()).unwrap_err();
+    assert!(matches!(e, PlanError::NoKvmLeaf), "{e}");
+    assert!(e.to_string().starts_with("rule:"));
 }
