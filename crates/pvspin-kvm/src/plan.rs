@@ -578,7 +578,7 @@ pub enum PlanError {
     #[error("rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)")]
     PvUnhaltNeedsInKernelLapic,
     /// `REALTIME` without `PV_UNHALT` for guests that may be legacy.
-    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the 2019 kvm_spinlock_init rework (after v4.19) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (needs HLT exits enabled and an in-kernel LAPIC){why} or declare GuestKernel::Modern")]
+    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the 2019 kvm_spinlock_init rework (after v4.19) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel LAPIC{why}) or declare GuestKernel::Modern")]
     RealtimeWithoutPvUnhalt {
         /// The declared guest family.
         guest_kernel: GuestKernel,
