@@ -355,7 +355,8 @@ impl PvSpinBuilder {
 /// What [`PvSpin::configure_vm`] did.
 #[derive(Clone, Debug)]
 pub struct VmSetup {
-    /// Whether KVM's FIX_HYPERCALL_INSN quirk is now off.
+    /// Whether KVM's FIX_HYPERCALL_INSN quirk is now off (by pvspin, or by the VMM as it said
+    /// with [`PvSpinBuilder::vmm_disabled_quirks`]).
     pub hypercall_quirk_disabled: bool,
     /// The quirk mask pvspin wrote with `KVM_CAP_DISABLE_QUIRKS2` (the VMM's quirks and
     /// pvspin's; 0: no call). A VMM that disables quirks later must include it: hosts before
@@ -406,7 +407,8 @@ impl PvSpin {
                 let plan = Plan::new(request, &host)?;
                 let applied = pvspin_kvm::plan::apply_vm(&plan, vm, 0)?;
                 VmSetup {
-                    hypercall_quirk_disabled: plan.disable_fix_hypercall_quirk,
+                    hypercall_quirk_disabled: plan.disable_fix_hypercall_quirk
+                        || plan.vmm_disabled_quirks & quirks::FIX_HYPERCALL_INSN != 0,
                     disabled_quirks: applied.disabled_quirks,
                     plan: Some((plan, applied)),
                 }
@@ -435,7 +437,8 @@ impl PvSpin {
                     0
                 };
                 VmSetup {
-                    hypercall_quirk_disabled: disable,
+                    hypercall_quirk_disabled: disable
+                        || self.vmm_disabled_quirks & quirks::FIX_HYPERCALL_INSN != 0,
                     disabled_quirks,
                     plan: None,
                 }
