@@ -573,6 +573,7 @@ fn quirk_masks_set_by_the_vmm_are_kept() {
             disable_quirks2(&t.vm, FIX_HYPERCALL_INSN);
             let setup = pvspin.configure_vm(&kvm, &t.vm).unwrap();
             assert_eq!(setup.disabled_quirks, 0);
+            assert!(setup.hypercall_quirk_disabled, "by the VMM");
             assert!(hypercall_faults(&kvm, &t));
 
             // keep_hypercall_quirk(true) is honoured with a plan too (it used to be ignored).
