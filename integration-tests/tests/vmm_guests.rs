@@ -325,9 +325,12 @@ fn placement_plan_reaches_the_guest_cpuid() {
         return;
     }
     const PV_UNHALT: u32 = 1 << 7;
+    const POLL_CONTROL: u32 = 1 << 12;
     const HINTS_REALTIME: u32 = 1;
+    // Modern guests (960550503965): REALTIME alone, HLT exits off, no PV_UNHALT.
     let dedicated = RunConfig {
         placement: Some(pvspin::Placement::Dedicated),
+        guest_kernel: pvspin::GuestKernel::Modern,
         ..config(Workload::Cpuid, 1)
     };
     let report = run(&dedicated).expect("dedicated plan applies");
@@ -339,23 +342,76 @@ fn placement_plan_reaches_the_guest_cpuid() {
         "REALTIME hint on dedicated vCPUs"
     );
     assert_eq!(eax & PV_UNHALT, 0, "no PV_UNHALT with HLT exits disabled");
+    assert_eq!(
+        eax & POLL_CONTROL,
+        POLL_CONTROL,
+        "haltpoll loads under REALTIME"
+    );
     assert!(report.plan.iter().any(|line| line.contains("dedicated")));
+
+    // Any guest kernel, with the in-kernel irqchip of the in-kernel kick path: PV_UNHALT next
+    // to REALTIME, HLT exits kept.
+    let any = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        pv: PvMode::Kick,
+        kick_path: pvspin::KickPath::InKernel,
+        ..config(Workload::Cpuid, 1)
+    };
+    let report = run(&any).expect("dedicated plan for any guest applies");
+    let (_, [eax, _, _, edx]) = report.cpuid[1];
+    assert_eq!(edx & HINTS_REALTIME, HINTS_REALTIME);
+    assert_eq!(eax & PV_UNHALT, PV_UNHALT, "legacy guests need PV_UNHALT");
+    assert!(
+        report
+            .plan
+            .iter()
+            .any(|line| line.contains("disable exits: PAUSE")),
+        "{:?}",
+        report.plan
+    );
 
     let overcommitted = RunConfig {
         placement: Some(pvspin::Placement::Overcommitted),
         ..config(Workload::Cpuid, 2)
     };
     let report = run(&overcommitted).expect("overcommitted plan applies");
-    let (_, [_, _, _, edx]) = report.cpuid[1];
+    let (_, [eax, _, _, edx]) = report.cpuid[1];
     assert_eq!(
         edx & HINTS_REALTIME,
         0,
         "no REALTIME hint when overcommitted"
     );
+    assert_eq!(
+        eax & POLL_CONTROL,
+        0,
+        "no guest uses POLL_CONTROL without REALTIME"
+    );
+    assert_eq!(eax & PV_UNHALT, 0, "no in-kernel LAPIC without a kick path");
     assert!(report
         .plan
         .iter()
         .any(|line| line.contains("halt poll: max 0 ns")));
+}
+
+/// Dedicated placement for any guest kernel without an in-kernel LAPIC cannot be right for
+/// legacy guests (REALTIME without PV_UNHALT gives them test-and-set): refused, exit code 2.
+#[test]
+fn dedicated_without_irqchip_for_unknown_guests_is_refused() {
+    if kvm_or_skip("dedicated_without_irqchip_for_unknown_guests_is_refused").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        ..config(Workload::Cpuid, 1)
+    };
+    let err = run(&config).expect_err("legacy guests would get test-and-set");
+    assert_eq!(err.exit_code(), 2, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("rule: KVM_HINTS_REALTIME without PV_UNHALT"),
+        "{text}"
+    );
+    assert!(text.contains("no in-kernel LAPIC"), "{text}");
 }
 
 #[test]

@@ -239,6 +239,10 @@ pub struct VmArgs {
     /// (CPUID 0x40000001, exit disabling, halt polling) and prints it, or refuses.
     #[arg(long, value_parser = parse_placement)]
     pub placement: Option<pvspin::Placement>,
+    /// With --placement: which Linux guest kernels the plan must be right for (`unknown`: all;
+    /// `legacy`: before upstream 960550503965; `modern`: with it). See docs/stock-guests.md.
+    #[arg(long, value_parser = parse_guest_kernel, default_value = "unknown")]
+    pub guest_kernel: pvspin::GuestKernel,
     /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
     #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
     pub cpuid_leaves: Vec<u32>,
@@ -247,6 +251,10 @@ pub struct VmArgs {
 fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
     text.parse()
         .map_err(|err: pvspin::PlanError| err.to_string())
+}
+
+fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, String> {
+    text.parse()
 }
 
 fn parse_u32(text: &str) -> Result<u32, String> {
@@ -331,6 +339,7 @@ impl VmArgs {
             echo_console: !self.quiet,
             cpuid_leaves: std::array::from_fn(|i| self.cpuid_leaves.get(i).copied().unwrap_or(0)),
             placement: self.placement,
+            guest_kernel: self.guest_kernel,
             pv: match self.pv {
                 PvArg::Off => crate::config::PvMode::Off,
                 PvArg::Kick => crate::config::PvMode::Kick,

@@ -33,6 +33,8 @@ pub struct RunConfig {
     pub cpuid_leaves: [u32; CPUID_QUERIES],
     /// Where the vCPUs run, for KVM's paravirt plan (`None`: no plan, CPUID passed through).
     pub placement: Option<pvspin::Placement>,
+    /// Which Linux guest kernels the paravirt plan must be right for (with `placement`).
+    pub guest_kernel: pvspin::GuestKernel,
     /// Paravirtual locks in the guest.
     pub pv: PvMode,
     /// How kicks wake halted vCPUs (with `pv: Kick`).
@@ -115,6 +117,7 @@ impl Default for RunConfig {
             echo_console: true,
             cpuid_leaves: [0x4000_0000, 0x4000_0001, 0, 0],
             placement: None,
+            guest_kernel: pvspin::GuestKernel::Unknown,
             pv: PvMode::Off,
             kick_path: pvspin::KickPath::InKernel,
             spin_threshold: 128,

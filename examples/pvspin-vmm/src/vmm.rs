@@ -316,6 +316,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
     if let Some(placement) = config.placement {
         let mut request = pvspin::PlanRequest::new(placement, config.vcpus);
+        request.guest_kernel = config.guest_kernel;
         request.host_cpus = std::thread::available_parallelism()
             .ok()
             .and_then(|n| u32::try_from(n.get()).ok());
