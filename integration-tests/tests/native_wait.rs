@@ -91,8 +91,8 @@ fn user_mode_wait_kick_pairs_lose_no_wakeup() {
         (KickPath::SignalMsi, 20_000),
         (KickPath::Userspace, 20_000),
     ] {
-        let report = run(&user_pingpong(path, handoffs))
-            .unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        let report =
+            run(&user_pingpong(path, handoffs)).unwrap_or_else(|e| panic!("{path:?}: {e}"));
         assert_eq!(report.counter, handoffs, "{path:?}");
         assert!(report.pv_halts > 0, "{path:?}: nobody waited");
         assert!(report.pv_kicks >= handoffs - 1, "{path:?}");

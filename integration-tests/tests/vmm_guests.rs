@@ -495,4 +495,5 @@ fn lock_workload_runs_in_guest_user_mode() {
     assert!(matches!(
         run(&hello),
         Err(RunError::Config(ConfigError::UserModeCannotHalt))
-    ));}
+    ));
+}

@@ -244,7 +244,7 @@ impl VcpuHooks {
             if let Some(cell) = self.cells.get(self.index) {
                 cell.record_spin_notification();
             }
-            let handled = dy.on_notification(self.index, n);
+            let handled = dy.on_wait_notification(self.index, n);
             if let (Some(cell), Some(successful)) = (self.cells.get(self.index), handled.yielded) {
                 cell.record_yield(successful);
             }
@@ -817,21 +817,35 @@ mod hint_tests {
         let mut vm = vm();
         out(&mut vm, 0, SHARED_PAGE_OFFSET, 2);
         let page = vm.hints.pages.get(0).expect("registered");
-        assert_eq!(page.budgets(), (u64::MAX, 50_000), "no notifications: window never");
+        assert_eq!(
+            page.budgets(),
+            (u64::MAX, 50_000),
+            "no notifications: window never"
+        );
         // The guest reports a 10 us wait: short, so the budget doubles at its next exit.
         let map = vm.map.clone();
         let word = map.word(0x2000 + hint::LAST_WAIT_TSC);
         word.store(10_000, std::sync::atomic::Ordering::Relaxed);
         out(&mut vm, 0, 0, 1); // any exit: a kick of vCPU 1
         assert_eq!(page.budgets().1, 100_000);
-        assert_eq!(word.load(std::sync::atomic::Ordering::Relaxed), 0, "taken once");
+        assert_eq!(
+            word.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "taken once"
+        );
         // A frame that is not guest RAM: counted and ignored.
         out(&mut vm, 1, SHARED_PAGE_OFFSET, 4096);
         assert!(vm.hints.pages.get(1).is_none());
         let s = vm.hints.stats();
-        assert_eq!((s.registrations, s.bad_registrations, s.wait_reports), (1, 1, 1));
         assert_eq!(
-            vm.cells[1].snapshot().rejected_guest_inputs.get("bad_hint_page"),
+            (s.registrations, s.bad_registrations, s.wait_reports),
+            (1, 1, 1)
+        );
+        assert_eq!(
+            vm.cells[1]
+                .snapshot()
+                .rejected_guest_inputs
+                .get("bad_hint_page"),
             Some(&1)
         );
     }
@@ -849,7 +863,13 @@ mod hint_tests {
         out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
         assert!(start.elapsed() >= Duration::from_millis(20));
         let s = vm.hints.stats();
-        assert_eq!((s.waits, s.waits_kick_pending, s.waits_timed_out), (2, 1, 1));
-        assert!(!vm.hints.pages.get(1).unwrap().not_running(), "cleared on wake");
+        assert_eq!(
+            (s.waits, s.waits_kick_pending, s.waits_timed_out),
+            (2, 1, 1)
+        );
+        assert!(
+            !vm.hints.pages.get(1).unwrap().not_running(),
+            "cleared on wake"
+        );
     }
 }
