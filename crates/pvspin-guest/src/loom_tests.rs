@@ -8,9 +8,9 @@
 //!     cargo test -p pvspin-guest --release loom
 //! ```
 //!
-//! The preemption bound defaults to 3 here; set `LOOM_MAX_PREEMPTIONS` to change it. All
-//! fifteen models take about 25 s on the development machine (70 s with the backoff models on a busy one) (after a first build of loom, about
-//! a minute). Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
+//! The preemption bound defaults to 3 here; set `LOOM_MAX_PREEMPTIONS` to change it. The
+//! eleven models without backoff take about 25 s on the development machine (after a first
+//! build of loom, about a minute); all fifteen took 70 s on a busy one. Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
 //! second), the three-CPU models with `LOOM_MAX_PREEMPTIONS=4` (about 3 minutes).
 //!
 //! The models can fail: each of these mutations was checked to make loom report a deadlock
