@@ -32,9 +32,10 @@ impl Variant {
             Some("ticket") => LockKind::Ticket,
             Some("tas") => LockKind::Tas,
             Some("queued") => LockKind::Queued,
+            Some("backoff") => LockKind::Backoff,
             other => {
                 return Err(format!(
-                    "{text:?}: unknown lock {other:?} (ticket, tas, queued)"
+                    "{text:?}: unknown lock {other:?} (ticket, tas, queued, backoff)"
                 ))
             }
         };

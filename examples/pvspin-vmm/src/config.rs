@@ -138,7 +138,7 @@ pub enum ConfigError {
     ZeroBound,
     /// The TAS lock has no PV variant.
     #[error(
-        "--pv kick needs --lock ticket or --lock queued (the tas lock has no paravirtual variant)"
+        "--pv kick needs --lock ticket, queued or backoff (the tas lock has no paravirtual variant)"
     )]
     NoPvVariant,
     /// The guest's PV lock domain is fixed-size.
