@@ -302,6 +302,8 @@ mod tests {
             "ticket:kick:signal-msi",
             "ticket:kick+yield:in-kernel",
             "queued:kick+yield:userspace",
+            "backoff:off",
+            "backoff:kick:in-kernel",
         ] {
             assert_eq!(Variant::parse(name).unwrap().name(), name);
         }

@@ -261,6 +261,18 @@ mod tests {
     }
 
     #[test]
+    fn backoff_lock_runs_with_and_without_pv() {
+        for pv in [PvMode::Off, PvMode::Kick, PvMode::KickYield] {
+            let backoff = RunConfig {
+                lock: LockKind::Backoff,
+                pv,
+                ..RunConfig::default()
+            };
+            assert_eq!(backoff.validate(1024), Ok(()), "{pv:?}");
+        }
+    }
+
+    #[test]
     fn refuses_each_rule() {
         let base = RunConfig::default();
         let check = |config: RunConfig| config.validate(8).unwrap_err();
