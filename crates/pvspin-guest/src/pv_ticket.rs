@@ -192,7 +192,7 @@ impl PvTicketLock {
             }
         };
         loop {
-            if spin.spin_phase(pv, &self.owner, ticket, &wait) {
+            if spin.spin_phase(pv, &self.owner, ticket, wait) {
                 return;
             }
             let Some((_, cpu)) = me else {
