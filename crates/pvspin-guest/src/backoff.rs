@@ -211,6 +211,18 @@ impl BackoffTicketLock {
     pub fn handover_spins(&self) -> u32 {
         self.handover.spins()
     }
+
+    /// Next in line: reads `owner` every spin until it serves `ticket`, so the hand-over is
+    /// taken at once. Returns the spins.
+    #[inline]
+    fn poll_until_served(owner: &CoreAtomicU32, ticket: u32) -> u32 {
+        let mut polls = 0u32;
+        while owner.load(CoreOrdering::Acquire) != ticket {
+            core::hint::spin_loop();
+            polls = polls.saturating_add(1);
+        }
+        polls
+    }
 }
 
 impl Default for BackoffTicketLock {
@@ -232,14 +244,15 @@ unsafe impl RawSpinLock for BackoffTicketLock {
         if now == ticket {
             return;
         }
+        if ticket.wrapping_sub(now) == 1 {
+            // Next in line on arrival: nothing to back off, and nothing to sample (the only
+            // move it will see is the one to itself, whose start it did not see).
+            Self::poll_until_served(owner, ticket);
+            return;
+        }
         let mut waiter = BackoffWaiter::new(&self.handover, ticket, now);
         waiter.back_off(|| owner.load(CoreOrdering::Relaxed), u32::MAX);
-        // Next in line: read every spin, so the hand-over is taken at once.
-        let mut polls = 0u32;
-        while owner.load(CoreOrdering::Acquire) != ticket {
-            core::hint::spin_loop();
-            polls = polls.saturating_add(1);
-        }
+        let polls = Self::poll_until_served(owner, ticket);
         waiter.observe(ticket, polls);
     }
 
