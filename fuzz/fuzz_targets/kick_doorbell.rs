@@ -1,13 +1,13 @@
 //! Fuzzes the kick doorbell: arbitrary sequences of port accesses (any port near the doorbell,
-//! any width, any value) and latch operations against a userspace-path `KickDevice`, checked
-//! against an independent model. Invariants: only valid targets are latched, nothing else is
+//! any width, any value: KICK, SPIN, SHARED_PAGE, WAIT) and latch operations (halts and WAIT
+//! parks) against a userspace-path `KickDevice`, checked against an independent model. Invariants: only valid targets are latched, nothing else is
 //! ever woken, every access is counted exactly once, and nothing blocks (the target only parks
 //! when the model says a kick is pending or an interrupt was posted, so every park returns at
 //! once).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_SPIN_NOTIFY};
+use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_SPIN_NOTIFY, FEATURE_WAIT};
 use pvspin_abi::doorbell::{PORT_COUNT, SPIN_OFFSET, SPIN_WAITING_FOR_UNKNOWN};
 use pvspin_kick::ratelimit::ManualClock;
 use pvspin_kick::{
@@ -24,7 +24,7 @@ fn expected_write(
     nr: u32,
     extra: u32,
 ) -> Result<Option<u32>, Reject> {
-    if !matches!(offset, 0 | 4 | 8) {
+    if !matches!(offset, 0 | 4 | 8 | 12) {
         return Err(Reject::UnusedOffset);
     }
     if width != 4 {
@@ -33,12 +33,17 @@ fn expected_write(
     match offset {
         0 if value < nr => Ok(Some(value)),
         0 => Err(Reject::NoSuchVcpu),
-        4 => {
-            // Bits 12..0: the vCPU waited for (ABI 0.2).
+        4 | 12 => {
+            // Bits 12..0: the vCPU waited for (SPIN since 0.2, WAIT since 0.3).
             let waiting_for = value & 0x1fff;
+            let feature = if offset == 4 {
+                FEATURE_SPIN_NOTIFY
+            } else {
+                FEATURE_WAIT
+            };
             if waiting_for != u32::from(SPIN_WAITING_FOR_UNKNOWN) && waiting_for >= nr {
                 Err(Reject::NoSuchVcpu)
-            } else if extra & FEATURE_SPIN_NOTIFY == 0 {
+            } else if extra & feature == 0 {
                 Err(Reject::NotEnabled)
             } else {
                 Ok(None)
@@ -54,7 +59,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let nr = 1 + u32::from(u16::from_le_bytes([data[0], data[1]]) % 300);
-    let extra = u32::from(data[2]) & (FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE);
+    let extra = u32::from(data[2]) & (FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT);
     let dev = KickDevice::userspace_with_clock(
         KickConfig {
             port: BASE,
@@ -110,8 +115,14 @@ fuzz_target!(|data: &[u8]| {
                     }
                     Ok(None) => {
                         forwarded += 1;
+                        let is_wait = port - BASE == 12;
                         assert!(
-                            matches!(got, PioOutcome::Handled(Handled::Forward(_))),
+                            matches!(
+                                got,
+                                PioOutcome::Handled(Handled::Forward(Command::Wait(n)))
+                                    if is_wait && n.encode() == value
+                            ) || (!is_wait
+                                && matches!(got, PioOutcome::Handled(Handled::Forward(_)))),
                             "{got:?}"
                         );
                     }
@@ -157,7 +168,13 @@ fuzz_target!(|data: &[u8]| {
                     if !pending[i] {
                         dev.interrupt(vcpu);
                     }
-                    let got = dev.handle_hlt(vcpu).unwrap();
+                    // A halt and a WAIT park on the same latch (the WAIT bounded).
+                    let got = if op[2] % 2 == 0 {
+                        dev.handle_hlt(vcpu).unwrap()
+                    } else {
+                        dev.handle_wait(vcpu, Some(std::time::Duration::from_secs(5)))
+                            .unwrap()
+                    };
                     if pending[i] {
                         assert_eq!(got, ParkOutcome::KickedBeforePark);
                         pending[i] = false;
@@ -166,6 +183,7 @@ fuzz_target!(|data: &[u8]| {
                     }
                 } else {
                     assert!(dev.handle_hlt(vcpu).is_err());
+                    assert!(dev.handle_wait(vcpu, None).is_err());
                 }
             }
             _ => {

@@ -13,6 +13,14 @@ pub fn kvm_or_skip(test: &str) -> Option<kvm_ioctls::Kvm> {
     }
 }
 
+/// Opens `/dev/kvm`, or fails the test naming it: for tests that must not pass by skipping.
+pub fn kvm_required(test: &str) -> kvm_ioctls::Kvm {
+    match kvm_ioctls::Kvm::new() {
+        Ok(kvm) => kvm,
+        Err(err) => panic!("{test} needs /dev/kvm, which cannot be opened ({err})"),
+    }
+}
+
 /// A VM with guest memory at GPA 0, for tests that write guest code by hand. Guest memory is
 /// vm-memory's mmap, registered as slot 0; it outlives the VM (fields drop in order).
 #[derive(Debug)]

@@ -327,9 +327,12 @@ fn placement_plan_reaches_the_guest_cpuid() {
         return;
     }
     const PV_UNHALT: u32 = 1 << 7;
+    const POLL_CONTROL: u32 = 1 << 12;
     const HINTS_REALTIME: u32 = 1;
+    // Modern guests (960550503965): REALTIME alone, HLT exits off, no PV_UNHALT.
     let dedicated = RunConfig {
         placement: Some(pvspin::Placement::Dedicated),
+        guest_kernel: pvspin::GuestKernel::Modern,
         ..config(Workload::Cpuid, 1)
     };
     let report = run(&dedicated).expect("dedicated plan applies");
@@ -341,23 +344,76 @@ fn placement_plan_reaches_the_guest_cpuid() {
         "REALTIME hint on dedicated vCPUs"
     );
     assert_eq!(eax & PV_UNHALT, 0, "no PV_UNHALT with HLT exits disabled");
+    assert_eq!(
+        eax & POLL_CONTROL,
+        POLL_CONTROL,
+        "haltpoll loads under REALTIME"
+    );
     assert!(report.plan.iter().any(|line| line.contains("dedicated")));
+
+    // Any guest kernel, with the in-kernel irqchip of the in-kernel kick path: PV_UNHALT next
+    // to REALTIME, HLT exits kept.
+    let any = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        pv: PvMode::Kick,
+        kick_path: pvspin::KickPath::InKernel,
+        ..config(Workload::Cpuid, 1)
+    };
+    let report = run(&any).expect("dedicated plan for any guest applies");
+    let (_, [eax, _, _, edx]) = report.cpuid[1];
+    assert_eq!(edx & HINTS_REALTIME, HINTS_REALTIME);
+    assert_eq!(eax & PV_UNHALT, PV_UNHALT, "legacy guests need PV_UNHALT");
+    assert!(
+        report
+            .plan
+            .iter()
+            .any(|line| line.contains("disable exits: PAUSE")),
+        "{:?}",
+        report.plan
+    );
 
     let overcommitted = RunConfig {
         placement: Some(pvspin::Placement::Overcommitted),
         ..config(Workload::Cpuid, 2)
     };
     let report = run(&overcommitted).expect("overcommitted plan applies");
-    let (_, [_, _, _, edx]) = report.cpuid[1];
+    let (_, [eax, _, _, edx]) = report.cpuid[1];
     assert_eq!(
         edx & HINTS_REALTIME,
         0,
         "no REALTIME hint when overcommitted"
     );
+    assert_eq!(
+        eax & POLL_CONTROL,
+        0,
+        "no guest uses POLL_CONTROL without REALTIME"
+    );
+    assert_eq!(eax & PV_UNHALT, 0, "no in-kernel LAPIC without a kick path");
     assert!(report
         .plan
         .iter()
         .any(|line| line.contains("halt poll: max 0 ns")));
+}
+
+/// Dedicated placement for any guest kernel without an in-kernel LAPIC cannot be right for
+/// legacy guests (REALTIME without PV_UNHALT gives them test-and-set): refused, exit code 2.
+#[test]
+fn dedicated_without_irqchip_for_unknown_guests_is_refused() {
+    if kvm_or_skip("dedicated_without_irqchip_for_unknown_guests_is_refused").is_none() {
+        return;
+    }
+    let config = RunConfig {
+        placement: Some(pvspin::Placement::Dedicated),
+        ..config(Workload::Cpuid, 1)
+    };
+    let err = run(&config).expect_err("legacy guests would get test-and-set");
+    assert_eq!(err.exit_code(), 2, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("rule: KVM_HINTS_REALTIME without PV_UNHALT"),
+        "{text}"
+    );
+    assert!(text.contains("no in-kernel LAPIC"), "{text}");
 }
 
 #[test]
@@ -410,7 +466,7 @@ fn lock_workload_runs_in_guest_user_mode() {
     if kvm_or_skip("lock_workload_runs_in_guest_user_mode").is_none() {
         return;
     }
-    for pv in [PvMode::Off, PvMode::KickYield] {
+    for pv in [PvMode::Off, PvMode::Kick, PvMode::KickYield] {
         for lock in [LockKind::Ticket, LockKind::Queued] {
             let config = RunConfig {
                 lock,
@@ -433,13 +489,13 @@ fn lock_workload_runs_in_guest_user_mode() {
             );
         }
     }
-    let halting = RunConfig {
-        pv: PvMode::Kick,
+    // Only the lock and ping-pong workloads have a user-mode variant.
+    let hello = RunConfig {
         user_mode: true,
-        ..config(Workload::Lock, 2)
+        ..config(Workload::Hello, 2)
     };
     assert!(matches!(
-        run(&halting),
+        run(&hello),
         Err(RunError::Config(ConfigError::UserModeCannotHalt))
     ));
 }
@@ -450,12 +506,14 @@ fn backoff_lock_counts_exactly_in_kernel_and_user_mode() {
         return;
     }
     // Guest kernel mode is emulated instruction by instruction here, user mode runs natively:
-    // few iterations in kernel mode, more in user mode (where a waiter cannot halt, so PV is
-    // off or kick+yield). Long critical sections and a tiny threshold make PV waiters halt.
+    // few iterations in kernel mode, more in user mode (where PV waiters wait through the
+    // WAIT doorbell instead of `hlt`). Long critical sections and a tiny threshold make PV
+    // waiters halt.
     let cases = [
         (false, PvMode::Off, 40),
         (false, PvMode::Kick, 40),
         (true, PvMode::Off, 5_000),
+        (true, PvMode::Kick, 5_000),
         (true, PvMode::KickYield, 5_000),
     ];
     for (user_mode, pv, iterations) in cases {
@@ -478,12 +536,12 @@ fn backoff_lock_counts_exactly_in_kernel_and_user_mode() {
             assert_eq!(per_vcpu, expected, "{what}");
             // A kick needs a waiter that published a halt.
             assert!(report.pv_kicks <= report.pv_slow_paths, "{what}");
-            if pv != PvMode::Kick {
-                assert_eq!(report.pv_halts, 0, "{what}: only --pv kick halts");
+            if pv == PvMode::Off {
+                assert_eq!(report.pv_halts, 0, "{what}: PV off never halts");
             }
             halts += report.pv_halts;
         }
-        if pv == PvMode::Kick {
+        if pv == PvMode::Kick && !user_mode {
             // Whether one run halts depends on timing; over both some waiter must.
             assert!(halts > 0, "no backoff waiter halted with --pv kick");
         }

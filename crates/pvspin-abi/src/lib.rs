@@ -15,20 +15,21 @@
 //!    arrives before the halt is remembered. Offset 4 is SPIN: a 32-bit `OUT` is a spin
 //!    notification ([`doorbell::SpinNotify`]: lock hash, the vCPU waited for, how long it
 //!    spun), and a 32-bit `IN` returns the calling vCPU's spin window (how many spins before
-//!    notifying), which the host adapts. Offset 8 is reserved for shared-page registration; its encoding is
-//!    fixed here but hosts do not implement them yet and do not advertise them.
+//!    notifying), which the host adapts. Offset 8 registers the vCPU's hint page ([`hint`]),
+//!    offset 12 is WAIT: `pv_wait` for code that cannot or does not want to `HLT`.
 //!
-//! **Implemented:** discovery, the KICK command, and (since 0.2, when
-//! [`cpuid::FEATURE_SPIN_NOTIFY`] is set) the SPIN command and window read. **Reserved, not
-//! implemented by any host yet:** [`doorbell::SHARED_PAGE_OFFSET`] (its feature bit
-//! [`cpuid::FEATURE_SHARED_PAGE`] is never set today).
+//! **Implemented:** discovery, the KICK command, (since 0.2, when
+//! [`cpuid::FEATURE_SPIN_NOTIFY`] is set) the SPIN command and window read, and (since 0.3)
+//! the WAIT command ([`doorbell::WAIT_OFFSET`], `pv_wait` without `HLT`) and the per-vCPU hint
+//! page ([`hint`], registered with [`doorbell::SHARED_PAGE_OFFSET`]), which carries the spin
+//! and wait budgets in TSC cycles so that a notification costs one exit and a budget read none.
 #![no_std]
 #![deny(missing_docs)]
 
 /// Version of the guest-host contract. A guest refuses a host whose major version differs.
 pub const ABI_VERSION_MAJOR: u16 = 0;
 /// Minor version: additions that old guests may ignore.
-pub const ABI_VERSION_MINOR: u16 = 2;
+pub const ABI_VERSION_MINOR: u16 = 3;
 
 /// The ABI version as one 32-bit word, as CPUID reports it: major in bits 31..16, minor in
 /// bits 15..0.
@@ -97,12 +98,18 @@ pub mod cpuid {
     /// window `IN`) is available. Defined in 0.1, implemented since 0.2; set only by hosts
     /// that act on notifications.
     pub const FEATURE_SPIN_NOTIFY: u32 = 1 << 2;
-    /// Feature bit: the SHARED_PAGE command at [`crate::doorbell::SHARED_PAGE_OFFSET`] is
-    /// available. **Reserved: no host implements it yet**, so hosts never set it.
+    /// Feature bit: the SHARED_PAGE command at [`crate::doorbell::SHARED_PAGE_OFFSET`] works
+    /// and the registered page follows [`crate::hint`] (since 0.3; reserved before).
     pub const FEATURE_SHARED_PAGE: u32 = 1 << 3;
+    /// Feature bit: the WAIT command at [`crate::doorbell::WAIT_OFFSET`] works: `pv_wait`
+    /// without `HLT`, usable from guest user mode (since 0.3).
+    pub const FEATURE_WAIT: u32 = 1 << 4;
     /// All feature bits this ABI version defines. Guests ignore bits outside it.
-    pub const FEATURES_DEFINED: u32 =
-        FEATURE_KICK | FEATURE_KICK_IN_KERNEL | FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE;
+    pub const FEATURES_DEFINED: u32 = FEATURE_KICK
+        | FEATURE_KICK_IN_KERNEL
+        | FEATURE_SPIN_NOTIFY
+        | FEATURE_SHARED_PAGE
+        | FEATURE_WAIT;
 
     /// One CPUID result, in register order. `repr(C)` so it can be filled from inline asm or
     /// compared with a `kvm_cpuid_entry2`'s eax..edx.
@@ -202,8 +209,8 @@ pub mod doorbell {
     //! |---|---|---|---|
     //! | 0 | KICK | target vCPU index | [`crate::cpuid::FEATURE_KICK`] |
     //! | 4 | SPIN | `OUT`: [`SpinNotify`] (waited-for vCPU, next-owner flag, spun bucket, lock hash); `IN`: the caller's spin window | [`crate::cpuid::FEATURE_SPIN_NOTIFY`] |
-    //! | 8 | SHARED_PAGE (reserved) | guest page frame number of this vCPU's shared page, 0 = unregister | [`crate::cpuid::FEATURE_SHARED_PAGE`] |
-    //! | 12 | reserved | - | - |
+    //! | 8 | SHARED_PAGE | guest page frame number of this vCPU's hint page ([`crate::hint`]), 0 = unregister | [`crate::cpuid::FEATURE_SHARED_PAGE`] |
+    //! | 12 | WAIT | [`SpinNotify`] of the wait (the vCPU waited for, may be unknown) | [`crate::cpuid::FEATURE_WAIT`] |
     //!
     //! **Kick semantics** (as KVM's `KVM_HC_KICK_CPU`): if the target is halted in `pv_wait` it
     //! resumes after its `HLT`; if it is not halted, the kick is remembered and the target's
@@ -229,10 +236,15 @@ pub mod doorbell {
     /// [`SPIN_WINDOW_MIN`]). Both exit to the VMM (each costs an exit): a guest re-reads the
     /// window only after it notified, since that is when the host changes it.
     pub const SPIN_OFFSET: u16 = 4;
-    /// SHARED_PAGE (reserved): register the writing vCPU's shared page. Exits to the VMM.
+    /// SHARED_PAGE: register the writing vCPU's hint page ([`crate::hint`]). Exits to the VMM.
     pub const SHARED_PAGE_OFFSET: u16 = 8;
-    /// Reserved for a later command.
-    pub const RESERVED_OFFSET: u16 = 12;
+    /// WAIT: `pv_wait` without `HLT`. The writing vCPU stops until it is kicked, with `HLT`'s
+    /// latch semantics (a kick that landed since its last wait makes it return at once;
+    /// spurious returns are allowed; the host bounds the wait). The value is a [`SpinNotify`]
+    /// describing what it waits for, which the host may act on (directed yield) exactly as
+    /// for a SPIN notification, in the same exit. Usable at any privilege level the guest lets
+    /// reach the port.
+    pub const WAIT_OFFSET: u16 = 12;
 
     /// Bits 12..0 of a SPIN value: the vCPU the spinner waits for.
     pub const SPIN_WAITING_FOR_MASK: u32 = 0x1FFF;
@@ -339,13 +351,133 @@ pub mod doorbell {
     /// The smallest spin window a host publishes (a window is never 0).
     pub const SPIN_WINDOW_MIN: u32 = 1;
 
-    /// Size of the page a SHARED_PAGE command registers (reserved).
+    /// Size of the page a SHARED_PAGE command registers.
     pub const SHARED_PAGE_SIZE: u64 = 4096;
 
     /// Guest physical address of the page a SHARED_PAGE value names (page frame number times
     /// 4096; a 32-bit PFN covers 16 TiB of guest memory).
     pub const fn shared_page_gpa(pfn: u32) -> u64 {
         (pfn as u64) * SHARED_PAGE_SIZE
+    }
+}
+
+pub mod hint {
+    //! The hint page (ABI 0.3, [`crate::cpuid::FEATURE_SHARED_PAGE`]): one 4 KiB page of
+    //! guest memory per vCPU, registered once with the SHARED_PAGE command
+    //! ([`crate::doorbell::SHARED_PAGE_OFFSET`], value = GPA / 4096, written by the vCPU the page
+    //! belongs to). Host and guest then talk through it without exits.
+    //!
+    //! The first cache line (bytes 0..64) is written by the host only, the second (64..128) by
+    //! the guest only (except that the host takes [`LAST_WAIT_TSC`] by exchanging it for 0); the rest is reserved (the host never reads or writes it). Every field is
+    //! little-endian, naturally aligned, and accessed with single loads and stores of its
+    //! width (atomics), so no value is ever torn.
+    //!
+    //! | offset | size | writer | field |
+    //! |---|---|---|---|
+    //! | 0 | 4 | host | [`LAYOUT`]: [`LAYOUT_VERSION`], stored at registration (a guest may poll it to see the registration took) |
+    //! | 4 | 4 | host | [`HOST_FLAGS`]: bit 0 [`NOT_RUNNING`]: the host does not run this vCPU now (it waits in WAIT or in a userspace halt, or the VMM parked it) |
+    //! | 8 | 8 | host | [`SPIN_WINDOW_TSC`]: TSC cycles a waiter spins before a SPIN notification; `u64::MAX`: do not notify |
+    //! | 16 | 8 | host | [`WAIT_AFTER_TSC`]: TSC cycles a waiter spins before it waits (`HLT` or WAIT) |
+    //! | 24 | 4 | host | [`HOST_SEQ`]: incremented after every host update of the fields above |
+    //! | 28 | 4 | host | [`TSC_KHZ`]: the guest TSC frequency the host converts with (0: unknown) |
+    //! | 32 | 8 | host | [`WAIT_AFTER_MIN_TSC`]: floor of the wait budget |
+    //! | 40 | 8 | host | [`WAIT_AFTER_MAX_TSC`]: ceiling of the wait budget, also the wait length that decides ([`adapt_wait_after`]) |
+    //! | 64 | 4 | guest | [`CS_DEPTH`]: spinlocks this vCPU holds now |
+    //! | 68 | 4 | guest | [`SPIN_STATE`]: [`SPIN_IDLE`], [`SPIN_SPINNING`] or [`SPIN_WAITING`] |
+    //! | 72 | 4 | guest | [`WAITING_FOR`]: the current wait as a [`crate::doorbell::SpinNotify`] value |
+    //! | 80 | 8 | guest | [`SPIN_SINCE_TSC`]: guest TSC when the current spin began |
+    //! | 88 | 8 | guest | [`LAST_WAIT_TSC`]: how long this vCPU's last wait lasted (WAIT or `HLT` in `pv_wait`), in TSC cycles; the host reads it at this vCPU's exits to adapt [`WAIT_AFTER_TSC`] (a wait that never exits, an in-kernel `HLT`, is otherwise invisible to it) |
+    //!
+    //! **Ordering.** The host stores the budgets, then increments `HOST_SEQ` with release
+    //! semantics; budgets are advice, so a guest may read them with relaxed loads at any time
+    //! (a mix of old and new values is harmless). `NOT_RUNNING` is set before the host stops
+    //! running the vCPU and cleared before it runs it again; a guest that reads it set for
+    //! another vCPU may stop spinning on a lock that vCPU holds or is about to get (its own
+    //! `vcpu_is_preempted`). Guest fields are hints the host reads without trusting them:
+    //! every value is bounds-checked, and no value can wake another vCPU or raise this vCPU's
+    //! share.
+    //!
+    //! **Budgets** are in guest TSC cycles, so the guest compares them with `RDTSC` deltas
+    //! without knowing the frequency. The host adapts them per vCPU from how waits and
+    //! notifications turned out (a wait that a kick ended soon after it began means spinning a
+    //! little longer would have avoided the exit; a long wait means waiting earlier saves CPU),
+    //! so on an idle host waiters rarely leave their spin and under overcommit they wait early.
+    //! The host sees the guest's wait reports only at the vCPU's exits; a guest whose waits
+    //! never exit (`HLT` with an in-kernel irqchip) may apply the same rule itself
+    //! ([`adapt_wait_after`] with the published floor and ceiling) between host updates, and
+    //! takes the host's value whenever `HOST_SEQ` changes.
+
+    /// Value of [`LAYOUT`] for the layout of this module.
+    pub const LAYOUT_VERSION: u32 = 1;
+
+    /// u32, host: layout version.
+    pub const LAYOUT: usize = 0;
+    /// u32, host: flags ([`NOT_RUNNING`]).
+    pub const HOST_FLAGS: usize = 4;
+    /// u64, host: TSC cycles of spinning before a SPIN notification (`u64::MAX`: never).
+    pub const SPIN_WINDOW_TSC: usize = 8;
+    /// u64, host: TSC cycles of spinning before waiting.
+    pub const WAIT_AFTER_TSC: usize = 16;
+    /// u32, host: update counter.
+    pub const HOST_SEQ: usize = 24;
+    /// u32, host: TSC frequency in kHz the host converts with (0: unknown).
+    pub const TSC_KHZ: usize = 28;
+    /// u64, host: floor of the wait budget, TSC cycles.
+    pub const WAIT_AFTER_MIN_TSC: usize = 32;
+    /// u64, host: ceiling of the wait budget, TSC cycles.
+    pub const WAIT_AFTER_MAX_TSC: usize = 40;
+    /// u32, guest: spinlocks held.
+    pub const CS_DEPTH: usize = 64;
+    /// u32, guest: spin state.
+    pub const SPIN_STATE: usize = 68;
+    /// u32, guest: the current wait as a `SpinNotify` value.
+    pub const WAITING_FOR: usize = 72;
+    /// u64, guest: TSC when the current spin began.
+    pub const SPIN_SINCE_TSC: usize = 80;
+    /// u64, guest: TSC cycles the last wait lasted; 0: none since the host took it. The one
+    /// guest field the host also writes: it takes the value with an atomic exchange for 0,
+    /// so each wait is counted once.
+    pub const LAST_WAIT_TSC: usize = 88;
+
+    /// First byte of the guest-written line.
+    pub const GUEST_LINE: usize = 64;
+    /// End of the defined fields; bytes from here to the page end are reserved.
+    pub const DEFINED_END: usize = 128;
+
+    /// [`HOST_FLAGS`] bit: the host does not run this vCPU now.
+    pub const NOT_RUNNING: u32 = 1 << 0;
+
+    /// [`SPIN_STATE`]: not spinning on a lock.
+    pub const SPIN_IDLE: u32 = 0;
+    /// [`SPIN_STATE`]: spinning on a lock.
+    pub const SPIN_SPINNING: u32 = 1;
+    /// [`SPIN_STATE`]: waiting (halted or in WAIT) for a lock.
+    pub const SPIN_WAITING: u32 = 2;
+
+    /// The wait-budget rule both sides apply (KVM's halt-polling rule): after a wait of
+    /// `waited` (TSC cycles), a budget `current` doubles if the ceiling `max` would have covered
+    /// the wait (the kick came soon: spinning is cheaper than the exit and the wake-up) and
+    /// halves otherwise (the waited-for vCPU was not running: waiting earlier saves CPU), then
+    /// is clamped to `min..=max`.
+    pub const fn adapt_wait_after(current: u64, waited: u64, min: u64, max: u64) -> u64 {
+        let next = if waited <= max {
+            current.saturating_mul(2)
+        } else {
+            current / 2
+        };
+        if next < min {
+            min
+        } else if next > max {
+            max
+        } else {
+            next
+        }
+    }
+
+    /// Whether a SHARED_PAGE value names a usable page: any non-zero PFN; the host still
+    /// checks that the page is guest RAM.
+    pub const fn is_registration(pfn: u32) -> bool {
+        pfn != 0
     }
 }
 
@@ -401,7 +533,7 @@ mod tests {
         };
         let regs = info.info_leaf();
         assert_eq!(regs.ebx, 0x0010_0A40);
-        assert_eq!(regs.eax, 0x0000_0002);
+        assert_eq!(regs.eax, 0x0000_0003);
         assert_eq!(PvspinInfo::from_info_leaf(regs), info);
     }
 
@@ -450,12 +582,7 @@ mod tests {
 
     #[test]
     fn doorbell_offsets_are_distinct_aligned_and_inside_the_range() {
-        let offs = [
-            KICK_OFFSET,
-            SPIN_OFFSET,
-            SHARED_PAGE_OFFSET,
-            RESERVED_OFFSET,
-        ];
+        let offs = [KICK_OFFSET, SPIN_OFFSET, SHARED_PAGE_OFFSET, WAIT_OFFSET];
         for (i, a) in offs.iter().enumerate() {
             assert_eq!(usize::from(*a) % COMMAND_WIDTH, 0);
             assert!(usize::from(*a) + COMMAND_WIDTH <= usize::from(PORT_COUNT));
@@ -570,6 +697,46 @@ mod tests {
     }
 
     #[test]
+    fn hint_page_fields_are_aligned_disjoint_and_split_by_writer() {
+        use crate::hint::*;
+        let fields = [
+            (LAYOUT, 4, true),
+            (HOST_FLAGS, 4, true),
+            (SPIN_WINDOW_TSC, 8, true),
+            (WAIT_AFTER_TSC, 8, true),
+            (HOST_SEQ, 4, true),
+            (TSC_KHZ, 4, true),
+            (WAIT_AFTER_MIN_TSC, 8, true),
+            (WAIT_AFTER_MAX_TSC, 8, true),
+            (CS_DEPTH, 4, false),
+            (SPIN_STATE, 4, false),
+            (WAITING_FOR, 4, false),
+            (SPIN_SINCE_TSC, 8, false),
+            (LAST_WAIT_TSC, 8, false),
+        ];
+        let mut used = [false; DEFINED_END];
+        for (offset, size, host) in fields {
+            assert_eq!(offset % size, 0, "field at {offset} is not aligned");
+            assert!(offset + size <= DEFINED_END);
+            assert_eq!(
+                offset < GUEST_LINE,
+                host,
+                "field at {offset} is in the wrong line"
+            );
+            for b in &mut used[offset..offset + size] {
+                assert!(!*b, "fields overlap at {offset}");
+                *b = true;
+            }
+        }
+        assert!(DEFINED_END as u64 <= SHARED_PAGE_SIZE);
+        assert!(!is_registration(0) && is_registration(1));
+        assert_eq!(adapt_wait_after(100, 50, 10, 1000), 200);
+        assert_eq!(adapt_wait_after(800, 1000, 10, 1000), 1000);
+        assert_eq!(adapt_wait_after(100, 5000, 10, 1000), 50);
+        assert_eq!(adapt_wait_after(15, 5000, 10, 1000), 10);
+    }
+
+    #[test]
     fn shared_page_gpa_is_pfn_times_page() {
         assert_eq!(shared_page_gpa(0), 0);
         assert_eq!(shared_page_gpa(0x80), 0x8_0000);
@@ -583,6 +750,7 @@ mod tests {
             FEATURE_KICK_IN_KERNEL,
             FEATURE_SPIN_NOTIFY,
             FEATURE_SHARED_PAGE,
+            FEATURE_WAIT,
         ];
         let mut acc = 0;
         for b in f {

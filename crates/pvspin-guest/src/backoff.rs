@@ -35,7 +35,12 @@
 //! phase: its waiters back off as above, the backoff spins counting against the spin threshold,
 //! then read every spin (with the PV ticket lock's spin notifications) for what is left of it,
 //! then publish a halt and `pv_wait`; the unlocker kicks the halted next waiter as the PV ticket
-//! lock does.
+//! lock does. The backoff also ends where a spin phase ends early: at the backend's time budget
+//! ([`SpinBudget::wait_after`](crate::SpinBudget), checked after each delay) or when the CPU
+//! waited for is known not to run ([`PvOps::is_not_running`]); the waiter then looks once more
+//! and halts. When the backoff ends because the waiter is next in line, the polling phase
+//! that follows starts its own time budget, so such a waiter spins for at most about two
+//! budgets before it halts.
 
 use core::cell::Cell;
 use core::sync::atomic::{AtomicU32 as CoreAtomicU32, Ordering as CoreOrdering};
@@ -165,9 +170,14 @@ impl<'a> BackoffWaiter<'a> {
     }
 
     /// Backs off in proportion to the distance (re-read through `load_owner` after each
-    /// delay) until this waiter is next in line or served, or `budget` spins are spent.
-    /// Returns the spins spent.
-    pub(crate) fn back_off(&mut self, load_owner: impl Fn() -> u32, budget: u32) -> u32 {
+    /// delay) until this waiter is next in line or served, `budget` spins are spent, or
+    /// `stop()` (asked after each delay) says to stop. Returns the spins spent.
+    pub(crate) fn back_off(
+        &mut self,
+        load_owner: impl Fn() -> u32,
+        budget: u32,
+        stop: impl Fn() -> bool,
+    ) -> u32 {
         let mut spent = 0u32;
         let mut last_delay = 0u32;
         loop {
@@ -179,6 +189,9 @@ impl<'a> BackoffWaiter<'a> {
             }
             delay(last_delay);
             spent += last_delay;
+            if stop() {
+                return spent;
+            }
         }
     }
 }
@@ -251,7 +264,7 @@ unsafe impl RawSpinLock for BackoffTicketLock {
             return;
         }
         let mut waiter = BackoffWaiter::new(&self.handover, ticket, now);
-        waiter.back_off(|| owner.load(CoreOrdering::Relaxed), u32::MAX);
+        waiter.back_off(|| owner.load(CoreOrdering::Relaxed), u32::MAX, || false);
         let polls = Self::poll_until_served(owner, ticket);
         waiter.observe(ticket, polls);
     }
@@ -284,13 +297,30 @@ impl TicketSpin for ProportionalBackoff<'_> {
         wait: impl Fn(u32) -> SpinWait,
     ) -> bool {
         let budget = pv.config.spin_threshold;
+        // The backoff ends where a spin phase would: at the time budget (when the backend
+        // keeps time), or when the CPU waited for is known not to run.
+        let start = pv.ops.now();
+        let wait_after = pv.ops.spin_budget().wait_after;
+        let stopped = Cell::new(false);
+        let stop = || {
+            let waited_for_is_out = wait(0)
+                .waiting_for
+                .is_some_and(|cpu| pv.ops.is_not_running(cpu));
+            let out_of_time = pv.ops.now().wrapping_sub(start) >= wait_after;
+            stopped.set(waited_for_is_out || out_of_time);
+            stopped.get()
+        };
         let mut waiter = BackoffWaiter::new(self.handover, ticket, owner.load(Ordering::Relaxed));
-        let spent = waiter.back_off(|| owner.load(Ordering::Relaxed), budget);
+        let spent = waiter.back_off(|| owner.load(Ordering::Relaxed), budget, stop);
         // Next in line (or out of budget): read every spin for the rest of the threshold,
-        // with the PV ticket lock's spin notifications; at least once, so that a waiter whose
-        // backoff used the whole budget still looks before it halts.
+        // with the PV ticket lock's spin notifications and time budget; once only if the
+        // backoff used the whole budget or stopped, so that the waiter looks before it halts.
         let mut rest = pv;
-        rest.config.spin_threshold = budget.saturating_sub(spent).max(1);
+        rest.config.spin_threshold = if stopped.get() {
+            1
+        } else {
+            budget.saturating_sub(spent).max(1)
+        };
         let polls = Cell::new(0u32);
         let served = rest.spin_phase(
             || {
@@ -393,7 +423,7 @@ mod tests {
     use super::*;
     use crate::host::{bind_current_thread, HostPvOps};
     use crate::pv::{PvDomain, SpinConfig};
-    use crate::tests_common::{hammer, pv_hammer};
+    use crate::tests_common::{hammer, pv_hammer, Timed};
 
     fn small() -> SpinConfig {
         SpinConfig {
@@ -432,7 +462,7 @@ mod tests {
             *first
         };
         let mut waiter = BackoffWaiter::new(&estimate, 10, 6);
-        let spent = waiter.back_off(load, u32::MAX);
+        let spent = waiter.back_off(load, u32::MAX, || false);
         assert_eq!(spent, 3 * 10 + 10);
         // Moves seen: 6 -> 8 (the first, not a sample), then 8 -> 9 after 10 spins: 10 per
         // hand-over, as estimated.
@@ -444,8 +474,10 @@ mod tests {
     fn backoff_stops_at_its_budget() {
         let estimate = estimate_of(100);
         let mut waiter = BackoffWaiter::new(&estimate, 10, 0);
-        assert_eq!(waiter.back_off(|| 0, 250), 250);
-        assert_eq!(waiter.back_off(|| 0, 0), 0);
+        assert_eq!(waiter.back_off(|| 0, 250, || false), 250);
+        assert_eq!(waiter.back_off(|| 0, 0, || false), 0);
+        // Asked to stop after its first delay (9 waiters ahead: 900 spins).
+        assert_eq!(waiter.back_off(|| 0, u32::MAX, || true), 900);
     }
 
     #[test]
@@ -553,6 +585,108 @@ mod tests {
             (0, 0, 0),
             "{stats:?}"
         );
+    }
+
+    #[test]
+    fn pv_backoff_ends_at_the_time_budget() {
+        // No spin limit; the test clock ticks once per read. A waiter five places back whose
+        // owner never moves backs off, looking at the clock and at whom it waits for after
+        // each delay, until 200 ticks passed; then the phase looks once and ends.
+        let budget = crate::SpinBudget {
+            notify_after: u64::MAX,
+            wait_after: 200,
+        };
+        let config = SpinConfig {
+            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+            halt: true,
+        };
+        let domain: PvDomain<Timed<1>, 1> = PvDomain::new(Timed::new(budget, false), config);
+        bind_current_thread(0);
+        let handover = HandoverEstimate::new();
+        let owner = AtomicU32::new(0);
+        let looks = Cell::new(0u32);
+        let wait = |spun| {
+            looks.set(looks.get() + 1);
+            SpinWait {
+                lock: 0,
+                waiting_for: None,
+                next_owner: false,
+                spun,
+            }
+        };
+        let spin = ProportionalBackoff {
+            handover: &handover,
+        };
+        assert!(!spin.spin_phase(domain.pv(), &owner, 5, wait));
+        // A backoff that ignored the clock would spin 2^24 times, then the phase would
+        // end at the budget having asked whom it waits for only every 64 spins.
+        assert!(looks.get() >= 150, "{}", looks.get());
+        assert!(domain.ops().ticks() < 250, "{}", domain.ops().ticks());
+    }
+
+    #[test]
+    fn pv_backoff_ends_when_the_holder_is_not_running() {
+        // CPU 1 holds the lock and does not run; CPU 2 queues next in line and halts, then
+        // CPU 0 two places back halts too. No time limit, and the spin limit is 2^24: only
+        // "holder not running" ends the waits early.
+        let budget = crate::SpinBudget {
+            notify_after: u64::MAX,
+            wait_after: u64::MAX - 1,
+        };
+        let ops = Timed::new(budget, true);
+        ops.set_not_running(1);
+        let config = SpinConfig {
+            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+            halt: true,
+        };
+        let domain: Arc<PvDomain<Timed<3>, 3>> = Arc::new(PvDomain::new(ops, config));
+        let lock = Arc::new(PvBackoffTicketLock::new());
+        bind_current_thread(1);
+        lock.lock(domain.pv());
+        let mut waiters = Vec::new();
+        for cpu in [2, 0] {
+            let (domain2, lock2) = (domain.clone(), lock.clone());
+            waiters.push(std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                lock2.lock(domain2.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock2.unlock(domain2.pv()) };
+            }));
+            let mut tries = 0;
+            while domain.ops().inner.parked(cpu) == 0 {
+                tries += 1;
+                assert!(tries < 50_000, "waiter on CPU {cpu} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for waiter in waiters {
+            waiter.join().unwrap();
+        }
+        let waits = domain.ops().waits.lock().unwrap().clone();
+        assert!(waits.iter().all(|w| w.waiting_for == Some(1)), "{waits:?}");
+        // How CPU 0 got there, with the strategy alone: it asks whom it waits for after its
+        // first delay, learns that CPU is out, and ends the phase after one more look (a
+        // backoff that did not ask would spin 2^24 times and never ask).
+        bind_current_thread(0);
+        let handover = HandoverEstimate::new();
+        let owner = AtomicU32::new(0);
+        let asked = Cell::new(0u32);
+        let wait = |spun| {
+            asked.set(asked.get() + 1);
+            SpinWait {
+                lock: 0,
+                waiting_for: Some(1),
+                next_owner: false,
+                spun,
+            }
+        };
+        let spin = ProportionalBackoff {
+            handover: &handover,
+        };
+        assert!(!spin.spin_phase(domain.pv(), &owner, 2, wait));
+        assert_eq!(asked.get(), 1);
     }
 
     #[test]

@@ -163,7 +163,7 @@ pub use backoff::{BackoffTicketLock, HandoverEstimate, PvBackoffTicketLock};
 pub use mutex::{SpinMutex, SpinMutexGuard};
 pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
-    SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
+    SpinBudget, SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
 };
 pub use pv_queued::{McsNode, PvQueuedLock};
 pub use pv_ticket::PvTicketLock;
@@ -252,6 +252,77 @@ mod tests_common {
         }
         fn spin_notify(&self, wait: &SpinWait) {
             self.notes.lock().unwrap().push(*wait);
+        }
+    }
+
+    /// The host backend with time budgets: a logical clock that advances one tick per read,
+    /// fixed budgets, CPUs marked not running, and every notification and wait recorded.
+    #[derive(Debug)]
+    pub(crate) struct Timed<const N: usize> {
+        pub(crate) inner: HostPvOps<N>,
+        clock: std::sync::atomic::AtomicU64,
+        budget: crate::SpinBudget,
+        not_running: std::sync::atomic::AtomicU32,
+        pub(crate) notes: std::sync::Mutex<Vec<SpinWait>>,
+        pub(crate) waits: std::sync::Mutex<Vec<SpinWait>>,
+        notifies_in_wait: bool,
+    }
+
+    impl<const N: usize> Timed<N> {
+        pub(crate) fn new(budget: crate::SpinBudget, notifies_in_wait: bool) -> Self {
+            Self {
+                inner: HostPvOps::new(),
+                clock: std::sync::atomic::AtomicU64::new(0),
+                budget,
+                not_running: std::sync::atomic::AtomicU32::new(0),
+                notes: std::sync::Mutex::new(Vec::new()),
+                waits: std::sync::Mutex::new(Vec::new()),
+                notifies_in_wait,
+            }
+        }
+
+        /// Clock reads so far (one per spin).
+        pub(crate) fn ticks(&self) -> u64 {
+            self.clock.load(std::sync::atomic::Ordering::Relaxed)
+        }
+
+        /// Marks `cpu` (below 32) not running.
+        pub(crate) fn set_not_running(&self, cpu: u32) {
+            self.not_running
+                .fetch_or(1 << cpu, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    impl<const N: usize> PvOps for Timed<N> {
+        fn wait(&self, ptr: &crate::AtomicU8, val: u8) {
+            self.inner.wait(ptr, val);
+        }
+        fn wait_for(&self, ptr: &crate::AtomicU8, val: u8, why: &SpinWait) {
+            self.waits.lock().unwrap().push(*why);
+            self.inner.wait(ptr, val);
+        }
+        fn wait_notifies(&self) -> bool {
+            self.notifies_in_wait
+        }
+        fn kick(&self, cpu: u32) {
+            self.inner.kick(cpu);
+        }
+        fn cpu_id(&self) -> u32 {
+            self.inner.cpu_id()
+        }
+        fn spin_notify(&self, wait: &SpinWait) {
+            self.notes.lock().unwrap().push(*wait);
+        }
+        fn now(&self) -> u64 {
+            self.clock
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        }
+        fn spin_budget(&self) -> crate::SpinBudget {
+            self.budget
+        }
+        fn is_not_running(&self, cpu: u32) -> bool {
+            cpu < 32
+                && self.not_running.load(std::sync::atomic::Ordering::Relaxed) & (1 << cpu) != 0
         }
     }
 

@@ -46,11 +46,67 @@ pub trait PvOps: Sync {
         u32::MAX
     }
 
-    /// Called by a waiter that spun [`spin_window`](Self::spin_window) times without getting the
-    /// lock, and before it halts if it did not notify during that spin phase. The guest over
-    /// pvspin's ABI writes the SPIN doorbell (the host may yield to `wait.waiting_for`). Must
-    /// not block. The default does nothing.
+    /// Called by a waiter that spun [`spin_window`](Self::spin_window) times (or
+    /// [`SpinBudget::notify_after`] ticks) without getting the lock, and before it halts if it
+    /// did not notify during that spin phase (unless [`wait_notifies`](Self::wait_notifies)).
+    /// The guest over pvspin's ABI writes the SPIN doorbell (the host may yield to
+    /// `wait.waiting_for`). Must not block. The default does nothing.
     fn spin_notify(&self, _wait: &SpinWait) {}
+
+    /// [`wait`](Self::wait), told what the caller waits for. A backend whose wait is itself a
+    /// notification (pvspin's WAIT command carries a `SpinNotify`) uses `why`; the default
+    /// ignores it.
+    fn wait_for(&self, ptr: &AtomicU8, val: u8, why: &SpinWait) {
+        let _ = why;
+        self.wait(ptr, val);
+    }
+
+    /// Whether [`wait_for`](Self::wait_for) already tells the host what [`spin_notify`]
+    /// would, so a waiter does not notify separately right before it waits. Default: no.
+    ///
+    /// [`spin_notify`]: Self::spin_notify
+    fn wait_notifies(&self) -> bool {
+        false
+    }
+
+    /// A monotonic clock in the unit of [`spin_budget`](Self::spin_budget) (guests: the TSC).
+    /// The default, a clock that never moves, leaves the iteration limits
+    /// ([`SpinConfig::spin_threshold`], [`spin_window`](Self::spin_window)) as the only ones.
+    fn now(&self) -> u64 {
+        0
+    }
+
+    /// How long this CPU's waiters spin, in [`now`](Self::now) ticks: before notifying and
+    /// before waiting (pvspin's hint page publishes both, in TSC cycles). Default: unlimited
+    /// (iteration limits only).
+    fn spin_budget(&self) -> SpinBudget {
+        SpinBudget::UNLIMITED
+    }
+
+    /// Whether `cpu` is known not to be running (waiting, or not run by the host: pvspin's
+    /// hint page). A waiter whose lock waits on such a CPU stops spinning early, as Linux's PV
+    /// qspinlock does with `vcpu_is_preempted`. Default: never known.
+    fn is_not_running(&self, cpu: u32) -> bool {
+        let _ = cpu;
+        false
+    }
+}
+
+/// Spin budgets in [`PvOps::now`] ticks. `u64::MAX` is unlimited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpinBudget {
+    /// Spin this long since the last notification before notifying.
+    pub notify_after: u64,
+    /// Spin this long in one spin phase before waiting.
+    pub wait_after: u64,
+}
+
+impl SpinBudget {
+    /// No time limits.
+    pub const UNLIMITED: Self = Self {
+        notify_after: u64::MAX,
+        wait_after: u64::MAX,
+    };
 }
 
 /// What a waiter tells the host when it spun past its window: see [`PvOps::spin_notify`].
@@ -449,34 +505,56 @@ impl<O> Clone for Pv<'_, O> {
 impl<O> Copy for Pv<'_, O> {}
 
 impl<O: PvOps> Pv<'_, O> {
-    /// One spin phase of a waiter: up to `spin_threshold` spins until `done()`, calling
-    /// [`PvOps::spin_notify`] each time the spins since the last notification reach
-    /// [`PvOps::spin_window`] (re-read after each notification), and once more at the end if
-    /// the phase did not notify (the waiter is about to halt). `wait(spun)` describes the
-    /// wait. Returns whether `done()` became true.
+    /// One spin phase of a waiter: until `done()`, for at most `spin_threshold` spins and
+    /// [`SpinBudget::wait_after`] ticks, calling [`PvOps::spin_notify`] each time the spins
+    /// since the last notification reach [`PvOps::spin_window`] or the ticks reach
+    /// [`SpinBudget::notify_after`] (both re-read after each notification), and once more at
+    /// the end if the phase did not notify and the wait will not tell the host itself (the
+    /// waiter is about to halt). The phase also ends early when the CPU the waiter waits for
+    /// is known not to run ([`PvOps::is_not_running`]): spinning cannot end before it runs.
+    /// `wait(spun)` describes the wait. Returns whether `done()` became true.
     #[inline]
     pub(crate) fn spin_phase(
         &self,
         done: impl Fn() -> bool,
         wait: impl Fn(u32) -> SpinWait,
     ) -> bool {
+        /// Spins between checks of whether the waited-for CPU runs (each check may scan).
+        const RUNNING_CHECK_EVERY: u32 = 64;
         let mut window = self.ops.spin_window();
+        let mut budget = self.ops.spin_budget();
+        let start = self.ops.now();
+        let mut last_notify = start;
         let mut since = 0u32;
         let mut notified = false;
-        for _ in 0..self.config.spin_threshold {
+        for spins in 0..self.config.spin_threshold {
             if done() {
                 return true;
             }
             spin_loop();
             since += 1;
-            if since >= window {
+            let now = self.ops.now();
+            if since >= window || now.wrapping_sub(last_notify) >= budget.notify_after {
                 self.ops.spin_notify(&wait(since));
                 notified = true;
                 since = 0;
                 window = self.ops.spin_window();
+                budget = self.ops.spin_budget();
+                last_notify = self.ops.now();
+            }
+            if now.wrapping_sub(start) >= budget.wait_after {
+                break;
+            }
+            if spins % RUNNING_CHECK_EVERY == RUNNING_CHECK_EVERY - 1 {
+                if let Some(cpu) = wait(since).waiting_for {
+                    if self.ops.is_not_running(cpu) {
+                        break;
+                    }
+                }
             }
         }
-        if !notified && window != u32::MAX {
+        let notifying = window != u32::MAX || budget.notify_after != u64::MAX;
+        if !notified && notifying && !self.ops.wait_notifies() {
             self.ops.spin_notify(&wait(since));
         }
         false

@@ -181,7 +181,8 @@ impl PvQueuedLock {
                 return;
             }
             cpu.stats.halt();
-            pv.ops.wait(&node.state, HALTED);
+            pv.ops
+                .wait_for(&node.state, HALTED, &self.spin_wait(prev, 0));
             node.state.store(RUNNING, Ordering::Relaxed);
             if node.locked.load(Ordering::Acquire) != 0 {
                 return;

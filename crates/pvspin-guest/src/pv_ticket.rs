@@ -209,7 +209,7 @@ impl PvTicketLock {
                 return;
             }
             cpu.stats.halt();
-            pv.ops.wait(&slot.state, HALTED);
+            pv.ops.wait_for(&slot.state, HALTED, &wait(0));
             slot.state.store(RUNNING, Ordering::Relaxed);
             if self.owner.load(Ordering::Acquire) == ticket {
                 return;
@@ -568,6 +568,90 @@ mod tests {
             assert!(!n.next_owner);
             assert_eq!(n.spun, 4);
         }
+    }
+
+    /// Holds the lock on CPU 1 while a waiter on CPU 0 spins with `ops`; returns once the
+    /// waiter halted, then releases and joins it.
+    fn wait_behind_holder(
+        ops: crate::tests_common::Timed<2>,
+    ) -> Arc<PvDomain<crate::tests_common::Timed<2>, 2>> {
+        let domain = Arc::new(PvDomain::new(
+            ops,
+            SpinConfig {
+                spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+                halt: true,
+            },
+        ));
+        let lock = Arc::new(PvTicketLock::new());
+        bind_current_thread(1);
+        lock.lock(domain.pv());
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(0);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let mut tries = 0;
+        while domain.ops().inner.parked(0) == 0 {
+            tries += 1;
+            assert!(tries < 50_000, "the waiter never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        waiter.join().unwrap();
+        domain
+    }
+
+    #[test]
+    fn time_budgets_end_the_spin_and_notify_in_ticks() {
+        use crate::tests_common::Timed;
+        // Notify every 10 ticks, wait after 35: three notifications, then the wait, which
+        // names the holder.
+        let budget = crate::SpinBudget {
+            notify_after: 10,
+            wait_after: 35,
+        };
+        let domain = wait_behind_holder(Timed::new(budget, false));
+        let notes = domain.ops().notes.lock().unwrap().clone();
+        let waits = domain.ops().waits.lock().unwrap().clone();
+        assert!((3..=4).contains(&notes.len()), "{notes:?}");
+        assert!(notes.iter().all(|n| n.waiting_for == Some(1)));
+        assert_eq!(waits.first().map(|w| w.waiting_for), Some(Some(1)));
+        // A wait that notifies itself: no separate notification before it.
+        let budget = crate::SpinBudget {
+            notify_after: u64::MAX,
+            wait_after: 20,
+        };
+        let domain = wait_behind_holder(Timed::new(budget, true));
+        assert!(domain.ops().notes.lock().unwrap().is_empty());
+        assert!(!domain.ops().waits.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_waiter_stops_spinning_when_its_holder_is_not_running() {
+        use crate::tests_common::Timed;
+        // Budgets far beyond the test's patience: only "holder not running" ends the spin.
+        let ops = Timed::new(
+            crate::SpinBudget {
+                notify_after: u64::MAX,
+                wait_after: u64::MAX - 1,
+            },
+            true,
+        );
+        ops.set_not_running(1);
+        let domain = wait_behind_holder(ops);
+        let waits = domain.ops().waits.lock().unwrap().clone();
+        assert_eq!(waits.first().map(|w| w.waiting_for), Some(Some(1)));
+        // It checks every 64 spins: it gave up after the first check, not after 2^24 spins.
+        assert!(
+            domain.ops().ticks() < 1_000,
+            "{} spins",
+            domain.ops().ticks()
+        );
     }
 
     #[test]

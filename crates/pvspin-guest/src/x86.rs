@@ -5,7 +5,7 @@
 //! `pvspin-abi` says). Not run in this crate's tests (HLT faults outside ring 0); it runs in
 //! the guest programs of `examples/pvspin-vmm`.
 
-use crate::pv::{PvOps, SpinWait};
+use crate::pv::{PvOps, SpinBudget, SpinWait};
 use crate::sync::{AtomicU8, Ordering};
 
 /// What the embedding guest provides: its vCPU index and the kick doorbell.
@@ -28,6 +28,43 @@ pub trait PvPlatform: Sync {
     /// ABI: one `OUT` of `pvspin_abi::doorbell::SpinNotify` to the SPIN register, when the
     /// host sets `SPIN_NOTIFY`. The default does nothing.
     fn spin_notify(&self, _wait: &SpinWait) {}
+
+    /// `pv_wait` without `HLT` (pvspin's WAIT command, ABI 0.3): if this platform waits through
+    /// the doorbell (always in user mode, where `HLT` faults; by choice in kernel mode), check
+    /// `*ptr == val` and, if so, write WAIT with `why`, then return `true`; return `false` to
+    /// have [`HaltPvOps`] halt instead. The default never uses the doorbell.
+    fn doorbell_wait(&self, _ptr: &AtomicU8, _val: u8, _why: &SpinWait) -> bool {
+        false
+    }
+
+    /// Whether [`doorbell_wait`](Self::doorbell_wait) is used (then it carries the spin
+    /// notification, [`PvOps::wait_notifies`]).
+    fn waits_through_doorbell(&self) -> bool {
+        false
+    }
+
+    /// The clock of [`PvOps::now`] (`RDTSC` for budgets in TSC cycles). Default: none.
+    fn now(&self) -> u64 {
+        0
+    }
+
+    /// [`PvOps::spin_budget`] (from pvspin's hint page). Default: unlimited.
+    fn spin_budget(&self) -> SpinBudget {
+        SpinBudget::UNLIMITED
+    }
+
+    /// [`PvOps::is_not_running`] (from pvspin's hint pages). Default: never known.
+    fn is_not_running(&self, _cpu: u32) -> bool {
+        false
+    }
+
+    /// Called right before this vCPU waits (halt or WAIT): e.g. publish "waiting" in its hint
+    /// page. Default: nothing.
+    fn before_wait(&self) {}
+
+    /// Called right after a wait that lasted `ticks` of [`now`](Self::now): e.g. report it to
+    /// the host through the hint page. Default: nothing.
+    fn after_wait(&self, _ticks: u64) {}
 }
 
 /// `cli`; if `*ptr == val` then halt; restore the interrupt flag.
@@ -76,8 +113,9 @@ impl<P> HaltPvOps<P> {
     ///
     /// # Safety
     ///
-    /// Every `wait` through it runs [`halt_if_eq`]: the code must run at CPL 0 in a guest
-    /// whose host latches kicks.
+    /// Every `wait` through it that the platform does not take through the doorbell
+    /// ([`PvPlatform::doorbell_wait`] returning `false`) runs [`halt_if_eq`]: such code must
+    /// run at CPL 0 in a guest whose host latches kicks.
     pub const unsafe fn new(platform: P) -> Self {
         Self { platform }
     }
@@ -88,10 +126,52 @@ impl<P> HaltPvOps<P> {
     }
 }
 
+impl<P: PvPlatform> HaltPvOps<P> {
+    fn wait_with(&self, ptr: &AtomicU8, val: u8, why: Option<&SpinWait>) {
+        let start = self.platform.now();
+        self.platform.before_wait();
+        let unknown = SpinWait {
+            lock: 0,
+            waiting_for: None,
+            next_owner: false,
+            spun: 0,
+        };
+        if !self
+            .platform
+            .doorbell_wait(ptr, val, why.unwrap_or(&unknown))
+        {
+            // SAFETY: `HaltPvOps::new`'s contract: CPL 0 whenever the platform does not wait
+            // through the doorbell, and kicks latched by the host.
+            unsafe { halt_if_eq(ptr, val) };
+        }
+        self.platform
+            .after_wait(self.platform.now().wrapping_sub(start));
+    }
+}
+
 impl<P: PvPlatform> PvOps for HaltPvOps<P> {
     fn wait(&self, ptr: &AtomicU8, val: u8) {
-        // SAFETY: `HaltPvOps::new`'s contract: CPL 0, kicks latched by the host.
-        unsafe { halt_if_eq(ptr, val) };
+        self.wait_with(ptr, val, None);
+    }
+
+    fn wait_for(&self, ptr: &AtomicU8, val: u8, why: &SpinWait) {
+        self.wait_with(ptr, val, Some(why));
+    }
+
+    fn wait_notifies(&self) -> bool {
+        self.platform.waits_through_doorbell()
+    }
+
+    fn now(&self) -> u64 {
+        self.platform.now()
+    }
+
+    fn spin_budget(&self) -> SpinBudget {
+        self.platform.spin_budget()
+    }
+
+    fn is_not_running(&self, cpu: u32) -> bool {
+        self.platform.is_not_running(cpu)
     }
 
     fn kick(&self, cpu: u32) {

@@ -12,13 +12,16 @@
 //! vCPU thread calls [`Actuator::on_target_exit`]`(v)` after each return from `KVM_RUN` and
 //! when it is woken by a kick; the VMM calls [`Actuator::restore_all`] at shutdown.
 //!
-//! **Not implemented yet:** reading guest hint pages, affinity actuators, and a run-slot
-//! scheduler for VMMs that gate their vCPU threads. The side-by-side measurement of the three
+//! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
+//!
+//! **Not implemented yet:** affinity actuators, and a run-slot scheduler for VMMs that gate
+//! their vCPU threads. The side-by-side measurement of the three
 //! actuators needs the example VMM and its guests.
 #![deny(missing_docs)]
 
 pub mod actuator;
 pub mod boost;
+pub mod page;
 pub mod sched;
 
 pub use actuator::{
@@ -26,6 +29,7 @@ pub use actuator::{
     DEFAULT_ACTUATOR,
 };
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
 
 #[cfg(test)]
 mod tests;

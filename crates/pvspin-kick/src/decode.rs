@@ -1,7 +1,7 @@
 //! The pure doorbell decoder: one guest port write in, one command or one reject reason out.
 
 use pvspin_abi::doorbell::{
-    SpinNotify, COMMAND_WIDTH, KICK_OFFSET, SHARED_PAGE_OFFSET, SPIN_OFFSET,
+    SpinNotify, COMMAND_WIDTH, KICK_OFFSET, SHARED_PAGE_OFFSET, SPIN_OFFSET, WAIT_OFFSET,
 };
 
 /// A well-formed doorbell command.
@@ -18,12 +18,15 @@ pub enum Command {
     /// A 32-bit read of the SPIN register: the VMM answers with the reading vCPU's spin window
     /// (the device pre-fills all ones in case it does not).
     ReadSpinWindow,
-    /// SHARED_PAGE (reserved in the ABI): register (or, with 0, unregister) the writing vCPU's
-    /// shared page at this guest page frame number.
+    /// SHARED_PAGE: register (or, with 0, unregister) the writing vCPU's hint page at this
+    /// guest page frame number.
     SharedPage {
         /// Guest page frame number; 0 unregisters.
         pfn: u32,
     },
+    /// WAIT: the writer waits for a kick (`pv_wait` without `HLT`); the notification says
+    /// what for, its waited-for vCPU already checked to be `< nr_vcpus`.
+    Wait(SpinNotify),
 }
 
 /// Why a doorbell access was ignored. Each reason has its own counter.
@@ -82,7 +85,7 @@ impl Reject {
 /// the KICK target and the SPIN holder hint. Feature gating is the device's job, not this
 /// function's.
 pub fn decode(offset: u16, data: &[u8], nr_vcpus: u32) -> Result<Command, Reject> {
-    if offset != KICK_OFFSET && offset != SPIN_OFFSET && offset != SHARED_PAGE_OFFSET {
+    if ![KICK_OFFSET, SPIN_OFFSET, SHARED_PAGE_OFFSET, WAIT_OFFSET].contains(&offset) {
         return Err(Reject::UnusedOffset);
     }
     let bytes: [u8; COMMAND_WIDTH] = data.try_into().map_err(|_| Reject::WrongWidth)?;
@@ -95,10 +98,11 @@ pub fn decode(offset: u16, data: &[u8], nr_vcpus: u32) -> Result<Command, Reject
                 Err(Reject::NoSuchVcpu)
             }
         }
-        SPIN_OFFSET => {
+        SPIN_OFFSET | WAIT_OFFSET => {
             let n = SpinNotify::decode(value);
             match n.waiting_for {
                 Some(w) if u32::from(w) >= nr_vcpus => Err(Reject::NoSuchVcpu),
+                _ if offset == WAIT_OFFSET => Ok(Command::Wait(n)),
                 _ => Ok(Command::Spin(n)),
             }
         }
@@ -109,7 +113,7 @@ pub fn decode(offset: u16, data: &[u8], nr_vcpus: u32) -> Result<Command, Reject
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pvspin_abi::doorbell::{PORT_COUNT, RESERVED_OFFSET};
+    use pvspin_abi::doorbell::PORT_COUNT;
 
     #[test]
     fn kick_decodes_only_valid_targets() {
@@ -142,16 +146,12 @@ mod tests {
     #[test]
     fn unused_offsets_are_rejected_whatever_the_width() {
         for off in 0..PORT_COUNT + 4 {
-            if off == KICK_OFFSET || off == SPIN_OFFSET || off == SHARED_PAGE_OFFSET {
+            if [KICK_OFFSET, SPIN_OFFSET, SHARED_PAGE_OFFSET, WAIT_OFFSET].contains(&off) {
                 continue;
             }
             assert_eq!(decode(off, &[0; 4], 4), Err(Reject::UnusedOffset));
             assert_eq!(decode(off, &[0; 1], 4), Err(Reject::UnusedOffset));
         }
-        assert_eq!(
-            decode(RESERVED_OFFSET, &[0; 4], 4),
-            Err(Reject::UnusedOffset)
-        );
         assert_eq!(decode(u16::MAX, &[0; 4], 4), Err(Reject::UnusedOffset));
     }
 
@@ -180,6 +180,29 @@ mod tests {
         assert_eq!(
             decode(SPIN_OFFSET, &unknown.encode().to_le_bytes(), 1),
             Ok(Command::Spin(unknown))
+        );
+    }
+
+    #[test]
+    fn wait_checks_the_waited_for_vcpu_and_width() {
+        let n = SpinNotify {
+            waiting_for: Some(1),
+            next_owner: false,
+            spun_bucket: 3,
+            lock_hash: 0x55,
+        };
+        let bytes = n.encode().to_le_bytes();
+        assert_eq!(decode(WAIT_OFFSET, &bytes, 2), Ok(Command::Wait(n)));
+        assert_eq!(decode(WAIT_OFFSET, &bytes, 1), Err(Reject::NoSuchVcpu));
+        assert_eq!(decode(WAIT_OFFSET, &bytes[..2], 2), Err(Reject::WrongWidth));
+        // "Unknown" is a valid wait: the host waits without a hint.
+        let unknown = SpinNotify {
+            waiting_for: None,
+            ..n
+        };
+        assert_eq!(
+            decode(WAIT_OFFSET, &unknown.encode().to_le_bytes(), 1),
+            Ok(Command::Wait(unknown))
         );
     }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use pvspin_abi::cpuid::{
     PvspinInfo, FEATURE_KICK, FEATURE_KICK_IN_KERNEL, FEATURE_SHARED_PAGE, FEATURE_SPIN_NOTIFY,
+    FEATURE_WAIT,
 };
 use pvspin_abi::doorbell::{COMMAND_WIDTH, DEFAULT_PORT, PORT_COUNT, SPIN_OFFSET};
 
@@ -63,10 +64,10 @@ pub enum KickError {
         /// The range length.
         count: u16,
     },
-    /// Rule: only the reserved commands SPIN and SHARED_PAGE can be enabled on top of KICK.
+    /// Rule: only the commands SPIN, SHARED_PAGE and WAIT can be enabled on top of KICK.
     #[error(
         "invalid kick configuration: extra_commands {0:#x} has bits other than \
-         FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE"
+         FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT"
     )]
     UnknownCommands(u32),
     /// Rule: a REMRD MSI addresses an 8-bit physical APIC ID, so the in-kernel and signal-msi
@@ -95,6 +96,9 @@ pub enum KickError {
     #[error("handle_hlt is only for the userspace kick path (this device uses {0:?})")]
     NotUserspacePath(KickPath),
 }
+
+/// The commands a VMM may enable on top of KICK ([`KickConfig::extra_commands`]).
+pub const EXTRA_COMMANDS: u32 = FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT;
 
 /// The most vCPUs a device accepts (KVM's `KVM_MAX_VCPUS` on x86).
 pub const MAX_VCPUS: u32 = 4096;
@@ -202,6 +206,8 @@ pub struct KickStats {
     pub in_kernel_missed: u64,
     /// Userspace path: `HLT` exits handled.
     pub hlt_parks: u64,
+    /// Userspace path: WAIT commands that parked (or tried to park) on the latch.
+    pub wait_parks: u64,
 }
 
 impl KickStats {
@@ -230,6 +236,7 @@ struct Counters {
     msi_failed: AtomicU64,
     in_kernel_missed: AtomicU64,
     hlt_parks: AtomicU64,
+    wait_parks: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -286,7 +293,7 @@ impl KickDevice {
                 count: PORT_COUNT,
             });
         }
-        if cfg.extra_commands & !(FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE) != 0 {
+        if cfg.extra_commands & !EXTRA_COMMANDS != 0 {
             return Err(KickError::UnknownCommands(cfg.extra_commands));
         }
         if path != KickPath::Userspace && cfg.nr_vcpus > 256 {
@@ -442,6 +449,9 @@ impl KickDevice {
             Command::SharedPage { .. } if self.cfg.extra_commands & FEATURE_SHARED_PAGE == 0 => {
                 self.reject(Reject::NotEnabled, port, data)
             }
+            Command::Wait(_) if self.cfg.extra_commands & FEATURE_WAIT == 0 => {
+                self.reject(Reject::NotEnabled, port, data)
+            }
             other => {
                 bump(&self.counters.forwarded);
                 PioOutcome::Handled(Handled::Forward(other))
@@ -551,6 +561,23 @@ impl KickDevice {
         }))
     }
 
+    /// Userspace path: a WAIT command of `vcpu` (forwarded as [`Command::Wait`]): parks its
+    /// thread exactly as [`KickDevice::handle_hlt`] does (the same latch, so a kick that
+    /// landed first is remembered), for at most `timeout` when given, or the configured
+    /// park timeout otherwise.
+    pub fn handle_wait(
+        &self,
+        vcpu: u32,
+        timeout: Option<Duration>,
+    ) -> Result<ParkOutcome, KickError> {
+        let latch = self.latch_of(vcpu)?;
+        bump(&self.counters.wait_parks);
+        Ok(latch.park(&ParkPolicy {
+            spin: self.cfg.spin,
+            timeout: timeout.or(self.cfg.park_timeout),
+        }))
+    }
+
     /// Userspace path: consumes a pending kick of `vcpu` without blocking.
     pub fn try_take_kick(&self, vcpu: u32) -> Result<bool, KickError> {
         Ok(self.latch_of(vcpu)?.try_take())
@@ -606,6 +633,7 @@ impl KickDevice {
             msi_failed: ld(&c.msi_failed),
             in_kernel_missed: ld(&c.in_kernel_missed),
             hlt_parks: ld(&c.hlt_parks),
+            wait_parks: ld(&c.wait_parks),
         }
     }
 }
@@ -753,7 +781,8 @@ mod tests {
         assert_eq!(d.handle_pio_write(P, &[1]), r(Reject::WrongWidth));
         assert_eq!(d.handle_pio_write(P, &[1, 0]), r(Reject::WrongWidth));
         assert_eq!(d.handle_pio_write(P + 1, &le(1)), r(Reject::UnusedOffset));
-        assert_eq!(d.handle_pio_write(P + 12, &le(1)), r(Reject::UnusedOffset));
+        assert_eq!(d.handle_pio_write(P + 13, &le(1)), r(Reject::UnusedOffset));
+        assert_eq!(d.handle_pio_write(P + 12, &le(1)), r(Reject::NotEnabled));
         assert_eq!(
             d.handle_pio_write(P + SPIN_OFFSET, &le(0xffff)),
             r(Reject::NotEnabled)
@@ -772,9 +801,9 @@ mod tests {
         assert_eq!(s.rejected(Reject::NoSuchVcpu), 2);
         assert_eq!(s.rejected(Reject::WrongWidth), 2);
         assert_eq!(s.rejected(Reject::UnusedOffset), 2);
-        assert_eq!(s.rejected(Reject::NotEnabled), 2);
+        assert_eq!(s.rejected(Reject::NotEnabled), 3);
         assert_eq!(s.rejected(Reject::Read), 1);
-        assert_eq!(s.accesses, 9);
+        assert_eq!(s.accesses, 10);
         assert_eq!(s.kicks + s.forwarded + s.rejected_total(), s.accesses);
     }
 
@@ -945,5 +974,60 @@ mod tests {
         };
         d.shutdown();
         assert_eq!(t.join().unwrap(), ParkOutcome::Shutdown);
+    }
+
+    #[test]
+    fn wait_is_gated_forwarded_and_parks_on_the_hlt_latch() {
+        use pvspin_abi::doorbell::{SpinNotify, WAIT_OFFSET};
+        let wait = SpinNotify {
+            waiting_for: Some(0),
+            next_owner: false,
+            spun_bucket: 2,
+            lock_hash: 7,
+        }
+        .encode();
+        // Off by default: rejected as not enabled, nothing parks.
+        let off = KickDevice::userspace(cfg(2)).unwrap();
+        assert_eq!(
+            off.handle_pio_write(P + WAIT_OFFSET, &le(wait)),
+            PioOutcome::Handled(Handled::Rejected(Reject::NotEnabled))
+        );
+        let d = Arc::new(
+            KickDevice::userspace(KickConfig {
+                extra_commands: FEATURE_WAIT,
+                ..cfg(2)
+            })
+            .unwrap(),
+        );
+        assert_ne!(d.features() & FEATURE_WAIT, 0);
+        assert_eq!(
+            d.handle_pio_write(P + WAIT_OFFSET, &le(wait)),
+            PioOutcome::Handled(Handled::Forward(Command::Wait(SpinNotify::decode(wait))))
+        );
+        // A kick that lands before the wait is remembered: the wait returns at once.
+        d.handle_pio_write(P, &le(1));
+        assert_eq!(
+            d.handle_wait(1, Some(Duration::from_secs(10))).unwrap(),
+            ParkOutcome::KickedBeforePark
+        );
+        // Bounded: without a kick the wait ends by its timeout.
+        let start = Instant::now();
+        assert_eq!(
+            d.handle_wait(1, Some(Duration::from_millis(20))).unwrap(),
+            ParkOutcome::TimedOut
+        );
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        // Interruptible by the VMM.
+        let t = {
+            let d = d.clone();
+            thread::spawn(move || d.handle_wait(0, Some(Duration::from_secs(10))).unwrap())
+        };
+        while !d.latch(0).unwrap().is_parked() && start.elapsed() < Duration::from_secs(5) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        d.interrupt(0);
+        assert_eq!(t.join().unwrap(), ParkOutcome::Interrupted);
+        assert_eq!(d.stats().wait_parks, 3);
+        assert!(d.handle_wait(2, None).is_err());
     }
 }

@@ -497,4 +497,40 @@ mod loom_tests {
             }
         });
     }
+
+    /// The WAIT command's path (ABI 0.3): the waiter checks its condition, then parks on the
+    /// same latch as a halt; it re-checks and parks again after every return that did not
+    /// find the condition true (a timeout of the bounded park, which is the same event as the
+    /// VMM's interrupt from the waiter's side, or a kick meant for an earlier wait). The
+    /// kicker makes the condition true, then kicks. Whatever the interleaving, including the
+    /// interrupt landing before, during or after the park, the waiter ends with the condition
+    /// true: no lost wake-up (loom reports a waiter asleep forever as a deadlock).
+    #[test]
+    fn loom_wait_loop_with_timeout_or_interrupt_never_loses_the_kick() {
+        use loom::sync::atomic::AtomicBool;
+        loom::model(|| {
+            let l = Arc::new(WakeLatch::new());
+            let cond = Arc::new(AtomicBool::new(false));
+            let k = {
+                let (l, cond) = (l.clone(), cond.clone());
+                thread::spawn(move || {
+                    cond.store(true, Ordering::SeqCst);
+                    l.kick();
+                })
+            };
+            let i = {
+                let l = l.clone();
+                thread::spawn(move || l.interrupt())
+            };
+            let mut parks = 0;
+            while !cond.load(Ordering::SeqCst) {
+                let o = l.park();
+                assert_ne!(o, ParkOutcome::Shutdown);
+                parks += 1;
+                assert!(parks <= 2, "more parks than kicks and interrupts");
+            }
+            k.join().unwrap();
+            i.join().unwrap();
+        });
+    }
 }

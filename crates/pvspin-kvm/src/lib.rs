@@ -6,7 +6,8 @@
 //! (`KVM_GET_STATS_FD`, [`stats`]); and the telemetry snapshot that merges pvspin's own
 //! counters with KVM's, rendered as JSON or Prometheus text ([`telemetry`]).
 //!
-//! **Implemented:** [`quirks`], [`plan`], [`stats`], [`telemetry`], and [`irqchip`]: the setup
+//! **Implemented:** [`quirks`], [`plan`], [`guest`] (what stock Linux guests do with the plan's
+//! CPUID, per kernel line: `docs/stock-guests.md`), [`stats`], [`telemetry`], and [`irqchip`]: the setup
 //! the in-kernel and signal-msi kick paths need (in-kernel irqchip, MP state of the APs, LAPIC
 //! refresh, ioeventfd + irqfd routes to REMRD MSIs).
 //!
@@ -51,6 +52,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod guest;
 pub mod irqchip;
 pub mod plan;
 pub mod quirks;

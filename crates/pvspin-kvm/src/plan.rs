@@ -14,31 +14,45 @@
 //!
 //! # Defaults per placement, and why
 //!
-//! The guest's decisions (Linux `arch/x86/kernel/kvm.c`, see `kvm-pv-reference.md` §2.1):
-//! without `PV_UNHALT` the guest keeps the unfair test-and-set `virt_spin_lock`; with
-//! `KVM_HINTS_REALTIME` (or one vCPU) it uses plain native qspinlock; otherwise PV qspinlock
-//! (wait = HLT, kick = `KVM_HC_KICK_CPU`). `PV_TLB_FLUSH` and `PV_SCHED_YIELD` are used only
-//! with `STEAL_TIME`, without `REALTIME` and with more than one CPU. KVM strips `PV_UNHALT` when
-//! HLT exits are disabled, and a HLT that never exits cannot be woken by a kick.
+//! The guest's decisions (Linux `arch/x86/kernel/kvm.c`; the whole table per kernel line is in
+//! `docs/stock-guests.md` and encoded in [`crate::guest::guest_outcome`]): without `PV_UNHALT`
+//! and without `KVM_HINTS_REALTIME` the guest keeps the unfair test-and-set `virt_spin_lock`;
+//! with `PV_UNHALT` and without `REALTIME` (and more than one CPU) it uses PV qspinlock (wait =
+//! HLT, kick = `KVM_HC_KICK_CPU`); with `REALTIME` it uses native qspinlock, **but** kernels
+//! from a 2019 rework (between v4.19 and v5.4) up to upstream 960550503965 (2025; "Prefer native
+//! qspinlock for dedicated vCPUs irrespective of PV_UNHALT", backported to the stable trees in
+//! November 2025) check `PV_UNHALT` first and keep test-and-set when it is absent, `REALTIME`
+//! or not ([`GuestKernel::Legacy`]). `PV_TLB_FLUSH` and `PV_SCHED_YIELD` are used only with
+//! `STEAL_TIME`, without `REALTIME` and with more than one CPU (and, from 6.1, without MWAIT in
+//! the guest's CPUID). `POLL_CONTROL` is used only by `cpuidle-haltpoll`, which loads only with
+//! `REALTIME`. KVM strips `PV_UNHALT` when HLT exits are disabled, and a HLT that never exits
+//! cannot be woken by a kick.
 //!
 //! | | dedicated (pinned 1:1) | shared | overcommitted |
 //! |---|---|---|---|
 //! | `KVM_HINTS_REALTIME` | **on**: vCPUs are never preempted for long, so native qspinlock is best | off | off |
-//! | disabled exits | **HLT \| PAUSE**: an idle or spinning vCPU keeps its own host CPU, no exit cost | none | none |
-//! | `PV_UNHALT` | off: it conflicts with HLT exits disabled, and the guest ignores it under REALTIME | on | on |
+//! | disabled exits | guest `Modern`: **HLT \| PAUSE**; `Unknown`/`Legacy`: **PAUSE** only, so that `PV_UNHALT` may be advertised | none | none |
+//! | `PV_UNHALT` | on exactly when HLT exits stay enabled (guest `Unknown`/`Legacy`, or a host that cannot disable them, e.g. `mitigate_smt_rsb`): legacy guests need it next to `REALTIME` for native qspinlock | on | on |
 //! | `STEAL_TIME` | on: steal accounting stays truthful (it reads ~0) | on | on |
 //! | `PV_TLB_FLUSH`, `PV_SCHED_YIELD` | off: the guest ignores them under REALTIME | on | on |
 //! | `PV_SEND_IPI` | on: one hypercall instead of one exit per destination | on | on |
-//! | `POLL_CONTROL` | off: with HLT exits disabled there is no host halt polling to control | on | on |
-//! | halt-poll limit | KVM's default (irrelevant: HLT does not exit) | KVM's default | **0**: polling burns a host CPU another runnable vCPU needs |
+//! | `POLL_CONTROL` | **on**: `cpuidle-haltpoll` loads under REALTIME and turns host polling off with it (without it the guest logs "host does not support poll control") | off: no guest uses it | off |
+//! | halt-poll limit | KVM's default | KVM's default | **0**: polling burns a host CPU another runnable vCPU needs |
 //! | `ENFORCE_PV_FEATURE_CPUID` | on | on | on |
 //! | `FIX_HYPERCALL_INSN` quirk | disabled | disabled | disabled |
+//!
+//! `PV_UNHALT` also needs an in-kernel LAPIC (`KVM_CREATE_IRQCHIP` or a split irqchip): KVM
+//! delivers `KVM_HC_KICK_CPU` as a REMRD interrupt to the target's in-kernel LAPIC, and without
+//! one the kick reaches nobody while the guest's `kvm_wait` halts with interrupts off. QEMU
+//! strips `PV_UNHALT` in that case too. [`PlanRequest::lapic_in_kernel`] says whether the VM has
+//! one; when it is `None`, [`apply_vcpu`] asks each vCPU (`KVM_GET_LAPIC`).
 //!
 //! `ENFORCE_PV_FEATURE_CPUID` is on everywhere so that CPUID is the single truth: without it KVM
 //! services `KICK_CPU`, `SCHED_YIELD` and `SEND_IPI` even when they were not advertised. The
 //! `FIX_HYPERCALL_INSN` quirk is disabled everywhere so that a hypercall of the wrong vendor
 //! raises #UD instead of being rewritten (on the emulating development hosts a rewritten
-//! hypercall loops forever).
+//! hypercall loops forever); a VMM that live-migrates guests between Intel and AMD hosts must
+//! keep it (see [`crate::quirks`]).
 //!
 //! One vCPU: Linux turns PV spinlocks off when `num_possible_cpus() == 1`, and PV TLB flush,
 //! sched-yield and send-IPI need more than one CPU. The defaults still advertise them: the guest
@@ -54,32 +68,56 @@
 //! A default the host does not support is dropped and recorded in [`Plan::dropped`]; an explicit
 //! request ([`PlanRequest`] override) the host does not support is refused.
 //!
-//! # Rules ([`PlanError`])
+//! # The CPUID edit ([`edit_cpuid`])
 //!
-//! * `PV_UNHALT` together with HLT exits disabled is refused (KVM `api.rst` §7.13).
+//! The managed EAX bits are set as planned and EDX gets the hints; everything else the VMM put
+//! in its CPUID stays. When the VMM's CPUID has no hypervisor leaves, the KVM signature and
+//! feature leaves are added with the host's supported EAX (kvmclock, PV EOI, async PF, ...) for
+//! the unmanaged bits, as `KVM_GET_SUPPORTED_CPUID` would have given them. The hypervisor bit
+//! CPUID.1:ECX\[31\], without which Linux never looks for the KVM leaves (`kvm_cpuid_base`), is
+//! required: a CPUID with it clear hides the hypervisor on purpose, and the plan is refused
+//! unless [`PlanRequest::add_kvm_leaves`] is `Some(true)` (then the bit is set). With
+//! `Some(false)` missing KVM leaves are refused rather than added.
+//!
+//! # Rules ([`PlanError`]), their sources, and what depends on a kernel version
+//!
+//! * `PV_UNHALT` together with HLT exits disabled is refused (KVM `api.rst` §7.13; host KVM
+//!   strips the bit anyway, `cpuid.c`).
+//! * `PV_UNHALT` without an in-kernel LAPIC is refused (QEMU `kvm_arch_get_supported_cpuid`;
+//!   KVM `kvm_pv_kick_cpu_op` delivers to the in-kernel LAPIC only; Linux `kvm_wait` halts with
+//!   interrupts off).
+//! * `KVM_HINTS_REALTIME` without `PV_UNHALT` is refused unless the guest is declared
+//!   [`GuestKernel::Modern`] (guest-version rule: Linux `kvm_spinlock_init` from a 2019 rework,
+//!   between v4.19 and v5.4, up to 960550503965).
 //! * `KVM_HINTS_REALTIME` without dedicated placement is refused (its meaning is "vCPUs are never
-//!   preempted for an unlimited time").
+//!   preempted for an unlimited time", `Documentation/virt/kvm/x86/cpuid.rst`).
 //! * Disabling HLT, PAUSE or CSTATE exits without dedicated placement is refused: a vCPU that
 //!   does not exit on them keeps its host CPU while idle or spinning.
 //! * `PV_TLB_FLUSH` or `PV_SCHED_YIELD` without `STEAL_TIME` is refused (the guest never uses
-//!   them then).
+//!   them then: `pv_tlb_flush_supported`, `pv_sched_yield_supported`).
 //! * A feature bit, exit flag, halt-poll setting, PV enforcement or quirk the host does not
-//!   support is refused.
+//!   support is refused, the quirks the VMM says it disabled included.
 //! * `dedicated` or `shared` placement with more vCPUs than host CPUs (when
 //!   [`PlanRequest::host_cpus`] is given) is refused: that is overcommitted.
-//! * Exit flags after vCPUs exist are refused (KVM accepts them only before the first
-//!   `KVM_CREATE_VCPU`).
+//! * Exit flags after vCPUs exist are refused (host-version rule: KVM refuses them once a vCPU
+//!   exists since "KVM: x86: only allow exits disable before vCPUs created", 2023, Cc: stable;
+//!   older hosts accepted them and applied them only to vCPUs created afterwards).
+//! * A CPUID that hides the hypervisor (CPUID.1:ECX\[31\] clear), or lacks the KVM leaves with
+//!   `add_kvm_leaves = Some(false)`, or has only foreign hypervisor leaves, is refused.
+//! * The quirk mask pvspin writes includes [`PlanRequest::vmm_disabled_quirks`] (host-version
+//!   rule: `KVM_CAP_DISABLE_QUIRKS2` replaced the mask before 9966b7822b3f, see
+//!   [`crate::quirks`]).
 
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_enable_cap, CpuId, KVM_CAP_ENFORCE_PV_FEATURE_CPUID, KVM_CAP_HALT_POLL,
     KVM_CAP_X86_DISABLE_EXITS, KVM_MAX_CPUID_ENTRIES, KVM_X86_DISABLE_EXITS_CSTATE,
     KVM_X86_DISABLE_EXITS_HLT, KVM_X86_DISABLE_EXITS_MWAIT, KVM_X86_DISABLE_EXITS_PAUSE,
-    KVM_X86_QUIRK_FIX_HYPERCALL_INSN,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::Serialize;
 use std::fmt;
 
+pub use crate::guest::GuestKernel;
 use crate::quirks;
 
 /// `KVM_CPUID_SIGNATURE`: the first hypervisor leaf.
@@ -367,14 +405,28 @@ pub struct PlanRequest {
     pub halt_poll: Option<HaltPoll>,
     /// Enable `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` on every vCPU.
     pub enforce_pv_cpuid: Option<bool>,
-    /// Disable the `FIX_HYPERCALL_INSN` quirk.
+    /// Disable the `FIX_HYPERCALL_INSN` quirk (`Some(false)` for guests that live-migrate
+    /// between Intel and AMD hosts, see [`crate::quirks`]).
     pub disable_fix_hypercall_quirk: Option<bool>,
     /// Host CPUs available to this VM, if known: checks that the placement fits.
     pub host_cpus: Option<u32>,
+    /// Which Linux guest kernels the plan must be right for (default [`GuestKernel::Unknown`]:
+    /// all of them, at the cost of keeping HLT exits on dedicated vCPUs).
+    pub guest_kernel: GuestKernel,
+    /// Whether the VM has an in-kernel LAPIC (`KVM_CREATE_IRQCHIP` or a split irqchip) before
+    /// the vCPU stage, which `PV_UNHALT` needs. `None`: [`apply_vcpu`] asks each vCPU.
+    pub lapic_in_kernel: Option<bool>,
+    /// Quirks the VMM disabled on this VM (`KVM_CAP_DISABLE_QUIRKS2`) before the VM stage:
+    /// written again together with pvspin's, so that hosts that replace the mask keep them.
+    pub vmm_disabled_quirks: u64,
+    /// When the VMM's CPUID has no KVM leaves: `None` adds them unless the VMM hides the
+    /// hypervisor (CPUID.1:ECX\[31\] clear, refused); `Some(true)` adds them and sets the
+    /// hypervisor bit; `Some(false)` never adds them (refused).
+    pub add_kvm_leaves: Option<bool>,
 }
 
 impl PlanRequest {
-    /// A request with every setting at the placement's default.
+    /// A request with every setting at the placement's default, for any guest kernel.
     pub fn new(placement: Placement, vcpus: u32) -> PlanRequest {
         PlanRequest {
             placement,
@@ -386,6 +438,10 @@ impl PlanRequest {
             enforce_pv_cpuid: None,
             disable_fix_hypercall_quirk: None,
             host_cpus: None,
+            guest_kernel: GuestKernel::Unknown,
+            lapic_in_kernel: None,
+            vmm_disabled_quirks: 0,
+            add_kvm_leaves: None,
         }
     }
 }
@@ -393,7 +449,7 @@ impl PlanRequest {
 /// The defaults of one placement (before intersecting with the host).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlacementDefaults {
-    /// PV feature bits.
+    /// PV feature bits (for dedicated placement `PV_UNHALT` is added when HLT exits stay on).
     pub pv_features: PvFeatures,
     /// `KVM_HINTS_REALTIME`.
     pub realtime: bool,
@@ -408,20 +464,31 @@ pub struct PlacementDefaults {
 }
 
 impl PlacementDefaults {
-    /// The defaults for `placement` (the table in the module docs).
+    /// The defaults for `placement` with any guest kernel (the table in the module docs).
     pub fn for_placement(placement: Placement) -> PlacementDefaults {
-        let all = PvFeatures::MANAGED;
+        Self::for_guest(placement, GuestKernel::Unknown)
+    }
+
+    /// The defaults for `placement` and guests of family `guest`.
+    pub fn for_guest(placement: Placement, guest: GuestKernel) -> PlacementDefaults {
+        let shared = PvFeatures::MANAGED.difference(PvFeatures::POLL_CONTROL);
         match placement {
             Placement::Dedicated => PlacementDefaults {
-                pv_features: PvFeatures::STEAL_TIME.union(PvFeatures::PV_SEND_IPI),
+                pv_features: PvFeatures::STEAL_TIME
+                    .union(PvFeatures::PV_SEND_IPI)
+                    .union(PvFeatures::POLL_CONTROL),
                 realtime: true,
-                disable_exits: ExitFlags(ExitFlags::HLT.0 | ExitFlags::PAUSE.0),
+                disable_exits: if guest.realtime_needs_pv_unhalt() {
+                    ExitFlags::PAUSE
+                } else {
+                    ExitFlags(ExitFlags::HLT.0 | ExitFlags::PAUSE.0)
+                },
                 halt_poll: HaltPoll::KvmDefault,
                 enforce_pv_cpuid: true,
                 disable_fix_hypercall_quirk: true,
             },
             Placement::Shared => PlacementDefaults {
-                pv_features: all,
+                pv_features: shared,
                 realtime: false,
                 disable_exits: ExitFlags::NONE,
                 halt_poll: HaltPoll::KvmDefault,
@@ -429,7 +496,7 @@ impl PlacementDefaults {
                 disable_fix_hypercall_quirk: true,
             },
             Placement::Overcommitted => PlacementDefaults {
-                pv_features: all,
+                pv_features: shared,
                 realtime: false,
                 disable_exits: ExitFlags::NONE,
                 halt_poll: HaltPoll::MaxNs(0),
@@ -459,7 +526,19 @@ pub struct Plan {
     pub enforce_pv_cpuid: bool,
     /// Disable the `FIX_HYPERCALL_INSN` quirk.
     pub disable_fix_hypercall_quirk: bool,
-    /// Defaults dropped because the host lacks them, one line each.
+    /// The guest kernels the plan is right for.
+    pub guest_kernel: GuestKernel,
+    /// Whether the VM has an in-kernel LAPIC (`None`: asked per vCPU at the vCPU stage).
+    pub lapic_in_kernel: Option<bool>,
+    /// `PV_UNHALT` (and the other features) were requested explicitly, not defaults.
+    pub pv_features_explicit: bool,
+    /// Quirks the VMM disabled before the VM stage (kept in the mask pvspin writes).
+    pub vmm_disabled_quirks: u64,
+    /// The host's supported KVM feature EAX: the unmanaged bits of KVM leaves pvspin adds.
+    pub host_kvm_eax: u32,
+    /// [`PlanRequest::add_kvm_leaves`].
+    pub add_kvm_leaves: Option<bool>,
+    /// Defaults dropped because the host (or the VM) lacks them, one line each.
     pub dropped: Vec<String>,
 }
 
@@ -493,8 +572,19 @@ pub enum PlanError {
         managed: PvFeatures,
     },
     /// `PV_UNHALT` with HLT exits disabled.
-    #[error("rule: PV_UNHALT must not be advertised with HLT exits disabled (a HLT that never exits cannot be woken by a kick)")]
+    #[error("rule: PV_UNHALT must not be advertised with HLT exits disabled (a HLT that never exits cannot be woken by a kick; KVM api.rst 7.13)")]
     PvUnhaltWithHltExitsDisabled,
+    /// `PV_UNHALT` without an in-kernel LAPIC.
+    #[error("rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)")]
+    PvUnhaltNeedsInKernelLapic,
+    /// `REALTIME` without `PV_UNHALT` for guests that may be legacy.
+    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the 2019 kvm_spinlock_init rework (after v4.19) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel LAPIC{why}) or declare GuestKernel::Modern")]
+    RealtimeWithoutPvUnhalt {
+        /// The declared guest family.
+        guest_kernel: GuestKernel,
+        /// Why `PV_UNHALT` is missing, if known (starts with "; ").
+        why: String,
+    },
     /// `REALTIME` without dedicated placement.
     #[error("rule: KVM_HINTS_REALTIME requires dedicated placement (it promises vCPUs are never preempted for long); placement is {placement}")]
     RealtimeRequiresDedicated {
@@ -539,9 +629,13 @@ pub enum PlanError {
     /// `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` is missing.
     #[error("rule: host does not support KVM_CAP_ENFORCE_PV_FEATURE_CPUID")]
     EnforceUnsupported,
-    /// The quirk cannot be disabled.
-    #[error("rule: host cannot disable quirk FIX_HYPERCALL_INSN (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})")]
+    /// A quirk (pvspin's or the VMM's) cannot be disabled.
+    #[error(
+        "rule: host cannot disable quirk(s) {quirks:#x} (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})"
+    )]
     QuirkUnsupported {
+        /// The quirks that cannot be disabled.
+        quirks: u64,
         /// The host's mask.
         supported: u64,
     },
@@ -562,8 +656,14 @@ pub enum PlanError {
         source: kvm_ioctls::Error,
     },
     /// Another hypervisor owns leaf `0x40000000` and no KVM signature was found.
-    #[error("CPUID has hypervisor leaves but no KVM signature at 0x40000000 + n*0x100; cannot place the KVM leaf")]
+    #[error("rule: the CPUID has hypervisor leaves but no KVM signature at 0x40000000 + n*0x100; pvspin does not place KVM leaves next to a foreign hypervisor's")]
     NoKvmLeaf,
+    /// The CPUID has no KVM leaves and the VMM said not to add them.
+    #[error("rule: the CPUID has no KVM leaves and add_kvm_leaves is Some(false): a paravirt plan needs them")]
+    KvmLeavesMissing,
+    /// The VMM's CPUID hides the hypervisor (CPUID.1:ECX\[31\] clear).
+    #[error("rule: the VMM's CPUID hides the hypervisor (CPUID.1:ECX[31] clear), so Linux never reads the KVM leaves (kvm_cpuid_base); pvspin does not undo that unless add_kvm_leaves is Some(true)")]
+    HypervisorHidden,
     /// Too many CPUID entries to add the KVM leaves.
     #[error("CPUID is full ({0} entries); cannot add the KVM leaves")]
     CpuidFull(usize),
@@ -596,7 +696,7 @@ impl Plan {
                 });
             }
         }
-        let d = PlacementDefaults::for_placement(req.placement);
+        let d = PlacementDefaults::for_guest(req.placement, req.guest_kernel);
         let mut dropped = Vec::new();
 
         // Exits first: PV_UNHALT's default depends on them.
@@ -629,6 +729,7 @@ impl Plan {
             });
         }
 
+        let hlt_off = disable_exits.contains(ExitFlags::HLT);
         let pv_features = match req.pv_features {
             Some(f) => {
                 if !PvFeatures::MANAGED.contains(f) {
@@ -644,13 +745,24 @@ impl Plan {
                         supported: host.pv_features.0,
                     });
                 }
+                if f.contains(PvFeatures::PV_UNHALT) && req.lapic_in_kernel == Some(false) {
+                    return Err(PlanError::PvUnhaltNeedsInKernelLapic);
+                }
                 f
             }
             None => {
                 let mut f = d.pv_features;
-                if disable_exits.contains(ExitFlags::HLT) && f.contains(PvFeatures::PV_UNHALT) {
+                // Dedicated: PV_UNHALT exactly when HLT exits stay on.
+                if req.placement == Placement::Dedicated && !hlt_off {
+                    f = f.union(PvFeatures::PV_UNHALT);
+                }
+                if hlt_off && f.contains(PvFeatures::PV_UNHALT) {
                     f = f.difference(PvFeatures::PV_UNHALT);
                     dropped.push("PV_UNHALT: HLT exits are disabled".to_owned());
+                }
+                if req.lapic_in_kernel == Some(false) && f.contains(PvFeatures::PV_UNHALT) {
+                    f = f.difference(PvFeatures::PV_UNHALT);
+                    dropped.push("PV_UNHALT: the VM has no in-kernel LAPIC".to_owned());
                 }
                 let missing = f.difference(host.pv_features);
                 if !missing.is_empty() {
@@ -670,7 +782,7 @@ impl Plan {
                 f
             }
         };
-        if pv_features.contains(PvFeatures::PV_UNHALT) && disable_exits.contains(ExitFlags::HLT) {
+        if pv_features.contains(PvFeatures::PV_UNHALT) && hlt_off {
             return Err(PlanError::PvUnhaltWithHltExitsDisabled);
         }
         if !pv_features.contains(PvFeatures::STEAL_TIME) {
@@ -688,6 +800,24 @@ impl Plan {
         if realtime && req.placement != Placement::Dedicated {
             return Err(PlanError::RealtimeRequiresDedicated {
                 placement: req.placement,
+            });
+        }
+        if realtime
+            && !pv_features.contains(PvFeatures::PV_UNHALT)
+            && req.guest_kernel.realtime_needs_pv_unhalt()
+        {
+            let why = if hlt_off {
+                "; HLT exits are disabled"
+            } else if req.lapic_in_kernel == Some(false) {
+                "; the VM has no in-kernel LAPIC"
+            } else if !host.pv_features.contains(PvFeatures::PV_UNHALT) {
+                "; the host does not offer PV_UNHALT"
+            } else {
+                ""
+            };
+            return Err(PlanError::RealtimeWithoutPvUnhalt {
+                guest_kernel: req.guest_kernel,
+                why: why.to_owned(),
             });
         }
 
@@ -718,11 +848,19 @@ impl Plan {
             }
         };
 
-        let quirk = u64::from(KVM_X86_QUIRK_FIX_HYPERCALL_INSN);
+        let unsupported_vmm = req.vmm_disabled_quirks & !host.disableable_quirks;
+        if unsupported_vmm != 0 {
+            return Err(PlanError::QuirkUnsupported {
+                quirks: unsupported_vmm,
+                supported: host.disableable_quirks,
+            });
+        }
+        let quirk = quirks::FIX_HYPERCALL_INSN;
         let quirk_ok = host.disableable_quirks & quirk == quirk;
         let disable_fix_hypercall_quirk = match req.disable_fix_hypercall_quirk {
             Some(true) if !quirk_ok => {
                 return Err(PlanError::QuirkUnsupported {
+                    quirks: quirk,
                     supported: host.disableable_quirks,
                 })
             }
@@ -746,8 +884,48 @@ impl Plan {
             halt_poll,
             enforce_pv_cpuid,
             disable_fix_hypercall_quirk,
+            guest_kernel: req.guest_kernel,
+            lapic_in_kernel: req.lapic_in_kernel,
+            pv_features_explicit: req.pv_features.is_some(),
+            vmm_disabled_quirks: req.vmm_disabled_quirks,
+            host_kvm_eax: host.pv_features.0,
+            add_kvm_leaves: req.add_kvm_leaves,
             dropped,
         })
+    }
+
+    /// The plan for a VM whose in-kernel LAPIC is now known (`lapic_in_kernel`): without one,
+    /// a default `PV_UNHALT` is dropped (recorded in [`Plan::dropped`]), an explicit one is
+    /// refused, and so is `REALTIME` without `PV_UNHALT` for guests that may be legacy.
+    pub fn for_lapic(&self, lapic_in_kernel: bool) -> Result<Plan, PlanError> {
+        let mut plan = self.clone();
+        plan.lapic_in_kernel = Some(lapic_in_kernel);
+        if lapic_in_kernel || !plan.pv_features.contains(PvFeatures::PV_UNHALT) {
+            return Ok(plan);
+        }
+        if plan.pv_features_explicit {
+            return Err(PlanError::PvUnhaltNeedsInKernelLapic);
+        }
+        if plan.realtime && plan.guest_kernel.realtime_needs_pv_unhalt() {
+            return Err(PlanError::RealtimeWithoutPvUnhalt {
+                guest_kernel: plan.guest_kernel,
+                why: "; the VM has no in-kernel LAPIC".to_owned(),
+            });
+        }
+        plan.pv_features = plan.pv_features.difference(PvFeatures::PV_UNHALT);
+        plan.dropped
+            .push("PV_UNHALT: the VM has no in-kernel LAPIC".to_owned());
+        Ok(plan)
+    }
+
+    /// The quirk mask the VM stage writes with `KVM_CAP_DISABLE_QUIRKS2` (the VMM's quirks and
+    /// pvspin's), or 0 when pvspin disables nothing (then it makes no call).
+    pub fn quirks_to_write(&self) -> u64 {
+        if self.disable_fix_hypercall_quirk {
+            quirks::mask_to_write(self.vmm_disabled_quirks, quirks::FIX_HYPERCALL_INSN)
+        } else {
+            0
+        }
     }
 
     /// EDX of CPUID `0x40000001` the guest sees (`KVM_HINTS_REALTIME` = bit 0).
@@ -773,7 +951,11 @@ impl Plan {
 
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "placement: {} ({} vCPUs)", self.placement, self.vcpus)?;
+        writeln!(
+            f,
+            "placement: {} ({} vCPUs), guest kernel {}",
+            self.placement, self.vcpus, self.guest_kernel
+        )?;
         writeln!(
             f,
             "cpuid 0x40000001: managed eax bits {} ({:#x}), edx {:#x}{}",
@@ -793,6 +975,9 @@ impl fmt::Display for Plan {
             "FIX_HYPERCALL_INSN quirk disabled: {}",
             self.disable_fix_hypercall_quirk
         )?;
+        if self.vmm_disabled_quirks != 0 {
+            write!(f, " (with the VMM's {:#x})", self.vmm_disabled_quirks)?;
+        }
         for d in &self.dropped {
             write!(f, "\ndropped default: {d}")?;
         }
@@ -826,6 +1011,9 @@ fn find_kvm_leaf(entries: &[kvm_cpuid_entry2]) -> Result<Option<usize>, PlanErro
     Ok(find_kvm_base(entries)?.and_then(|b| entries.iter().position(|e| e.function == b + 1)))
 }
 
+/// CPUID.1:ECX\[31\], `X86_FEATURE_HYPERVISOR`.
+pub const HYPERVISOR_BIT: u32 = 1 << 31;
+
 /// What [`edit_cpuid`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct CpuidEdit {
@@ -839,17 +1027,51 @@ pub struct CpuidEdit {
     pub edx: u32,
     /// The KVM leaves (or the feature leaf alone) were missing and were added.
     pub added: bool,
+    /// The hypervisor bit CPUID.1:ECX\[31\] was set by the edit (leaf 1 added if missing).
+    pub hypervisor_bit_set: bool,
 }
 
-/// Edits the KVM feature leaf in `cpuid` per `plan` (pure): managed EAX bits as planned, other
+/// Edits `cpuid` per `plan` (pure): managed EAX bits of the KVM feature leaf as planned, other
 /// EAX bits untouched, EDX = the plan's hints. Adds the signature and feature leaves at
-/// `0x40000000` when the CPUID has no hypervisor leaves at all, and the feature leaf when only
-/// the KVM signature is there. Refuses a CPUID whose hypervisor leaves are all foreign.
+/// `0x40000000` when the CPUID has no hypervisor leaves at all (unmanaged EAX bits from the
+/// host's supported leaf), and the feature leaf when only the KVM signature is there; refuses
+/// a CPUID whose hypervisor leaves are all foreign, one that hides the hypervisor
+/// (CPUID.1:ECX\[31\] clear) unless `add_kvm_leaves` is `Some(true)`, and one without KVM
+/// leaves when `add_kvm_leaves` is `Some(false)`.
 pub fn edit_cpuid(plan: &Plan, cpuid: &mut CpuId) -> Result<CpuidEdit, PlanError> {
     let full = cpuid.as_slice().len();
+    let force = plan.add_kvm_leaves == Some(true);
+    let mut hypervisor_bit_set = false;
+    match cpuid.as_slice().iter().position(|e| e.function == 1) {
+        Some(i) => {
+            let e = &mut cpuid.as_mut_slice()[i];
+            if e.ecx & HYPERVISOR_BIT == 0 {
+                if !force {
+                    return Err(PlanError::HypervisorHidden);
+                }
+                e.ecx |= HYPERVISOR_BIT;
+                hypervisor_bit_set = true;
+            }
+        }
+        None => {
+            // A hand-made CPUID without leaf 1: the guest would read zeros there.
+            cpuid
+                .push(kvm_cpuid_entry2 {
+                    function: 1,
+                    ecx: HYPERVISOR_BIT,
+                    ..Default::default()
+                })
+                .map_err(|_| PlanError::CpuidFull(full))?;
+            hypervisor_bit_set = true;
+        }
+    }
+    let mut added = false;
     let base = match find_kvm_base(cpuid.as_slice())? {
         Some(base) => base,
         None => {
+            if plan.add_kvm_leaves == Some(false) {
+                return Err(PlanError::KvmLeavesMissing);
+            }
             cpuid
                 .push(kvm_cpuid_entry2 {
                     function: KVM_CPUID_SIGNATURE,
@@ -860,6 +1082,7 @@ pub fn edit_cpuid(plan: &Plan, cpuid: &mut CpuId) -> Result<CpuidEdit, PlanError
                     ..Default::default()
                 })
                 .map_err(|_| PlanError::CpuidFull(full))?;
+            added = true;
             KVM_CPUID_SIGNATURE
         }
     };
@@ -874,12 +1097,13 @@ pub fn edit_cpuid(plan: &Plan, cpuid: &mut CpuId) -> Result<CpuidEdit, PlanError
             eax_before,
             eax: e.eax,
             edx: e.edx,
-            added: false,
+            added,
+            hypervisor_bit_set,
         });
     }
     let entry = kvm_cpuid_entry2 {
         function: leaf,
-        eax: plan.features_eax(0),
+        eax: plan.features_eax(plan.host_kvm_eax),
         edx: plan.hints_edx(),
         ..Default::default()
     };
@@ -890,6 +1114,7 @@ pub fn edit_cpuid(plan: &Plan, cpuid: &mut CpuId) -> Result<CpuidEdit, PlanError
         eax: entry.eax,
         edx: entry.edx,
         added: true,
+        hypervisor_bit_set,
     })
 }
 
@@ -902,6 +1127,9 @@ pub struct AppliedVm {
     pub halt_poll_ns: Option<u32>,
     /// `FIX_HYPERCALL_INSN` disabled.
     pub fix_hypercall_quirk_disabled: bool,
+    /// The quirk mask written with `KVM_CAP_DISABLE_QUIRKS2` (0: no call). A VMM that disables
+    /// quirks later must include it (hosts before 9966b7822b3f replace the mask).
+    pub disabled_quirks: u64,
 }
 
 impl fmt::Display for AppliedVm {
@@ -912,6 +1140,9 @@ impl fmt::Display for AppliedVm {
         } else {
             "left on"
         })?;
+        if self.disabled_quirks != 0 {
+            write!(f, " (quirk mask {:#x})", self.disabled_quirks)?;
+        }
         write!(f, "; exits disabled: {}; halt poll: ", self.disable_exits)?;
         match self.halt_poll_ns {
             Some(ns) => write!(f, "max {ns} ns"),
@@ -924,7 +1155,7 @@ impl fmt::Display for AppliedVcpu {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "vCPU stage: CPUID {:#x}.eax {:#x} -> {:#x} ({}), edx {:#x}{}; PV CPUID enforced: {}",
+            "vCPU stage: CPUID {:#x}.eax {:#x} -> {:#x} ({}), edx {:#x}{}{}; PV CPUID enforced: {}; in-kernel LAPIC: {}",
             self.cpuid.leaf,
             self.cpuid.eax_before,
             self.cpuid.eax,
@@ -935,7 +1166,13 @@ impl fmt::Display for AppliedVcpu {
             } else {
                 ""
             },
-            self.enforce_pv_cpuid
+            if self.cpuid.hypervisor_bit_set {
+                " (hypervisor bit set)"
+            } else {
+                ""
+            },
+            self.enforce_pv_cpuid,
+            self.lapic_in_kernel
         )
     }
 }
@@ -947,20 +1184,24 @@ pub struct AppliedVcpu {
     pub cpuid: CpuidEdit,
     /// `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` enabled on this vCPU.
     pub enforce_pv_cpuid: bool,
+    /// Whether the vCPU has an in-kernel LAPIC (as the plan said, or as `KVM_GET_LAPIC` found).
+    pub lapic_in_kernel: bool,
 }
 
 /// The VM stage: call once, after `KVM_CREATE_VM` and **before the first `KVM_CREATE_VCPU`**
 /// (`vcpus_created` must be 0 when the plan disables exits; KVM refuses the flags afterwards).
-/// Order inside: quirk, disable exits, halt poll.
+/// Order inside: quirks, disable exits, halt poll.
 pub fn apply_vm(plan: &Plan, vm: &VmFd, vcpus_created: u32) -> Result<AppliedVm, PlanError> {
     plan.check_vm_stage(vcpus_created)?;
     let mut applied = AppliedVm {
         disable_exits: ExitFlags::NONE,
         halt_poll_ns: None,
         fix_hypercall_quirk_disabled: false,
+        disabled_quirks: 0,
     };
     if plan.disable_fix_hypercall_quirk {
-        quirks::disable_fix_hypercall_insn(vm)?;
+        applied.disabled_quirks =
+            quirks::disable_quirks(vm, plan.vmm_disabled_quirks, quirks::FIX_HYPERCALL_INSN)?;
         applied.fix_hypercall_quirk_disabled = true;
     }
     if !plan.disable_exits.is_empty() {
@@ -998,12 +1239,40 @@ pub fn apply_vm(plan: &Plan, vm: &VmFd, vcpus_created: u32) -> Result<AppliedVm,
     Ok(applied)
 }
 
+/// Whether `vcpu` has an in-kernel LAPIC: `KVM_GET_LAPIC` succeeds exactly then (KVM returns
+/// EINVAL without one). One ioctl, at setup only.
+pub fn vcpu_has_in_kernel_lapic(vcpu: &VcpuFd) -> bool {
+    vcpu.get_lapic().is_ok()
+}
+
+/// The plan as it applies to `vcpu`: [`Plan::for_lapic`] with what `KVM_GET_LAPIC` says when
+/// the plan does not know, the plan itself otherwise.
+pub fn plan_for_vcpu(plan: &Plan, vcpu: &VcpuFd) -> Result<Plan, PlanError> {
+    match plan.lapic_in_kernel {
+        Some(_) => Ok(plan.clone()),
+        None => plan.for_lapic(vcpu_has_in_kernel_lapic(vcpu)),
+    }
+}
+
 /// The vCPU stage: call on each vCPU after [`apply_vm`] and **before the vCPU's first
-/// `KVM_RUN`**. Edits `cpuid` (the VMM's CPUID for this vCPU, e.g. from
-/// `KVM_GET_SUPPORTED_CPUID` plus the VMM's own edits) per the plan, installs it with
-/// `KVM_SET_CPUID2`, then enables `KVM_CAP_ENFORCE_PV_FEATURE_CPUID`.
+/// `KVM_RUN`**. Resolves the plan for the vCPU's LAPIC ([`plan_for_vcpu`]), edits `cpuid` (the
+/// VMM's CPUID for this vCPU, e.g. from `KVM_GET_SUPPORTED_CPUID` plus the VMM's own edits) per
+/// the plan, installs it with `KVM_SET_CPUID2`, then enables `KVM_CAP_ENFORCE_PV_FEATURE_CPUID`.
 pub fn apply_vcpu(plan: &Plan, vcpu: &VcpuFd, cpuid: &mut CpuId) -> Result<AppliedVcpu, PlanError> {
-    let edit = edit_cpuid(plan, cpuid)?;
+    let plan = plan_for_vcpu(plan, vcpu)?;
+    let edit = edit_cpuid(&plan, cpuid)?;
+    install_vcpu(&plan, vcpu, cpuid, edit)
+}
+
+/// The second half of [`apply_vcpu`], for a VMM (or `pvspin`) that adds leaves of its own
+/// between the edit and `KVM_SET_CPUID2`: installs `cpuid`, already edited by
+/// [`edit_cpuid`] with `plan` as resolved by [`plan_for_vcpu`], and enables PV enforcement.
+pub fn install_vcpu(
+    plan: &Plan,
+    vcpu: &VcpuFd,
+    cpuid: &CpuId,
+    edit: CpuidEdit,
+) -> Result<AppliedVcpu, PlanError> {
     vcpu.set_cpuid2(cpuid).map_err(|source| {
         // KVM refuses a changed CPUID once the vCPU has run (EINVAL on current kernels,
         // EBUSY on some). Tell that apart from an invalid CPUID by asking the vCPU's stats
@@ -1038,6 +1307,7 @@ pub fn apply_vcpu(plan: &Plan, vcpu: &VcpuFd, cpuid: &mut CpuId) -> Result<Appli
     Ok(AppliedVcpu {
         cpuid: edit,
         enforce_pv_cpuid: plan.enforce_pv_cpuid,
+        lapic_in_kernel: plan.lapic_in_kernel.unwrap_or(false),
     })
 }
 
@@ -1061,26 +1331,156 @@ mod tests {
 
     #[test]
     fn defaults_follow_the_placement_table() {
+        // Any guest kernel: HLT exits stay on so that PV_UNHALT can sit next to REALTIME.
         let d = plan(Placement::Dedicated);
         assert!(d.realtime);
+        assert_eq!(d.disable_exits, ExitFlags::PAUSE);
+        assert!(d.pv_features.contains(PvFeatures::PV_UNHALT));
+        assert!(d.pv_features.contains(PvFeatures::POLL_CONTROL));
+        assert!(d.pv_features.contains(PvFeatures::STEAL_TIME));
+        assert!(!d.pv_features.intersects(PvFeatures::PV_TLB_FLUSH));
+        assert!(d.dropped.is_empty(), "{:?}", d.dropped);
+
+        // Modern guests: HLT exits off too, no PV_UNHALT (and nothing recorded as dropped).
+        let mut r = PlanRequest::new(Placement::Dedicated, 4);
+        r.guest_kernel = GuestKernel::Modern;
+        let m = Plan::new(&r, &HOST).unwrap();
         assert_eq!(
-            d.disable_exits,
+            m.disable_exits,
             ExitFlags(ExitFlags::HLT.0 | ExitFlags::PAUSE.0)
         );
-        assert!(!d.pv_features.contains(PvFeatures::PV_UNHALT));
-        assert!(d.pv_features.contains(PvFeatures::STEAL_TIME));
-        assert!(d.dropped.is_empty(), "{:?}", d.dropped);
+        assert!(!m.pv_features.contains(PvFeatures::PV_UNHALT));
+        assert!(m.pv_features.contains(PvFeatures::POLL_CONTROL));
+        assert!(m.dropped.is_empty(), "{:?}", m.dropped);
 
         let s = plan(Placement::Shared);
         assert!(!s.realtime);
         assert!(s.disable_exits.is_empty());
-        assert_eq!(s.pv_features, PvFeatures::MANAGED);
+        assert_eq!(
+            s.pv_features,
+            PvFeatures::MANAGED.difference(PvFeatures::POLL_CONTROL)
+        );
         assert!(s.dropped.is_empty(), "{:?}", s.dropped);
         assert_eq!(s.halt_poll, HaltPoll::KvmDefault);
 
         let o = plan(Placement::Overcommitted);
         assert_eq!(o.halt_poll, HaltPoll::MaxNs(0));
+        assert!(!o.pv_features.contains(PvFeatures::POLL_CONTROL));
         assert!(o.enforce_pv_cpuid && o.disable_fix_hypercall_quirk);
+    }
+
+    #[test]
+    fn host_that_cannot_disable_hlt_exits_gets_pv_unhalt_on_dedicated() {
+        // mitigate_smt_rsb: only PAUSE can be disabled; PV_UNHALT is valid again.
+        let host = HostCaps {
+            disable_exits: ExitFlags::PAUSE,
+            ..HOST
+        };
+        let mut r = PlanRequest::new(Placement::Dedicated, 2);
+        r.guest_kernel = GuestKernel::Modern;
+        let p = Plan::new(&r, &host).unwrap();
+        assert_eq!(p.disable_exits, ExitFlags::PAUSE);
+        assert!(p.pv_features.contains(PvFeatures::PV_UNHALT));
+        assert_eq!(p.dropped.len(), 1, "{:?}", p.dropped);
+    }
+
+    #[test]
+    fn legacy_guests_need_pv_unhalt_next_to_realtime() {
+        for guest in [GuestKernel::Unknown, GuestKernel::Legacy] {
+            let mut r = PlanRequest::new(Placement::Dedicated, 2);
+            r.guest_kernel = guest;
+            r.disable_exits = Some(ExitFlags(ExitFlags::HLT.0 | ExitFlags::PAUSE.0));
+            let e = Plan::new(&r, &HOST).unwrap_err();
+            assert!(
+                matches!(e, PlanError::RealtimeWithoutPvUnhalt { guest_kernel, .. } if guest_kernel == guest),
+                "{e}"
+            );
+            let text = e.to_string();
+            assert!(text.starts_with("rule: KVM_HINTS_REALTIME without PV_UNHALT"));
+            assert!(text.contains("960550503965") && text.contains("HLT exits are disabled"));
+            // Explicit features without PV_UNHALT: the same rule.
+            let mut r = PlanRequest::new(Placement::Dedicated, 2);
+            r.guest_kernel = guest;
+            r.pv_features = Some(PvFeatures::STEAL_TIME);
+            assert!(matches!(
+                Plan::new(&r, &HOST).unwrap_err(),
+                PlanError::RealtimeWithoutPvUnhalt { .. }
+            ));
+            // No in-kernel LAPIC: PV_UNHALT is impossible, so is REALTIME for these guests.
+            let mut r = PlanRequest::new(Placement::Dedicated, 2);
+            r.guest_kernel = guest;
+            r.lapic_in_kernel = Some(false);
+            let e = Plan::new(&r, &HOST).unwrap_err();
+            assert!(e.to_string().contains("no in-kernel LAPIC"), "{e}");
+            // Without REALTIME the rule does not apply.
+            r.realtime = Some(false);
+            let p = Plan::new(&r, &HOST).unwrap();
+            assert!(!p.pv_features.contains(PvFeatures::PV_UNHALT));
+        }
+        let mut r = PlanRequest::new(Placement::Dedicated, 2);
+        r.guest_kernel = GuestKernel::Modern;
+        r.lapic_in_kernel = Some(false);
+        assert!(Plan::new(&r, &HOST).is_ok());
+        assert_eq!(
+            "legacy".parse::<GuestKernel>().unwrap(),
+            GuestKernel::Legacy
+        );
+    }
+
+    #[test]
+    fn pv_unhalt_needs_an_in_kernel_lapic() {
+        let mut r = PlanRequest::new(Placement::Shared, 2);
+        r.lapic_in_kernel = Some(false);
+        let p = Plan::new(&r, &HOST).unwrap();
+        assert!(!p.pv_features.contains(PvFeatures::PV_UNHALT));
+        assert!(p.dropped.iter().any(|d| d.contains("in-kernel LAPIC")));
+        r.pv_features = Some(PvFeatures::PV_UNHALT);
+        let e = Plan::new(&r, &HOST).unwrap_err();
+        assert!(matches!(e, PlanError::PvUnhaltNeedsInKernelLapic));
+        assert!(e
+            .to_string()
+            .starts_with("rule: PV_UNHALT needs an in-kernel LAPIC"));
+
+        // Decided at the vCPU stage when the request does not say.
+        let shared = plan(Placement::Shared);
+        assert_eq!(shared.lapic_in_kernel, None);
+        assert_eq!(
+            shared.for_lapic(true).unwrap().pv_features,
+            shared.pv_features
+        );
+        let resolved = shared.for_lapic(false).unwrap();
+        assert!(!resolved.pv_features.contains(PvFeatures::PV_UNHALT));
+        assert_eq!(resolved.lapic_in_kernel, Some(false));
+        let mut r = PlanRequest::new(Placement::Shared, 2);
+        r.pv_features = Some(PvFeatures::PV_UNHALT);
+        let explicit = Plan::new(&r, &HOST).unwrap();
+        assert!(matches!(
+            explicit.for_lapic(false).unwrap_err(),
+            PlanError::PvUnhaltNeedsInKernelLapic
+        ));
+        assert!(matches!(
+            plan(Placement::Dedicated).for_lapic(false).unwrap_err(),
+            PlanError::RealtimeWithoutPvUnhalt { .. }
+        ));
+    }
+
+    #[test]
+    fn quirk_mask_keeps_the_vmm_quirks() {
+        assert_eq!(plan(Placement::Shared).quirks_to_write(), 1 << 5);
+        let mut r = PlanRequest::new(Placement::Shared, 2);
+        r.vmm_disabled_quirks = 0x9;
+        let p = Plan::new(&r, &HOST).unwrap();
+        assert_eq!(p.quirks_to_write(), 0x29);
+        assert!(p.to_string().contains("with the VMM's 0x9"), "{p}");
+        r.disable_fix_hypercall_quirk = Some(false);
+        assert_eq!(Plan::new(&r, &HOST).unwrap().quirks_to_write(), 0);
+        // Bits the host cannot disable are refused, the VMM's included.
+        r.vmm_disabled_quirks = 1 << 40;
+        let e = Plan::new(&r, &HOST).unwrap_err();
+        assert!(
+            matches!(e, PlanError::QuirkUnsupported { quirks, .. } if quirks == 1 << 40),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1100,6 +1500,7 @@ mod tests {
     #[test]
     fn refusals_name_their_rule() {
         let mut r = PlanRequest::new(Placement::Dedicated, 2);
+        r.disable_exits = Some(ExitFlags::HLT);
         r.pv_features = Some(PvFeatures::PV_UNHALT);
         let e = Plan::new(&r, &HOST).unwrap_err();
         assert!(matches!(e, PlanError::PvUnhaltWithHltExitsDisabled));
@@ -1284,9 +1685,15 @@ mod tests {
         let mut c = cpuid_with(&[basic]);
         let o = plan(Placement::Overcommitted);
         let e = edit_cpuid(&o, &mut c).unwrap();
-        assert!(e.added);
-        assert_eq!(c.as_slice().len(), 3);
-        assert_eq!(kvm_leaf(&c), Some((o.pv_features.0, 0)));
+        assert!(e.added && e.hypervisor_bit_set);
+        // Leaf 1 (hypervisor bit only), the signature and the feature leaf.
+        assert_eq!(c.as_slice().len(), 4);
+        // The unmanaged bits come from the host's supported leaf (kvmclock, PV EOI, async PF).
+        let eax = o.features_eax(HOST.pv_features.0);
+        assert_eq!(eax & 0x0100_005b, 0x0100_005b);
+        assert_eq!(kvm_leaf(&c), Some((eax, 0)));
+        let leaf1 = c.as_slice().iter().find(|x| x.function == 1).unwrap();
+        assert_eq!(leaf1.ecx, HYPERVISOR_BIT);
 
         let hyperv = kvm_cpuid_entry2 {
             function: KVM_CPUID_SIGNATURE,
@@ -1319,12 +1726,58 @@ mod tests {
     }
 
     #[test]
+    fn edit_keeps_a_hidden_hypervisor_hidden_unless_told() {
+        let sig = kvm_cpuid_entry2 {
+            function: KVM_CPUID_SIGNATURE,
+            eax: KVM_CPUID_FEATURES,
+            ebx: KVM_SIGNATURE[0],
+            ecx: KVM_SIGNATURE[1],
+            edx: KVM_SIGNATURE[2],
+            ..Default::default()
+        };
+        let hidden = kvm_cpuid_entry2 {
+            function: 1,
+            ecx: 0x0120_2000,
+            ..Default::default()
+        };
+        let s = plan(Placement::Shared);
+        let mut c = cpuid_with(&[hidden, sig]);
+        let e = edit_cpuid(&s, &mut c).unwrap_err();
+        assert!(matches!(e, PlanError::HypervisorHidden));
+        assert!(e.to_string().starts_with("rule:"));
+        let mut r = PlanRequest::new(Placement::Shared, 2);
+        r.add_kvm_leaves = Some(true);
+        let forced = Plan::new(&r, &HOST).unwrap();
+        let mut c = cpuid_with(&[hidden, sig]);
+        let e = edit_cpuid(&forced, &mut c).unwrap();
+        assert!(e.hypervisor_bit_set && e.added);
+        let leaf1 = c.as_slice().iter().find(|x| x.function == 1).unwrap();
+        assert_eq!(leaf1.ecx, 0x8120_2000);
+        // Some(false): never add KVM leaves.
+        r.add_kvm_leaves = Some(false);
+        let never = Plan::new(&r, &HOST).unwrap();
+        let visible = kvm_cpuid_entry2 {
+            ecx: 0x8120_2000,
+            ..hidden
+        };
+        let mut c = cpuid_with(&[visible]);
+        assert!(matches!(
+            edit_cpuid(&never, &mut c).unwrap_err(),
+            PlanError::KvmLeavesMissing
+        ));
+        let mut c = cpuid_with(&[visible, sig]);
+        let e = edit_cpuid(&never, &mut c).unwrap();
+        assert!(e.added && !e.hypervisor_bit_set, "{e:?}");
+    }
+
+    #[test]
     fn display_mentions_every_setting() {
         let s = plan(Placement::Dedicated).to_string();
         for w in [
             "dedicated",
             "REALTIME",
-            "HLT|PAUSE",
+            "disable exits: PAUSE",
+            "guest kernel unknown",
             "halt poll",
             "enforce",
             "QUIRK",

@@ -28,9 +28,14 @@
 //! decisions (pvspin-hints).
 #![deny(missing_docs)]
 
+pub mod budget;
 pub mod policy;
 pub mod window;
 
+pub use budget::{
+    adapt_notify_after, adapt_wait_after, ns_to_tsc, tsc_to_ns, BudgetConfig, BudgetError,
+    SpinBudgets,
+};
 pub use policy::{
     BadHintCounters, BoostOutcome, Decision, DirectedYield, HintStatus, Outcome, PolicyConfig,
     PolicyError, Reason, ScanStats, SpinNotification, StealTimeView, VcpuView,

@@ -117,6 +117,10 @@ pub(crate) struct Handled {
     /// `Some(successful)` when a yield was attempted: successful = the target was boosted or
     /// the spinner's thread was descheduled.
     pub(crate) yielded: Option<bool>,
+    /// The decision named a target the board saw not running (preempted, parked, halted
+    /// with a kick pending): the notification could help. The spinner's own deschedule does
+    /// not count (its yield causes it).
+    pub(crate) useful: bool,
 }
 
 /// The per-VM directed-yield state, shared by every vCPU thread.
@@ -199,6 +203,12 @@ impl YieldState {
         if outcome.hint == HintStatus::NotReady {
             bump(&c.hint_not_ready);
         }
+        let useful = match outcome.decision {
+            Decision::YieldTo(target, _) => {
+                self.board.snapshot(target).is_some_and(|s| !s.is_running())
+            }
+            _ => false,
+        };
         let report = match outcome.decision {
             Decision::YieldTo(target, reason) => {
                 bump(if reason == Reason::Hint {
@@ -229,6 +239,7 @@ impl YieldState {
         Handled {
             decision: outcome.decision,
             yielded: report.map(|r| r.boosted || r.descheduled),
+            useful,
         }
     }
 

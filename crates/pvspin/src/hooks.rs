@@ -10,6 +10,7 @@ use pvspin_kvm::telemetry::VcpuCounterCell;
 
 use crate::counters::{ExitKind, SharedCounters};
 use crate::directed::YieldState;
+use crate::hints::{HintState, WaitOptions};
 use crate::kick::KickState;
 
 /// Whether pvspin consumed an exit.
@@ -36,6 +37,12 @@ pub struct VcpuHooks {
     /// A SPIN notification that arrived with this exit, handled in `after_run` once the CPL
     /// is known.
     pending_spin: Option<SpinNotify>,
+    /// Hint pages and budgets, when enabled.
+    hints: Option<Arc<HintState>>,
+    /// WAIT, when enabled.
+    wait: Option<WaitOptions>,
+    /// A WAIT that arrived with this exit, carried out in `after_run`.
+    pending_wait: Option<SpinNotify>,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -56,9 +63,22 @@ impl VcpuHooks {
             dy,
             tid_recorded: false,
             pending_spin: None,
+            hints: None,
+            wait: None,
+            pending_wait: None,
             run_started: None,
             last_exit: None,
         }
+    }
+
+    pub(crate) fn with_hints(
+        mut self,
+        hints: Option<Arc<HintState>>,
+        wait: Option<WaitOptions>,
+    ) -> Self {
+        self.hints = hints;
+        self.wait = wait;
+        self
     }
 
     /// The vCPU's index.
@@ -91,6 +111,9 @@ impl VcpuHooks {
         });
         self.counters.record_run(kind, ns);
         self.last_exit = Some(kind);
+        if let Some(hints) = &self.hints {
+            hints.on_exit(self.index);
+        }
         let Some(kick) = &self.kick else {
             return ExitOutcome::NotHandled;
         };
@@ -147,7 +170,23 @@ impl VcpuHooks {
                 }
                 ExitOutcome::Handled
             }
-            // Window reads were answered above; SHARED_PAGE is never enabled.
+            PioOutcome::Handled(Handled::Forward(Command::SharedPage { pfn })) => {
+                if let Some(hints) = &self.hints {
+                    if let Err(err) = hints.register(self.index, pfn) {
+                        if let Some(cell) = self.cells.get(self.index) {
+                            cell.reject("bad_hint_page");
+                        }
+                        log::debug!("vCPU {}: SHARED_PAGE ignored: {err}", self.index);
+                    }
+                }
+                ExitOutcome::Handled
+            }
+            PioOutcome::Handled(Handled::Forward(Command::Wait(n))) => {
+                // Carried out in `after_run`, once the VMM is done with this exit.
+                self.pending_wait = Some(n);
+                ExitOutcome::Handled
+            }
+            // Window reads were answered above.
             PioOutcome::Handled(Handled::Forward(_)) => ExitOutcome::Handled,
         }
     }
@@ -176,12 +215,102 @@ impl VcpuHooks {
             .dy
             .as_ref()
             .map(|_| pvspin_track::cpl_from_sync_regs(vcpu));
-        self.after_run_with_cpl(cpl);
+        self.after_run_inner(cpl, Some(vcpu));
     }
 
     /// [`after_run`](Self::after_run) for a VMM that reads the CPL itself (or for tests):
-    /// `cpl` is the guest's privilege level at this exit, `None` when unknown.
+    /// `cpl` is the guest's privilege level at this exit, `None` when unknown. Without the
+    /// vCPU, a WAIT on the in-kernel and signal-msi paths cannot halt it and returns at once
+    /// (a spurious wake-up, which the guest tolerates).
     pub fn after_run_with_cpl(&mut self, cpl: Option<u8>) {
+        self.after_run_inner(cpl, None);
+    }
+
+    fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
+        self.after_run_spin(cpl);
+        if let Some(n) = self.pending_wait.take() {
+            self.wait(n, vcpu);
+        }
+    }
+
+    /// Carries out a WAIT: acts on its notification (directed yield) like a SPIN, then waits:
+    /// on the userspace path parks this thread on the vCPU's latch (bounded), on the MSI
+    /// paths sets the vCPU halted so that the next `KVM_RUN` blocks in KVM until a kick.
+    fn wait(&mut self, n: SpinNotify, vcpu: Option<&VcpuFd>) {
+        let Some(kick) = self.kick.clone() else {
+            return;
+        };
+        if let Some(dy) = &self.dy {
+            if let Some(cell) = self.cells.get(self.index) {
+                cell.record_spin_notification();
+            }
+            let handled = dy.on_notification(self.index, n);
+            if let (Some(cell), Some(successful)) = (self.cells.get(self.index), handled.yielded) {
+                cell.record_yield(successful);
+            }
+            if let Some(hints) = &self.hints {
+                hints.on_notification(self.index, handled.useful);
+            }
+        }
+        let page = self.hints.as_ref().and_then(|h| h.pages.get(self.index));
+        match kick.device.path() {
+            KickPath::Userspace => {
+                let timeout = self.wait.map(|w| w.timeout);
+                let index = u32::try_from(self.index).unwrap_or(u32::MAX);
+                if let Some(page) = page {
+                    page.set_not_running(true);
+                }
+                if let Some(dy) = &self.dy {
+                    dy.board.on_halt(self.index);
+                }
+                let outcome = kick.device.handle_wait(index, timeout);
+                if let Some(dy) = &self.dy {
+                    dy.board.on_wake(self.index);
+                    dy.actuator.on_target_exit(self.index);
+                }
+                if let Some(page) = page {
+                    page.set_not_running(false);
+                }
+                match outcome {
+                    Ok(outcome) => {
+                        if outcome.kicked() {
+                            if let (Some(age), Some(cell)) =
+                                (kick.take_kick_age(self.index), self.cells.get(self.index))
+                            {
+                                cell.record_kick_to_wake_ns(age);
+                            }
+                        }
+                        if let Some(hints) = &self.hints {
+                            hints.note_wait(
+                                outcome == pvspin_kick::ParkOutcome::KickedBeforePark,
+                                outcome == pvspin_kick::ParkOutcome::TimedOut,
+                            );
+                        }
+                    }
+                    Err(err) => log::error!("vCPU {index}: WAIT: {err}"),
+                }
+            }
+            KickPath::InKernel | KickPath::SignalMsi => {
+                if let Some(hints) = &self.hints {
+                    hints.note_wait(false, false);
+                }
+                let Some(vcpu) = vcpu else {
+                    return;
+                };
+                // KVM's own halt: blocks in the next KVM_RUN until the kick's REMRD MSI
+                // (pv_unhalted, which also remembers a kick that landed first), an interrupt
+                // the guest accepts, or a signal.
+                let halted = kvm_bindings::kvm_mp_state {
+                    mp_state: kvm_bindings::KVM_MP_STATE_HALTED,
+                };
+                if let Err(err) = vcpu.set_mp_state(halted) {
+                    log::error!("vCPU {}: WAIT: KVM_SET_MP_STATE: {err}", self.index);
+                }
+            }
+        }
+    }
+
+    fn after_run_spin(&mut self, cpl: Option<u8>) {
         self.last_exit = None;
         let Some(dy) = &self.dy else {
             return;
@@ -196,6 +325,9 @@ impl VcpuHooks {
             let handled = dy.on_notification(self.index, n);
             if let (Some(cell), Some(successful)) = (cell, handled.yielded) {
                 cell.record_yield(successful);
+            }
+            if let Some(hints) = &self.hints {
+                hints.on_notification(self.index, handled.useful);
             }
         }
     }
@@ -619,5 +751,125 @@ mod directed_tests {
         assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
         let snap = vm.dy.board.snapshot(1).unwrap();
         assert!(!snap.is_halted() && !snap.has_pending_kick());
+    }
+}
+
+#[cfg(test)]
+mod hint_tests {
+    use super::*;
+    use crate::hints::{HintOptions, HintState};
+    use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_WAIT};
+    use pvspin_abi::doorbell::{DEFAULT_PORT, SHARED_PAGE_OFFSET, WAIT_OFFSET};
+    use pvspin_abi::hint;
+    use pvspin_hints::BufferPageMap;
+    use std::time::Duration;
+
+    struct Vm {
+        hooks: Vec<VcpuHooks>,
+        hints: Arc<HintState>,
+        cells: Arc<[Arc<VcpuCounterCell>]>,
+        map: Arc<BufferPageMap>,
+    }
+
+    fn vm() -> Vm {
+        let map = Arc::new(BufferPageMap::new(8));
+        let options = HintOptions {
+            memory: map.clone(),
+            budgets: pvspin_pause::BudgetConfig::default(),
+        };
+        let hints = Arc::new(HintState::new(&options, 2, false).unwrap());
+        hints.set_tsc_khz(1_000_000); // 1 GHz: cycles == ns
+        let kick = Arc::new(KickState::userspace_for_tests(
+            2,
+            FEATURE_SHARED_PAGE | FEATURE_WAIT,
+        ));
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let wait = crate::WaitOptions {
+            timeout: Duration::from_millis(20),
+        };
+        let hooks = (0..2)
+            .map(|i| {
+                VcpuHooks::new(i, Arc::default(), cells.clone(), Some(kick.clone()), None)
+                    .with_hints(Some(hints.clone()), Some(wait))
+            })
+            .collect();
+        Vm {
+            hooks,
+            hints,
+            cells,
+            map,
+        }
+    }
+
+    fn out(vm: &mut Vm, v: usize, offset: u16, value: u32) {
+        let h = &mut vm.hooks[v];
+        h.before_run();
+        let bytes = value.to_le_bytes();
+        let mut exit = Ok(VcpuExit::IoOut(DEFAULT_PORT + offset, &bytes));
+        assert_eq!(h.handle_exit(&mut exit), ExitOutcome::Handled);
+        drop(exit);
+        h.after_run_with_cpl(Some(3));
+    }
+
+    #[test]
+    fn page_registration_budgets_and_wait_reports() {
+        let mut vm = vm();
+        out(&mut vm, 0, SHARED_PAGE_OFFSET, 2);
+        let page = vm.hints.pages.get(0).expect("registered");
+        assert_eq!(
+            page.budgets(),
+            (u64::MAX, 50_000),
+            "no notifications: window never"
+        );
+        // The guest reports a 10 us wait: short, so the budget doubles at its next exit.
+        let map = vm.map.clone();
+        let word = map.word(0x2000 + hint::LAST_WAIT_TSC);
+        word.store(10_000, std::sync::atomic::Ordering::Relaxed);
+        out(&mut vm, 0, 0, 1); // any exit: a kick of vCPU 1
+        assert_eq!(page.budgets().1, 100_000);
+        assert_eq!(
+            word.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "taken once"
+        );
+        // A frame that is not guest RAM: counted and ignored.
+        out(&mut vm, 1, SHARED_PAGE_OFFSET, 4096);
+        assert!(vm.hints.pages.get(1).is_none());
+        let s = vm.hints.stats();
+        assert_eq!(
+            (s.registrations, s.bad_registrations, s.wait_reports),
+            (1, 1, 1)
+        );
+        assert_eq!(
+            vm.cells[1]
+                .snapshot()
+                .rejected_guest_inputs
+                .get("bad_hint_page"),
+            Some(&1)
+        );
+    }
+
+    #[test]
+    fn wait_consumes_a_pending_kick_or_ends_by_its_bound() {
+        let mut vm = vm();
+        out(&mut vm, 1, SHARED_PAGE_OFFSET, 3);
+        // vCPU 0 kicks vCPU 1 first: vCPU 1's WAIT returns at once.
+        out(&mut vm, 0, 0, 1);
+        let start = std::time::Instant::now();
+        out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
+        assert!(start.elapsed() < Duration::from_millis(20));
+        // No kick now: the bounded park ends by its 20 ms timeout.
+        out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        let s = vm.hints.stats();
+        assert_eq!(
+            (s.waits, s.waits_kick_pending, s.waits_timed_out),
+            (2, 1, 1)
+        );
+        assert!(
+            !vm.hints.pages.get(1).unwrap().not_running(),
+            "cleared on wake"
+        );
     }
 }

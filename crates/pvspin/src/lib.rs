@@ -74,14 +74,18 @@
 
 mod counters;
 mod directed;
+mod hints;
 mod hooks;
 mod kick;
 mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
+pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use kick::KickOptions;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
+pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_pause::BudgetConfig;
 pub use pvspin_pause::{PolicyConfig, WindowConfig};
 pub use pvspin_track::GuestBytes;
 
@@ -92,7 +96,9 @@ pub use counters::{ExitKind, VcpuCounters};
 pub use hooks::{ExitOutcome, VcpuHooks};
 use kvm_bindings::CpuId;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-pub use pvspin_kvm::plan::{AppliedVcpu, AppliedVm, Placement, Plan, PlanError, PlanRequest};
+pub use pvspin_kvm::plan::{
+    AppliedVcpu, AppliedVm, GuestKernel, Placement, Plan, PlanError, PlanRequest,
+};
 use pvspin_kvm::quirks::{self, QuirkError};
 pub use pvspin_kvm::telemetry::{TelemetryFormat, VcpuCounterCell, VmTelemetry};
 use std::sync::OnceLock;
@@ -141,12 +147,29 @@ pub enum ConfigError {
     /// `configure_vcpu` called twice for one index.
     #[error("vCPU {0} is already configured: configure_vcpu must be called once per vCPU")]
     VcpuConfiguredTwice(usize),
+    /// The paravirt plan was requested for another number of vCPUs than the builder's.
+    #[error("rule: the paravirt plan's vCPU count must be the VM's: PlanRequest::vcpus is {plan}, PvSpinBuilder::vcpus is {builder}")]
+    PlanVcpus {
+        /// `PlanRequest::vcpus`.
+        plan: u32,
+        /// `PvSpinBuilder::vcpus`.
+        builder: usize,
+    },
+    /// `keep_hypercall_quirk(true)` with a plan request that asks to disable the quirk.
+    #[error("rule: keep_hypercall_quirk(true) contradicts PlanRequest::disable_fix_hypercall_quirk = Some(true)")]
+    QuirkConflict,
     /// Directed yield without the kick device.
     #[error("directed yield needs the kick device (PvSpinBuilder::kick): spin notifications ride its doorbell")]
     DirectedYieldNeedsKick,
     /// The directed-yield policy or window configuration broke a rule.
     #[error("directed yield: {0}")]
     DirectedYield(String),
+    /// Hint pages or WAIT without the kick device.
+    #[error("{0} needs the kick device (PvSpinBuilder::kick): its commands ride the doorbell")]
+    NeedsKick(&'static str),
+    /// The hint-page budgets broke a rule.
+    #[error("hint pages: {0}")]
+    HintPages(String),
     /// The actuator could not be built (unknown name, or a boost the process may not apply,
     /// such as `fifo` without real-time privilege, with `fallback` off).
     #[error("directed yield actuator {name:?}: {reason}")]
@@ -182,6 +205,15 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
+    /// `KVM_GET_TSC_KHZ` failed (hint pages publish budgets in TSC cycles).
+    #[error("KVM_GET_TSC_KHZ on vCPU {index}: {source}")]
+    TscKhz {
+        /// The vCPU.
+        index: usize,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
     /// `configure_vcpu` before `configure_vm`.
     #[error("configure_vm must be called before configure_vcpu")]
     VmNotConfigured,
@@ -199,10 +231,13 @@ pub struct PvSpinBuilder {
     vcpus: Option<usize>,
     interrupter: Option<Arc<dyn VcpuInterrupter>>,
     keep_hypercall_quirk: bool,
+    vmm_disabled_quirks: u64,
     paravirt: Option<PlanRequest>,
     kick: Option<KickOptions>,
     directed_yield: Option<DirectedYieldOptions>,
     steal_time: Option<StealTimeMemory>,
+    hints: Option<HintOptions>,
+    wait: Option<WaitOptions>,
 }
 
 impl PvSpinBuilder {
@@ -219,9 +254,22 @@ impl PvSpinBuilder {
     }
 
     /// Leaves KVM's FIX_HYPERCALL_INSN quirk on (it is turned off by default, so that a stray
-    /// hypercall raises #UD instead of looping in KVM on hosts that emulate guest code).
+    /// hypercall raises #UD instead of looping in KVM on hosts that emulate guest code). Keep it
+    /// for guests that live-migrate between Intel and AMD hosts: their hypercall instruction
+    /// was patched for the vendor they booted on. With [`paravirt`](Self::paravirt) it sets
+    /// `PlanRequest::disable_fix_hypercall_quirk` to `Some(false)` (refused if that is
+    /// `Some(true)`).
     pub fn keep_hypercall_quirk(mut self, keep: bool) -> Self {
         self.keep_hypercall_quirk = keep;
+        self
+    }
+
+    /// The KVM quirks the VMM disabled on the VM (`KVM_CAP_DISABLE_QUIRKS2`) before
+    /// [`PvSpin::configure_vm`]. Hosts before upstream 9966b7822b3f (2025) *replace* the
+    /// disabled set on every such call, so pvspin writes these together with its own; a VMM
+    /// that disables quirks after `configure_vm` must include [`VmSetup::disabled_quirks`].
+    pub fn vmm_disabled_quirks(mut self, mask: u64) -> Self {
+        self.vmm_disabled_quirks = mask;
         self
     }
 
@@ -264,6 +312,26 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md` §3.4): pvspin
+    /// publishes the vCPU's spin and wait budgets there in TSC cycles, adapts them from the
+    /// guest's wait reports (`options.budgets`), and reads the guest's spin state, all without
+    /// exits. `options.memory` maps guest pages (a `vm_memory::GuestMemoryMmap` does). Needs
+    /// [`kick`](Self::kick); the host then advertises `SHARED_PAGE`.
+    pub fn hint_pages(mut self, options: HintOptions) -> Self {
+        self.hints = Some(options);
+        self
+    }
+
+    /// Gives the guest the WAIT command (ABI 0.3): `pv_wait` without `HLT`, for guest code
+    /// that cannot halt (user mode) or prefers one exit that also carries its spin
+    /// notification. A kick that lands first is remembered (HLT's latch); the in-kernel path
+    /// wakes a waiting vCPU without an exit of the kicker. Needs [`kick`](Self::kick); the host
+    /// then advertises `WAIT`.
+    pub fn pv_wait(mut self, options: WaitOptions) -> Self {
+        self.wait = Some(options);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -274,6 +342,27 @@ impl PvSpinBuilder {
             });
         }
         let interrupter = self.interrupter.ok_or(ConfigError::MissingInterrupter)?;
+        let mut paravirt = self.paravirt;
+        if let Some(request) = &mut paravirt {
+            if usize::try_from(request.vcpus).ok() != Some(vcpus) {
+                return Err(ConfigError::PlanVcpus {
+                    plan: request.vcpus,
+                    builder: vcpus,
+                });
+            }
+            if self.keep_hypercall_quirk {
+                if request.disable_fix_hypercall_quirk == Some(true) {
+                    return Err(ConfigError::QuirkConflict);
+                }
+                request.disable_fix_hypercall_quirk = Some(false);
+            }
+            request.vmm_disabled_quirks |= self.vmm_disabled_quirks;
+            if request.lapic_in_kernel.is_none() {
+                // The kick paths decide the irqchip; without the kick the VMM does, and the
+                // vCPU stage asks each vCPU.
+                request.lapic_in_kernel = self.kick.map(|k| k.path != KickPath::Userspace);
+            }
+        }
         let directed_yield = match &self.directed_yield {
             Some(_) if self.kick.is_none() => return Err(ConfigError::DirectedYieldNeedsKick),
             Some(options) => {
@@ -283,11 +372,30 @@ impl PvSpinBuilder {
             }
             None => None,
         };
+        if self.kick.is_none() {
+            if self.hints.is_some() {
+                return Err(ConfigError::NeedsKick("hint pages"));
+            }
+            if self.wait.is_some() {
+                return Err(ConfigError::NeedsKick("WAIT"));
+            }
+        }
+        let hints = match &self.hints {
+            Some(options) => Some(Arc::new(hints::HintState::new(
+                options,
+                vcpus,
+                directed_yield.is_some(),
+            )?)),
+            None => None,
+        };
         Ok(PvSpin {
+            hints,
+            wait: self.wait,
             directed_yield,
             interrupter,
             keep_hypercall_quirk: self.keep_hypercall_quirk,
-            paravirt: self.paravirt,
+            vmm_disabled_quirks: self.vmm_disabled_quirks,
+            paravirt,
             kick_options: self.kick,
             kick: OnceLock::new(),
             plan: OnceLock::new(),
@@ -306,8 +414,13 @@ impl PvSpinBuilder {
 /// What [`PvSpin::configure_vm`] did.
 #[derive(Clone, Debug)]
 pub struct VmSetup {
-    /// Whether KVM's FIX_HYPERCALL_INSN quirk is now off.
+    /// Whether KVM's FIX_HYPERCALL_INSN quirk is now off (by pvspin, or by the VMM as it said
+    /// with [`PvSpinBuilder::vmm_disabled_quirks`]).
     pub hypercall_quirk_disabled: bool,
+    /// The quirk mask pvspin wrote with `KVM_CAP_DISABLE_QUIRKS2` (the VMM's quirks and
+    /// pvspin's; 0: no call). A VMM that disables quirks later must include it: hosts before
+    /// 9966b7822b3f replace the mask, which would turn FIX_HYPERCALL_INSN back on.
+    pub disabled_quirks: u64,
     /// The paravirt plan and what applying its VM stage did, when one was requested.
     pub plan: Option<(Plan, AppliedVm)>,
 }
@@ -317,10 +430,15 @@ pub struct VmSetup {
 pub struct PvSpin {
     interrupter: Arc<dyn VcpuInterrupter>,
     keep_hypercall_quirk: bool,
+    vmm_disabled_quirks: u64,
     paravirt: Option<PlanRequest>,
     kick_options: Option<KickOptions>,
     /// Directed yield and spin windows, when enabled.
     directed_yield: Option<Arc<directed::YieldState>>,
+    /// Hint pages and budgets, when enabled.
+    hints: Option<Arc<hints::HintState>>,
+    /// WAIT, when enabled.
+    wait: Option<WaitOptions>,
     /// The kick device, made by `configure_vm`.
     kick: OnceLock<Arc<kick::KickState>>,
     /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
@@ -352,18 +470,39 @@ impl PvSpin {
                 let plan = Plan::new(request, &host)?;
                 let applied = pvspin_kvm::plan::apply_vm(&plan, vm, 0)?;
                 VmSetup {
-                    hypercall_quirk_disabled: plan.disable_fix_hypercall_quirk,
+                    hypercall_quirk_disabled: plan.disable_fix_hypercall_quirk
+                        || plan.vmm_disabled_quirks & quirks::FIX_HYPERCALL_INSN != 0,
+                    disabled_quirks: applied.disabled_quirks,
                     plan: Some((plan, applied)),
                 }
             }
-            None if self.keep_hypercall_quirk => VmSetup {
-                hypercall_quirk_disabled: false,
-                plan: None,
-            },
             None => {
-                quirks::disable_fix_hypercall_insn(vm)?;
+                let supported = quirks::disableable_quirks(vm);
+                let unsupported = self.vmm_disabled_quirks & !supported;
+                if unsupported != 0 {
+                    return Err(QuirkError::Unsupported {
+                        quirk: unsupported,
+                        supported,
+                    }
+                    .into());
+                }
+                // The default: off where the host can turn it off, left on (not refused)
+                // where it cannot, like the plan's dropped defaults.
+                let disable =
+                    !self.keep_hypercall_quirk && supported & quirks::FIX_HYPERCALL_INSN != 0;
+                let disabled_quirks = if disable {
+                    quirks::disable_quirks(
+                        vm,
+                        self.vmm_disabled_quirks,
+                        quirks::FIX_HYPERCALL_INSN,
+                    )?
+                } else {
+                    0
+                };
                 VmSetup {
-                    hypercall_quirk_disabled: true,
+                    hypercall_quirk_disabled: disable
+                        || self.vmm_disabled_quirks & quirks::FIX_HYPERCALL_INSN != 0,
+                    disabled_quirks,
                     plan: None,
                 }
             }
@@ -372,11 +511,16 @@ impl PvSpin {
             pvspin_track::cpl::check_sync_sregs(kvm)?;
         }
         if let Some(options) = self.kick_options {
-            let extra = if self.directed_yield.is_some() {
-                pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY
-            } else {
-                0
-            };
+            let mut extra = 0;
+            if self.directed_yield.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY;
+            }
+            if self.hints.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_SHARED_PAGE;
+            }
+            if self.wait.is_some() {
+                extra |= pvspin_abi::cpuid::FEATURE_WAIT;
+            }
             let state = kick::KickState::configure_vm(options, extra, self.vcpus(), vm)?;
             let _ = self.kick.set(Arc::new(state));
         }
@@ -433,6 +577,22 @@ impl PvSpin {
         self.directed_yield.as_ref().map(|dy| dy.stats())
     }
 
+    /// Hint-page and WAIT counters, if hint pages are enabled.
+    pub fn hint_stats(&self) -> Option<HintStats> {
+        self.hints.as_ref().map(|h| h.stats())
+    }
+
+    /// vCPU `index`'s current budgets in nanoseconds: (spin before notifying, spin before
+    /// waiting), if hint pages are enabled.
+    pub fn budgets_ns(&self, index: usize) -> Option<(u64, u64)> {
+        self.hints.as_ref().map(|h| {
+            (
+                h.budgets.notify_after_ns(index),
+                h.budgets.wait_after_ns(index),
+            )
+        })
+    }
+
     /// The kick device's counters (kicks, rejected guest writes per reason), if it exists.
     pub fn kick_stats(&self) -> Option<KickStats> {
         self.kick.get().map(|kick| kick.device.stats())
@@ -458,18 +618,35 @@ impl PvSpin {
         if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return Err(ConfigError::VcpuConfiguredTwice(index).into());
         }
-        if let Some(kick) = self.kick.get() {
-            kick.add_cpuid(cpuid)?;
-        }
+        // The plan edits the VMM's CPUID first: pvspin's own leaf must not be mistaken for a
+        // foreign hypervisor's when the VMM's CPUID has no KVM leaves yet.
         let applied = match plan {
-            Some(plan) => Some(pvspin_kvm::plan::apply_vcpu(plan, vcpu, cpuid)?),
+            Some(plan) => {
+                let plan = pvspin_kvm::plan::plan_for_vcpu(plan, vcpu)?;
+                let edit = pvspin_kvm::plan::edit_cpuid(&plan, cpuid)?;
+                if let Some(kick) = self.kick.get() {
+                    kick.add_cpuid(cpuid)?;
+                }
+                Some(pvspin_kvm::plan::install_vcpu(&plan, vcpu, cpuid, edit)?)
+            }
             None => {
+                if let Some(kick) = self.kick.get() {
+                    kick.add_cpuid(cpuid)?;
+                }
                 vcpu.set_cpuid2(cpuid)
                     .map_err(|source| Error::SetCpuid { index, source })?;
                 None
             }
         };
         self.stats.open_vcpu(index, vcpu);
+        if let Some(hints) = &self.hints {
+            // Budgets are published in guest TSC cycles; without the frequency they read 0
+            // (spin not at all), so a host that cannot tell it is refused here.
+            let khz = vcpu
+                .get_tsc_khz()
+                .map_err(|source| Error::TscKhz { index, source })?;
+            hints.set_tsc_khz(khz);
+        }
         if self.directed_yield.is_some() {
             pvspin_track::enable_sync_sregs(vcpu);
         }
@@ -479,7 +656,8 @@ impl PvSpin {
             self.cells.clone(),
             self.kick.get().cloned(),
             self.directed_yield.clone(),
-        );
+        )
+        .with_hints(self.hints.clone(), self.wait);
         Ok((hooks, applied))
     }
 
@@ -547,6 +725,32 @@ mod tests {
         assert_eq!(
             PvSpin::builder().vcpus(2).build().unwrap_err(),
             ConfigError::MissingInterrupter
+        );
+        let err = PvSpin::builder()
+            .vcpus(2)
+            .interrupter(interrupter.clone())
+            .paravirt(PlanRequest::new(Placement::Shared, 4))
+            .build()
+            .unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::PlanVcpus {
+                plan: 4,
+                builder: 2
+            }
+        );
+        assert!(err.to_string().starts_with("rule:"), "{err}");
+        let mut request = PlanRequest::new(Placement::Shared, 2);
+        request.disable_fix_hypercall_quirk = Some(true);
+        assert_eq!(
+            PvSpin::builder()
+                .vcpus(2)
+                .interrupter(interrupter.clone())
+                .keep_hypercall_quirk(true)
+                .paravirt(request)
+                .build()
+                .unwrap_err(),
+            ConfigError::QuirkConflict
         );
         assert_eq!(
             PvSpin::builder()

@@ -22,12 +22,45 @@ pub struct Variant {
     pub kick_path: pvspin::KickPath,
     /// Directed-yield actuator (with `kick+yield`).
     pub actuator: &'static str,
+    /// How waiters wait (`None`: the run's `--wait`).
+    pub wait: Option<crate::config::WaitMode>,
+    /// Budget unit (`None`: the run's `--budgets`).
+    pub budgets: Option<crate::config::BudgetMode>,
 }
 
 impl Variant {
-    /// `lock:pv[:path]`, e.g. `ticket:off`, `queued:kick:userspace`.
+    /// `lock:pv[/option...][:path[:actuator]]`, e.g. `ticket:off`, `queued:kick:userspace`,
+    /// `ticket:kick/spins` (ABI 0.2 spin budgets), `ticket:kick/doorbell` (WAIT in kernel
+    /// mode), `ticket:kick/hlt`.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let mut parts = text.split(':');
+        let (text_base, options) = match text.split_once('/') {
+            Some((base, rest)) => {
+                // Options sit on the pv part: split them off up to the next ':'.
+                let (opts, tail) = rest.split_once(':').unwrap_or((rest, ""));
+                let base = if tail.is_empty() {
+                    base.to_string()
+                } else {
+                    format!("{base}:{tail}")
+                };
+                (base, Some(opts.to_string()))
+            }
+            None => (text.to_string(), None),
+        };
+        let (mut wait, mut budgets) = (None, None);
+        for opt in options.iter().flat_map(|o| o.split('/')) {
+            match opt {
+                "spins" => budgets = Some(crate::config::BudgetMode::Spins),
+                "time" => budgets = Some(crate::config::BudgetMode::Time),
+                "hlt" => wait = Some(crate::config::WaitMode::Hlt),
+                "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
+                other => {
+                    return Err(format!(
+                        "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell)"
+                    ))
+                }
+            }
+        }
+        let mut parts = text_base.split(':');
         let lock = match parts.next() {
             Some("ticket") => LockKind::Ticket,
             Some("tas") => LockKind::Tas,
@@ -76,12 +109,32 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(format!("{text:?}: unexpected {extra:?}"));
         }
+        if pv == PvMode::Off && (wait.is_some() || budgets.is_some()) {
+            return Err(format!("{text:?}: wait and budget options need a PV mode"));
+        }
         Ok(Self {
             lock,
             pv,
             kick_path,
             actuator,
+            wait,
+            budgets,
         })
+    }
+
+    fn options_suffix(&self) -> String {
+        let mut s = String::new();
+        match self.budgets {
+            Some(crate::config::BudgetMode::Spins) => s.push_str("/spins"),
+            Some(crate::config::BudgetMode::Time) => s.push_str("/time"),
+            None => {}
+        }
+        match self.wait {
+            Some(crate::config::WaitMode::Hlt) => s.push_str("/hlt"),
+            Some(crate::config::WaitMode::Doorbell) => s.push_str("/doorbell"),
+            Some(crate::config::WaitMode::Auto) | None => {}
+        }
+        s
     }
 
     /// The name `parse` accepts.
@@ -100,6 +153,7 @@ impl Variant {
                 } else {
                     "kick"
                 };
+                let pv = format!("{pv}{}", self.options_suffix());
                 if self.pv == PvMode::KickYield && self.actuator != pvspin::DEFAULT_ACTUATOR {
                     format!("{lock}:{pv}:{path}:{}", self.actuator)
                 } else {
@@ -116,6 +170,8 @@ impl Variant {
             pv: self.pv,
             kick_path: self.kick_path,
             actuator: self.actuator,
+            wait: self.wait.unwrap_or(base.wait),
+            budgets: self.budgets.unwrap_or(base.budgets),
             hogs,
             ..base.clone()
         }
@@ -236,6 +292,8 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             pv: base.pv,
             kick_path: base.kick_path,
             actuator: base.actuator,
+            wait: None,
+            budgets: None,
         }]
     } else {
         options.variants.clone()

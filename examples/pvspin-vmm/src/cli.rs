@@ -85,6 +85,26 @@ pub enum CsModeArg {
     User,
 }
 
+/// How PV waiters wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WaitArg {
+    /// `hlt` in kernel mode, the doorbell's WAIT command in user mode.
+    Auto,
+    /// `hlt` (kernel mode only).
+    Hlt,
+    /// The doorbell's WAIT command (ABI 0.3), in either mode.
+    Doorbell,
+}
+
+/// Unit of the guest's spin budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BudgetArg {
+    /// Time, from the hint page, adapted by host and guest (ABI 0.3).
+    Time,
+    /// Spin counts: --spin-threshold and the SPIN register's window (ABI 0.2).
+    Spins,
+}
+
 /// Paravirtual locks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PvArg {
@@ -172,17 +192,30 @@ pub struct VmArgs {
     /// What directed yield does (with --pv kick+yield).
     #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
     pub actuator: ActuatorArg,
-    /// PV locks: spins before a waiter halts (about 0.5 us each on emulating hosts).
+    /// PV locks with `--budgets spins`: spins before a waiter halts (about 0.5 us each on
+    /// emulating hosts); with time budgets only a cap.
     #[arg(long, default_value_t = 128)]
     pub spin_threshold: u32,
+    /// PV waiters: how they wait.
+    #[arg(long, value_enum, default_value_t = WaitArg::Auto)]
+    pub wait: WaitArg,
+    /// PV waiters: spin budgets in time (hint page, adaptive) or in spins.
+    #[arg(long, value_enum, default_value_t = BudgetArg::Time)]
+    pub budgets: BudgetArg,
+    /// Time budgets: how long a waiter spins before it waits, at start, in us.
+    #[arg(long)]
+    pub wait_after_us: Option<u64>,
+    /// Time budgets: the ceiling of that budget, in us.
+    #[arg(long)]
+    pub wait_after_max_us: Option<u64>,
     /// KVM's halt-polling limit for this VM in ns (0: no polling; default: the host's).
     #[arg(long)]
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
     #[arg(long, default_value_t = 0)]
     pub park_spin_us: u64,
-    /// Lock workload: where the critical sections run, guest kernel mode (CPL 0) or user
-    /// mode (CPL 3; waiters cannot halt there, so PV means notify-and-yield only).
+    /// Lock and ping-pong workloads: guest kernel mode (CPL 0) or user mode (CPL 3; PV
+    /// waiters wait with the doorbell's WAIT command there).
     #[arg(long, value_enum, default_value_t = CsModeArg::Kernel)]
     pub cs_mode: CsModeArg,
     /// Lock acquisitions per vCPU.
@@ -210,6 +243,10 @@ pub struct VmArgs {
     /// (CPUID 0x40000001, exit disabling, halt polling) and prints it, or refuses.
     #[arg(long, value_parser = parse_placement)]
     pub placement: Option<pvspin::Placement>,
+    /// With --placement: which Linux guest kernels the plan must be right for (`unknown`: all;
+    /// `legacy`: before upstream 960550503965; `modern`: with it). See docs/stock-guests.md.
+    #[arg(long, value_parser = parse_guest_kernel, default_value = "unknown")]
+    pub guest_kernel: pvspin::GuestKernel,
     /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
     #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
     pub cpuid_leaves: Vec<u32>,
@@ -218,6 +255,10 @@ pub struct VmArgs {
 fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
     text.parse()
         .map_err(|err: pvspin::PlanError| err.to_string())
+}
+
+fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, String> {
+    text.parse()
 }
 
 fn parse_u32(text: &str) -> Result<u32, String> {
@@ -302,6 +343,7 @@ impl VmArgs {
             echo_console: !self.quiet,
             cpuid_leaves: std::array::from_fn(|i| self.cpuid_leaves.get(i).copied().unwrap_or(0)),
             placement: self.placement,
+            guest_kernel: self.guest_kernel,
             pv: match self.pv {
                 PvArg::Off => crate::config::PvMode::Off,
                 PvArg::Kick => crate::config::PvMode::Kick,
@@ -313,6 +355,17 @@ impl VmArgs {
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
             user_mode: self.cs_mode == CsModeArg::User,
+            wait: match self.wait {
+                WaitArg::Auto => crate::config::WaitMode::Auto,
+                WaitArg::Hlt => crate::config::WaitMode::Hlt,
+                WaitArg::Doorbell => crate::config::WaitMode::Doorbell,
+            },
+            budgets: match self.budgets {
+                BudgetArg::Time => crate::config::BudgetMode::Time,
+                BudgetArg::Spins => crate::config::BudgetMode::Spins,
+            },
+            wait_after_us: self.wait_after_us,
+            wait_after_max_us: self.wait_after_max_us,
         }
     }
 }

@@ -33,6 +33,8 @@ pub struct RunConfig {
     pub cpuid_leaves: [u32; CPUID_QUERIES],
     /// Where the vCPUs run, for KVM's paravirt plan (`None`: no plan, CPUID passed through).
     pub placement: Option<pvspin::Placement>,
+    /// Which Linux guest kernels the paravirt plan must be right for (with `placement`).
+    pub guest_kernel: pvspin::GuestKernel,
     /// Paravirtual locks in the guest.
     pub pv: PvMode,
     /// How kicks wake halted vCPUs (with `pv: Kick`).
@@ -45,8 +47,38 @@ pub struct RunConfig {
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
     pub park_spin_us: u64,
-    /// Lock workload: run the critical sections (the whole lock loop) in guest user mode.
+    /// Lock and ping-pong workloads: run them in guest user mode.
     pub user_mode: bool,
+    /// How PV waiters wait.
+    pub wait: WaitMode,
+    /// Spin budgets in time (ABI 0.3 hint pages) or in spins (0.2).
+    pub budgets: BudgetMode,
+    /// Start value of the wait budget in us (`None`: pvspin's default).
+    pub wait_after_us: Option<u64>,
+    /// Ceiling of the wait budget in us (`None`: pvspin's default).
+    pub wait_after_max_us: Option<u64>,
+}
+
+/// How the guest's PV waiters wait.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WaitMode {
+    /// `hlt` in kernel mode, the doorbell's WAIT in user mode.
+    #[default]
+    Auto,
+    /// `hlt` (kernel mode only).
+    Hlt,
+    /// The doorbell's WAIT command (ABI 0.3), in either mode.
+    Doorbell,
+}
+
+/// The unit of the guest's spin budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BudgetMode {
+    /// Time (TSC cycles) from the hint page, adapted by host and guest (ABI 0.3).
+    #[default]
+    Time,
+    /// Spin counts: `--spin-threshold` and the SPIN register's window (ABI 0.2).
+    Spins,
 }
 
 /// Whether the guest's locks are paravirtual.
@@ -85,6 +117,7 @@ impl Default for RunConfig {
             echo_console: true,
             cpuid_leaves: [0x4000_0000, 0x4000_0001, 0, 0],
             placement: None,
+            guest_kernel: pvspin::GuestKernel::Unknown,
             pv: PvMode::Off,
             kick_path: pvspin::KickPath::InKernel,
             spin_threshold: 128,
@@ -92,6 +125,10 @@ impl Default for RunConfig {
             halt_poll_ns: None,
             park_spin_us: 0,
             user_mode: false,
+            wait: WaitMode::Auto,
+            budgets: BudgetMode::Time,
+            wait_after_us: None,
+            wait_after_max_us: None,
         }
     }
 }
@@ -161,8 +198,18 @@ pub enum ConfigError {
     #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
     PingPongNeedsPv,
     /// User mode cannot halt.
-    #[error("--cs-mode user needs --workload lock and --pv off or kick+yield (a user-mode waiter cannot halt, so --pv kick has nothing to do)")]
+    #[error("--cs-mode user needs --workload lock or pingpong, and not --wait hlt (hlt is privileged: user-mode waiters wait with the doorbell's WAIT)")]
     UserModeCannotHalt,
+    /// Budget overrides that contradict each other.
+    #[error(
+        "--wait-after-us ({start}) must be at most --wait-after-max-us ({max}) and both at least 2"
+    )]
+    WaitBudget {
+        /// Start.
+        start: u64,
+        /// Ceiling.
+        max: u64,
+    },
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -233,8 +280,18 @@ impl RunConfig {
         {
             return Err(ConfigError::PingPongNeedsPv);
         }
-        if self.user_mode && (self.workload != Workload::Lock || self.pv == PvMode::Kick) {
+        if self.user_mode
+            && (!matches!(self.workload, Workload::Lock | Workload::PingPong)
+                || self.wait == WaitMode::Hlt)
+        {
             return Err(ConfigError::UserModeCannotHalt);
+        }
+        let budget = self.budget_config();
+        if budget.validate().is_err() {
+            return Err(ConfigError::WaitBudget {
+                start: budget.wait_after_ns / 1000,
+                max: budget.wait_after_max_ns / 1000,
+            });
         }
         if self.hogs > MAX_HOGS {
             return Err(ConfigError::TooManyHogs {
@@ -248,6 +305,32 @@ impl RunConfig {
     /// Guest memory in bytes.
     pub fn mem_bytes(&self) -> u64 {
         self.mem_mib << 20
+    }
+
+    /// pvspin's budget configuration with this run's overrides.
+    pub fn budget_config(&self) -> pvspin::BudgetConfig {
+        let mut b = pvspin::BudgetConfig::default();
+        if let Some(us) = self.wait_after_max_us {
+            b.wait_after_max_ns = us.saturating_mul(1000);
+        }
+        if let Some(us) = self.wait_after_us {
+            b.wait_after_ns = us.saturating_mul(1000);
+        }
+        b
+    }
+
+    /// The guest's [`pvspin_vmm_proto::BootParams::pv_flags`].
+    pub fn pv_flags(&self) -> u32 {
+        let mut flags = 0;
+        match self.wait {
+            WaitMode::Auto => {}
+            WaitMode::Hlt => flags |= pvspin_vmm_proto::PV_FLAG_WAIT_HLT,
+            WaitMode::Doorbell => flags |= pvspin_vmm_proto::PV_FLAG_WAIT_DOORBELL,
+        }
+        if self.budgets == BudgetMode::Spins {
+            flags |= pvspin_vmm_proto::PV_FLAG_SPIN_BUDGETS;
+        }
+        flags
     }
 }
 

@@ -316,16 +316,23 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
     if let Some(placement) = config.placement {
         let mut request = pvspin::PlanRequest::new(placement, config.vcpus);
+        request.guest_kernel = config.guest_kernel;
         request.host_cpus = std::thread::available_parallelism()
             .ok()
             .and_then(|n| u32::try_from(n.get()).ok());
         builder = builder.paravirt(request);
     }
     if config.pv.kicks() {
-        builder = builder.kick(pvspin::KickOptions {
-            path: config.kick_path,
-            park_spin: Duration::from_micros(config.park_spin_us),
-        });
+        builder = builder
+            .kick(pvspin::KickOptions {
+                path: config.kick_path,
+                park_spin: Duration::from_micros(config.park_spin_us),
+            })
+            .hint_pages(pvspin::HintOptions {
+                memory: Arc::new(memory.clone()),
+                budgets: config.budget_config(),
+            })
+            .pv_wait(pvspin::WaitOptions::default());
     }
     if config.pv == PvMode::KickYield {
         builder = builder
@@ -429,7 +436,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             },
             spin_threshold: config.spin_threshold,
             user_mode: u32::from(config.user_mode),
-            reserved: 0,
+            pv_flags: config.pv_flags(),
             result: Default::default(),
         },
         config.vcpus,

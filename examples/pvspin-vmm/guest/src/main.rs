@@ -22,7 +22,8 @@ use pvspin_guest::{
     StaticPvTicketLock, TasLock, TicketLock,
 };
 use pvspin_vmm_proto::{
-    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
+    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_SPIN_BUDGETS,
+    PV_FLAG_WAIT_DOORBELL, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
 
@@ -135,6 +136,10 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                 outl(EXIT_PORT, code);
                 halt_forever();
             }
+            if boot.user_mode != 0 {
+                pv::USER_MODE.store(true, Ordering::Relaxed);
+                arch::enter_user_mode();
+            }
             start_barrier(&boot);
             pingpong::run(vcpu, &boot, || heartbeat(vcpu));
             finish(vcpu, &boot, params, Some((&pingpong::handoffs, boot.iterations)))
@@ -174,11 +179,16 @@ fn report_cpuid(boot: &BootParams, params: *mut BootParams) {
 /// Finds pvspin (with PV on) and applies the spin policy to the PV lock domain.
 fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
     let pv_on = matches!(boot.pv, PV_KICK | PV_KICK_YIELD);
-    // `hlt` is privileged: in user mode waiters spin (and notify, with kick+yield).
-    let halt = pv_on && boot.user_mode == 0;
+    // `hlt` is privileged: in user mode waiters wait with the doorbell's WAIT command.
+    let wait_doorbell = boot.user_mode != 0 || boot.pv_flags & PV_FLAG_WAIT_DOORBELL != 0;
+    let spin_budgets = boot.pv_flags & PV_FLAG_SPIN_BUDGETS != 0;
+    let halt = pv_on;
     if pv_on {
         match pv::discover() {
             Ok(info) if info.nr_vcpus >= boot.vcpus => {
+                if !pv::enable_v03(vcpu, &info, spin_budgets, wait_doorbell) {
+                    return Err(status::NO_PVSPIN);
+                }
                 if boot.pv == PV_KICK_YIELD {
                     if info.features & pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY == 0 {
                         return Err(status::NO_PVSPIN);

@@ -1,21 +1,100 @@
 //! The guest side of pvspin's ABI: discovery through CPUID, the kick doorbell, and the PV lock
 //! domain all PV locks of this guest share.
 
-use core::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
-use pvspin_abi::cpuid::{find_base, CpuidRegs, PvspinInfo, FEATURE_KICK, INFO_LEAF_OFFSET};
-use pvspin_abi::doorbell::{lock_hash, spun_bucket, SpinNotify, KICK_OFFSET, SPIN_OFFSET};
+use pvspin_abi::cpuid::{
+    find_base, CpuidRegs, PvspinInfo, FEATURE_KICK, FEATURE_SHARED_PAGE, FEATURE_WAIT,
+    INFO_LEAF_OFFSET,
+};
+use pvspin_abi::doorbell::{
+    lock_hash, spun_bucket, SpinNotify, KICK_OFFSET, SHARED_PAGE_OFFSET, SPIN_OFFSET, WAIT_OFFSET,
+};
+use pvspin_abi::hint;
 use pvspin_guest::x86::{HaltPvOps, PvPlatform};
-use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinWait};
+use pvspin_guest::{pv_static, AtomicU8, PvDomain, SpinBudget, SpinConfig, SpinWait};
 use pvspin_vmm_proto::{MAX_PV_VCPUS, STACKS_ADDR, STACK_SIZE, VCPU_SLOT_INDEX_OFFSET};
 
-use crate::arch::{cpuid, inl, outl, wrmsr};
+use crate::arch::{cpuid, inl, outl, rdtsc, wrmsr};
 
 /// The doorbell's first port, learned at boot (0: pvspin not found).
 static DOORBELL: AtomicU16 = AtomicU16::new(0);
 
 /// Set once the lock workload runs in user mode (`BootParams::user_mode`).
 pub static USER_MODE: AtomicBool = AtomicBool::new(false);
+
+/// Waiters use the doorbell's WAIT command instead of `hlt` (always in user mode).
+static WAIT_DOORBELL: AtomicBool = AtomicBool::new(false);
+
+/// The time budgets of the hint pages are in use (else ABI 0.2 spin counts).
+static TIME_BUDGETS: AtomicBool = AtomicBool::new(false);
+
+/// One vCPU's hint page (pvspin ABI 0.3): host line, guest line, reserved rest.
+#[repr(C, align(4096))]
+pub struct HintPage([AtomicU64; 512]);
+
+/// The hint pages of every vCPU this guest has PV state for (identity-mapped, so a page's
+/// address is its GPA).
+static HINT_PAGES: [HintPage; MAX_PV_VCPUS as usize] =
+    [const { HintPage([const { AtomicU64::new(0) }; 512]) }; MAX_PV_VCPUS as usize];
+
+/// Per vCPU: the wait budget this vCPU adapts itself between host updates (the ABI's rule),
+/// and the host sequence number it was last taken at.
+static LOCAL_WAIT_AFTER: [AtomicU64; MAX_PV_VCPUS as usize] =
+    [const { AtomicU64::new(0) }; MAX_PV_VCPUS as usize];
+static LOCAL_SEQ: [AtomicU32; MAX_PV_VCPUS as usize] =
+    [const { AtomicU32::new(u32::MAX) }; MAX_PV_VCPUS as usize];
+
+impl HintPage {
+    fn u64_at(&self, offset: usize) -> Option<&AtomicU64> {
+        self.0.get(offset / 8)
+    }
+
+    fn u32_at(&self, offset: usize) -> Option<&AtomicU32> {
+        let word = self.u64_at(offset & !7)?;
+        // SAFETY: an AtomicU64 is 8 bytes, 8-aligned; its two halves are 4-aligned u32s
+        // (little-endian: the field at offset % 8 == 4 is the upper half). Every access to
+        // them is atomic, like the host's.
+        Some(unsafe { &*(word.as_ptr().cast::<AtomicU32>().add((offset % 8) / 4)) })
+    }
+
+    fn load64(&self, offset: usize) -> u64 {
+        self.u64_at(offset).map_or(0, |a| a.load(Ordering::Relaxed))
+    }
+
+    fn load32(&self, offset: usize) -> u32 {
+        self.u32_at(offset).map_or(0, |a| a.load(Ordering::Relaxed))
+    }
+
+    fn store32(&self, offset: usize, value: u32) {
+        if let Some(a) = self.u32_at(offset) {
+            a.store(value, Ordering::Relaxed);
+        }
+    }
+}
+
+/// This vCPU's hint page, when pages are in use.
+fn page(cpu: u32) -> Option<&'static HintPage> {
+    if !TIME_BUDGETS.load(Ordering::Relaxed) {
+        return None;
+    }
+    HINT_PAGES.get(cpu as usize)
+}
+
+/// Registers `vcpu`'s hint page (SHARED_PAGE, one exit) and waits until the host wrote its
+/// layout version, so budgets are there before the first lock.
+fn register_hint_page(vcpu: u32) -> bool {
+    let Some(page) = HINT_PAGES.get(vcpu as usize) else {
+        return false;
+    };
+    let pfn = (page as *const HintPage as u64) / pvspin_abi::doorbell::SHARED_PAGE_SIZE;
+    outl(
+        DOORBELL.load(Ordering::Relaxed) + SHARED_PAGE_OFFSET,
+        u32::try_from(pfn).unwrap_or(0),
+    );
+    // The OUT exited and the host handled it before this vCPU resumed.
+    page.load32(hint::LAYOUT) == hint::LAYOUT_VERSION
+}
 
 /// Per vCPU: the spin window the host published, read at boot and after each notification;
 /// `u32::MAX` (never notify) until [`enable_spin_notify`].
@@ -35,7 +114,9 @@ fn refresh_window(cpu: u32) {
 /// registers its KVM steal-time area when KVM offers steal time, so the host sees this vCPU
 /// preempted.
 pub fn enable_spin_notify(vcpu: u32) {
-    refresh_window(vcpu);
+    if !TIME_BUDGETS.load(Ordering::Relaxed) {
+        refresh_window(vcpu);
+    }
     register_steal_time(vcpu);
 }
 
@@ -91,29 +172,125 @@ impl PvPlatform for Platform {
     }
 
     fn spin_window(&self) -> u32 {
+        if TIME_BUDGETS.load(Ordering::Relaxed) {
+            return u32::MAX;
+        }
         WINDOWS
             .get(self.cpu_id() as usize)
             .map_or(u32::MAX, |w| w.load(Ordering::Relaxed))
     }
 
-    fn spin_notify(&self, wait: &SpinWait) {
-        // The ABI: one 32-bit OUT of the notification to the SPIN offset, then (one more
-        // exit) the window the host adapted.
-        let value = SpinNotify {
-            waiting_for: wait.waiting_for.and_then(|w| u16::try_from(w).ok()),
-            next_owner: wait.next_owner,
-            spun_bucket: spun_bucket(wait.spun),
-            lock_hash: lock_hash(wait.lock as u64),
+    fn now(&self) -> u64 {
+        if TIME_BUDGETS.load(Ordering::Relaxed) {
+            rdtsc()
+        } else {
+            0
         }
-        .encode();
-        outl(DOORBELL.load(Ordering::Relaxed) + SPIN_OFFSET, value);
-        refresh_window(self.cpu_id());
     }
+
+    fn spin_budget(&self) -> SpinBudget {
+        let cpu = self.cpu_id();
+        let Some(page) = page(cpu) else {
+            return SpinBudget::UNLIMITED;
+        };
+        let i = cpu as usize;
+        let (Some(local), Some(seq)) = (LOCAL_WAIT_AFTER.get(i), LOCAL_SEQ.get(i)) else {
+            return SpinBudget::UNLIMITED;
+        };
+        // The host's value wins whenever it published a new one.
+        let host_seq = page.load32(hint::HOST_SEQ);
+        if seq.swap(host_seq, Ordering::Relaxed) != host_seq {
+            local.store(page.load64(hint::WAIT_AFTER_TSC), Ordering::Relaxed);
+        }
+        // A waiter that waits with WAIT notifies in that same exit: no separate SPIN.
+        let notify_after = if WAIT_DOORBELL.load(Ordering::Relaxed) {
+            u64::MAX
+        } else {
+            page.load64(hint::SPIN_WINDOW_TSC)
+        };
+        SpinBudget {
+            notify_after,
+            wait_after: local.load(Ordering::Relaxed),
+        }
+    }
+
+    fn is_not_running(&self, cpu: u32) -> bool {
+        page(cpu).is_some_and(|p| {
+            p.load32(hint::HOST_FLAGS) & hint::NOT_RUNNING != 0
+                || p.load32(hint::SPIN_STATE) == hint::SPIN_WAITING
+        })
+    }
+
+    fn before_wait(&self) {
+        if let Some(p) = page(self.cpu_id()) {
+            p.store32(hint::SPIN_STATE, hint::SPIN_WAITING);
+        }
+    }
+
+    fn after_wait(&self, ticks: u64) {
+        let cpu = self.cpu_id();
+        let Some(p) = page(cpu) else {
+            return;
+        };
+        p.store32(hint::SPIN_STATE, hint::SPIN_IDLE);
+        if let Some(a) = p.u64_at(hint::LAST_WAIT_TSC) {
+            a.store(ticks.max(1), Ordering::Relaxed);
+        }
+        // Adapt locally too: in-kernel halts never exit, so the host may not see this report
+        // for a long time.
+        if let Some(local) = LOCAL_WAIT_AFTER.get(cpu as usize) {
+            let next = hint::adapt_wait_after(
+                local.load(Ordering::Relaxed),
+                ticks,
+                p.load64(hint::WAIT_AFTER_MIN_TSC),
+                p.load64(hint::WAIT_AFTER_MAX_TSC),
+            );
+            local.store(next, Ordering::Relaxed);
+        }
+    }
+
+    fn waits_through_doorbell(&self) -> bool {
+        WAIT_DOORBELL.load(Ordering::Relaxed)
+    }
+
+    fn doorbell_wait(&self, ptr: &AtomicU8, val: u8, why: &SpinWait) -> bool {
+        if !WAIT_DOORBELL.load(Ordering::Relaxed) {
+            return false;
+        }
+        // The check and the WAIT need no interrupt masking: a kick after the check is
+        // remembered by the host (HLT's latch), and a spurious return is allowed.
+        if ptr.load(Ordering::SeqCst) == val {
+            outl(DOORBELL.load(Ordering::Relaxed) + WAIT_OFFSET, encode(why));
+        }
+        true
+    }
+
+    fn spin_notify(&self, wait: &SpinWait) {
+        // The ABI: one 32-bit OUT of the notification to the SPIN offset; with time budgets
+        // the host updated the hint page before this vCPU resumed, otherwise (0.2) one more
+        // exit reads the window it adapted.
+        outl(DOORBELL.load(Ordering::Relaxed) + SPIN_OFFSET, encode(wait));
+        if !TIME_BUDGETS.load(Ordering::Relaxed) {
+            refresh_window(self.cpu_id());
+        }
+    }
+}
+
+/// A wait as the ABI's `SpinNotify` value.
+fn encode(wait: &SpinWait) -> u32 {
+    SpinNotify {
+        waiting_for: wait.waiting_for.and_then(|w| u16::try_from(w).ok()),
+        next_owner: wait.next_owner,
+        spun_bucket: spun_bucket(wait.spun),
+        lock_hash: lock_hash(wait.lock as u64),
+    }
+    .encode()
 }
 
 /// The PV lock domain: per-vCPU wait slots, MCS nodes and counters for up to
 /// [`MAX_PV_VCPUS`] vCPUs.
-// SAFETY: the guest runs at CPL 0 and the host's kick device latches kicks (pvspin ABI §3.1).
+// SAFETY: every wait that is not a doorbell WAIT runs at CPL 0 (`setup` turns WAIT on for
+// user mode), and the host's kick device latches kicks (pvspin ABI §3.1).
 pub static PV: PvDomain<HaltPvOps<Platform>, { MAX_PV_VCPUS as usize }> =
     PvDomain::new(unsafe { HaltPvOps::new(Platform) }, SpinConfig::EMULATED);
 pv_static!(pub GuestPv: HaltPvOps<Platform> = PV);
@@ -141,8 +318,33 @@ pub fn discover() -> Result<PvspinInfo, PvUnavailable> {
     Ok(info)
 }
 
-/// Applies the VMM's spin policy to the domain.
+/// Turns on the ABI 0.3 parts for `vcpu`: its hint page and time budgets (unless
+/// `spin_budgets`), and WAIT instead of `hlt` (`wait_doorbell`). Fails when the host lacks
+/// a feature asked for.
+pub fn enable_v03(vcpu: u32, info: &PvspinInfo, spin_budgets: bool, wait_doorbell: bool) -> bool {
+    if wait_doorbell {
+        if info.features & FEATURE_WAIT == 0 {
+            return false;
+        }
+        WAIT_DOORBELL.store(true, Ordering::Relaxed);
+    }
+    if !spin_budgets {
+        if info.features & FEATURE_SHARED_PAGE == 0 || !register_hint_page(vcpu) {
+            return false;
+        }
+        TIME_BUDGETS.store(true, Ordering::Relaxed);
+    }
+    true
+}
+
+/// Applies the VMM's spin policy to the domain. With time budgets the iteration limit is
+/// only a cap (the hint page's budgets decide).
 pub fn configure(spin_threshold: u32, halt: bool) -> bool {
+    let spin_threshold = if TIME_BUDGETS.load(Ordering::Relaxed) {
+        SpinConfig::MAX_SPIN_THRESHOLD
+    } else {
+        spin_threshold
+    };
     PV.configure(SpinConfig {
         spin_threshold,
         halt,

@@ -163,6 +163,15 @@ pub const PV_KICK: u32 = 1;
 /// can yield to it.
 pub const PV_KICK_YIELD: u32 = 2;
 
+/// [`BootParams::pv_flags`]: waiters wait with the doorbell's WAIT command, in kernel mode too
+/// (user mode always does: `hlt` is privileged there).
+pub const PV_FLAG_WAIT_DOORBELL: u32 = 1 << 0;
+/// [`BootParams::pv_flags`]: waiters halt with `hlt` (kernel mode only).
+pub const PV_FLAG_WAIT_HLT: u32 = 1 << 1;
+/// [`BootParams::pv_flags`]: ABI 0.2 budgets: spin counts (`spin_threshold`, the SPIN
+/// register's window) instead of the hint page's time budgets.
+pub const PV_FLAG_SPIN_BUDGETS: u32 = 1 << 2;
+
 /// The most vCPUs the guest's PV lock domain has per-vCPU state for.
 pub const MAX_PV_VCPUS: u32 = 16;
 
@@ -197,8 +206,8 @@ pub struct BootParams {
     /// Lock workload: 1 runs the lock loop, and everything after it, in guest user mode
     /// (CPL 3, IOPL 3 so port I/O still works); 0 in kernel mode.
     pub user_mode: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// PV options ([`PV_FLAG_WAIT_DOORBELL`], [`PV_FLAG_WAIT_HLT`], [`PV_FLAG_SPIN_BUDGETS`]).
+    pub pv_flags: u32,
     /// Results written by the guest.
     pub result: RunResult,
 }

@@ -1,0 +1,198 @@
+//! Hint pages and time budgets inside the embedding API (ABI 0.3): the per-VM state the hooks
+//! share, and what the hooks do with SHARED_PAGE registrations, WAIT commands and the
+//! guest's wait reports.
+//!
+//! Per exit of vCPU `v` with a registered page: the guest's report of its last wait
+//! (`LAST_WAIT_TSC`, taken once) adapts `v`'s wait budget (`pvspin_pause::SpinBudgets`), and a
+//! changed budget is published back to the page in TSC cycles. Nothing here adds an ioctl or
+//! an exit: the page is read and written in place.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pvspin_hints::{GuestPageMap, HintPage, HintPages, RegisterError};
+use pvspin_pause::{ns_to_tsc, tsc_to_ns, BudgetConfig, SpinBudgets};
+
+use crate::ConfigError;
+
+/// How the embedding VMM configures hint pages ([`crate::PvSpinBuilder::hint_pages`]).
+#[derive(Debug, Clone)]
+pub struct HintOptions {
+    /// How pvspin reaches guest pages: usually the VMM's `vm_memory::GuestMemoryMmap`.
+    pub memory: Arc<dyn GuestPageMap>,
+    /// The budgets published to each page, and their adaptation.
+    pub budgets: BudgetConfig,
+}
+
+/// How the embedding VMM configures the WAIT command ([`crate::PvSpinBuilder::pv_wait`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitOptions {
+    /// Userspace kick path: the longest one WAIT parks the vCPU thread (a timeout is a
+    /// spurious wake-up for the guest, which re-checks and waits again). On the in-kernel and
+    /// signal-msi paths a WAIT is KVM's own halt (`KVM_MP_STATE_HALTED`), which a kick, any
+    /// interrupt the guest accepts, or the VMM's interrupt (signal and `immediate_exit`) ends.
+    pub timeout: Duration,
+}
+
+impl Default for WaitOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Counters of hint pages and WAIT, over all vCPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HintStats {
+    /// SHARED_PAGE registrations accepted (unregistrations included).
+    pub registrations: u64,
+    /// Registrations refused (the frame is not guest RAM): guest input, ignored.
+    pub bad_registrations: u64,
+    /// Wait reports taken from pages (each adapted a wait budget).
+    pub wait_reports: u64,
+    /// WAIT commands handled.
+    pub waits: u64,
+    /// WAITs that ended at once because a kick was already pending (userspace path).
+    pub waits_kick_pending: u64,
+    /// WAITs that ended by their timeout (userspace path).
+    pub waits_timed_out: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    registrations: AtomicU64,
+    bad_registrations: AtomicU64,
+    wait_reports: AtomicU64,
+    waits: AtomicU64,
+    waits_kick_pending: AtomicU64,
+    waits_timed_out: AtomicU64,
+}
+
+/// The per-VM hint-page state.
+#[derive(Debug)]
+pub(crate) struct HintState {
+    pub(crate) pages: HintPages,
+    pub(crate) budgets: SpinBudgets,
+    /// The guest TSC frequency, learned from the first vCPU (`KVM_GET_TSC_KHZ`).
+    tsc_khz: AtomicU32,
+    /// Whether spin notifications are on (else the published spin window is "never").
+    notify: bool,
+    counters: Counters,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl HintState {
+    pub(crate) fn new(
+        options: &HintOptions,
+        vcpus: usize,
+        notify: bool,
+    ) -> Result<Self, ConfigError> {
+        let budgets = SpinBudgets::new(vcpus, options.budgets)
+            .map_err(|e| ConfigError::HintPages(e.to_string()))?;
+        Ok(Self {
+            pages: HintPages::new(options.memory.clone(), vcpus),
+            budgets,
+            tsc_khz: AtomicU32::new(0),
+            notify,
+            counters: Counters::default(),
+        })
+    }
+
+    pub(crate) fn set_tsc_khz(&self, khz: u32) {
+        let _ = self
+            .tsc_khz
+            .compare_exchange(0, khz, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    pub(crate) fn tsc_khz(&self) -> u32 {
+        self.tsc_khz.load(Ordering::Relaxed)
+    }
+
+    /// Writes `v`'s budgets to `page` in TSC cycles.
+    pub(crate) fn publish(&self, v: usize, page: HintPage) {
+        let khz = self.tsc_khz();
+        let window = if self.notify {
+            ns_to_tsc(self.budgets.notify_after_ns(v), khz)
+        } else {
+            u64::MAX
+        };
+        page.publish_budgets(window, ns_to_tsc(self.budgets.wait_after_ns(v), khz), khz);
+    }
+
+    /// SHARED_PAGE from `v`.
+    pub(crate) fn register(&self, v: usize, pfn: u32) -> Result<(), RegisterError> {
+        match self.pages.register(v, pfn) {
+            Ok(page) => {
+                bump(&self.counters.registrations);
+                if let Some(page) = page {
+                    let cfg = self.budgets.config();
+                    let khz = self.tsc_khz();
+                    page.publish_wait_bounds(
+                        ns_to_tsc(cfg.wait_after_min_ns, khz),
+                        ns_to_tsc(cfg.wait_after_max_ns, khz),
+                    );
+                    self.publish(v, page);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                bump(&self.counters.bad_registrations);
+                Err(e)
+            }
+        }
+    }
+
+    /// At an exit of `v`: takes its wait report, adapts and republishes its budget.
+    pub(crate) fn on_exit(&self, v: usize) {
+        let Some(page) = self.pages.get(v) else {
+            return;
+        };
+        let Some(cycles) = page.take_last_wait() else {
+            return;
+        };
+        bump(&self.counters.wait_reports);
+        let before = self.budgets.wait_after_ns(v);
+        let after = self.budgets.on_wait(v, tsc_to_ns(cycles, self.tsc_khz()));
+        if before != after {
+            self.publish(v, page);
+        }
+    }
+
+    /// A spin notification of `v` was acted on usefully (its target was not running) or not.
+    pub(crate) fn on_notification(&self, v: usize, useful: bool) {
+        let before = self.budgets.notify_after_ns(v);
+        if self.budgets.on_notification(v, useful) != before {
+            if let Some(page) = self.pages.get(v) {
+                self.publish(v, page);
+            }
+        }
+    }
+
+    pub(crate) fn note_wait(&self, kick_pending: bool, timed_out: bool) {
+        bump(&self.counters.waits);
+        if kick_pending {
+            bump(&self.counters.waits_kick_pending);
+        }
+        if timed_out {
+            bump(&self.counters.waits_timed_out);
+        }
+    }
+
+    pub(crate) fn stats(&self) -> HintStats {
+        let c = &self.counters;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HintStats {
+            registrations: ld(&c.registrations),
+            bad_registrations: ld(&c.bad_registrations),
+            wait_reports: ld(&c.wait_reports),
+            waits: ld(&c.waits),
+            waits_kick_pending: ld(&c.waits_kick_pending),
+            waits_timed_out: ld(&c.waits_timed_out),
+        }
+    }
+}

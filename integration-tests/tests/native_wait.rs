@@ -1,0 +1,153 @@
+//! ABI 0.3 on real guests: PV locks whose waiters wait with the doorbell's WAIT command (guest
+//! user mode, where `hlt` faults, and kernel mode by choice), time budgets from the hint page,
+//! and the no-lost-wakeups stress of user-mode wait/kick pairs on every kick path. Guest user
+//! mode runs natively on the development hosts, so these are the runs closest to hardware
+//! speed. Every run has the VMM's watchdog: a lost wake-up fails, it does not hang.
+
+use pvspin::KickPath;
+use pvspin_integration_tests::kvm_or_skip;
+use pvspin_vmm::config::{BudgetMode, PvMode, WaitMode};
+use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
+
+fn user_lock(lock: LockKind, pv: PvMode, path: KickPath, vcpus: u32) -> RunConfig {
+    RunConfig {
+        vcpus,
+        workload: Workload::Lock,
+        lock,
+        // About 0.1-0.3 s per run at native speed: long enough that 4 vCPUs on 2 host CPUs
+        // are descheduled many times.
+        iterations: 50_000,
+        cs_work: 1_000,
+        ncs_work: 200,
+        pv,
+        kick_path: path,
+        user_mode: true,
+        watchdog_ms: 20_000,
+        timeout_ms: 120_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn user_mode_pv_locks_count_exactly_on_every_kick_path() {
+    if kvm_or_skip("user_mode_pv_locks_count_exactly_on_every_kick_path").is_none() {
+        return;
+    }
+    for lock in [LockKind::Ticket, LockKind::Queued] {
+        for pv in [PvMode::Kick, PvMode::KickYield] {
+            for path in PATHS {
+                let mut waits = 0;
+                for vcpus in [2, 4] {
+                    let config = user_lock(lock, pv, path, vcpus);
+                    let report = run(&config)
+                        .unwrap_or_else(|e| panic!("{lock:?} {pv:?} {path:?} x{vcpus}: {e}"));
+                    assert_eq!(
+                        report.counter,
+                        u64::from(vcpus) * config.iterations,
+                        "{lock:?} {pv:?} {path:?} x{vcpus}"
+                    );
+                    waits += report.pv_halts;
+                }
+                // Four vCPUs on two host CPUs: some waiter's holder is always descheduled,
+                // so WAIT must have been used (or the PV path was not exercised).
+                assert!(waits > 0, "{lock:?} {pv:?} {path:?}: no waiter ever waited");
+            }
+        }
+    }
+}
+
+/// The ping-pong token ring in user mode: every handoff is one WAIT and one KICK.
+fn user_pingpong(path: KickPath, handoffs: u64) -> RunConfig {
+    RunConfig {
+        vcpus: 2,
+        workload: Workload::PingPong,
+        iterations: handoffs,
+        cs_work: 0,
+        ncs_work: 2_000,
+        pv: PvMode::Kick,
+        kick_path: path,
+        user_mode: true,
+        watchdog_ms: 10_000,
+        timeout_ms: 300_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+/// 100,000 user-mode wait/kick pairs on the in-kernel path (the kicker never exits; the
+/// waiter's WAIT is KVM's own halt), 20,000 on each other path. The 1,000,000-pair run is in
+/// docs/benchmarks.md.
+#[test]
+fn user_mode_wait_kick_pairs_lose_no_wakeup() {
+    if kvm_or_skip("user_mode_wait_kick_pairs_lose_no_wakeup").is_none() {
+        return;
+    }
+    for (path, handoffs) in [
+        (KickPath::InKernel, 100_000),
+        (KickPath::SignalMsi, 20_000),
+        (KickPath::Userspace, 20_000),
+    ] {
+        let report =
+            run(&user_pingpong(path, handoffs)).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        assert_eq!(report.counter, handoffs, "{path:?}");
+        assert!(report.pv_halts > 0, "{path:?}: nobody waited");
+        assert!(report.pv_kicks >= handoffs - 1, "{path:?}");
+    }
+}
+
+#[test]
+fn kernel_mode_waiters_can_wait_through_the_doorbell() {
+    if kvm_or_skip("kernel_mode_waiters_can_wait_through_the_doorbell").is_none() {
+        return;
+    }
+    for path in PATHS {
+        let config = RunConfig {
+            iterations: 60,
+            cs_work: 40,
+            ncs_work: 5,
+            wait: WaitMode::Doorbell,
+            user_mode: false,
+            vcpus: 3,
+            ..user_lock(LockKind::Ticket, PvMode::Kick, path, 3)
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        assert_eq!(report.counter, 3 * config.iterations, "{path:?}");
+    }
+}
+
+#[test]
+fn spin_count_budgets_of_abi_0_2_still_work() {
+    if kvm_or_skip("spin_count_budgets_of_abi_0_2_still_work").is_none() {
+        return;
+    }
+    for pv in [PvMode::Kick, PvMode::KickYield] {
+        let config = RunConfig {
+            iterations: 60,
+            cs_work: 40,
+            ncs_work: 5,
+            spin_threshold: 4,
+            budgets: BudgetMode::Spins,
+            user_mode: false,
+            ..user_lock(LockKind::Queued, pv, KickPath::InKernel, 3)
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("{pv:?}: {e}"));
+        assert_eq!(report.counter, 3 * config.iterations, "{pv:?}");
+        assert!(report.pv_halts > 0, "{pv:?}: threshold 4 spins must halt");
+    }
+}
+
+#[test]
+fn user_mode_cannot_use_hlt() {
+    let config = RunConfig {
+        wait: WaitMode::Hlt,
+        ..user_lock(LockKind::Ticket, PvMode::Kick, KickPath::InKernel, 2)
+    };
+    assert!(matches!(
+        run(&config),
+        Err(RunError::Config(ConfigError::UserModeCannotHalt))
+    ));
+}
