@@ -171,12 +171,13 @@ impl<'a> BackoffWaiter<'a> {
 
     /// Backs off in proportion to the distance (re-read through `load_owner` after each
     /// delay) until this waiter is next in line or served, `budget` spins are spent, or
-    /// `stop()` (asked after each delay) says to stop. Returns the spins spent.
+    /// `stop(spent)` (asked after each delay, with the spins spent so far) says to stop.
+    /// Returns the spins spent.
     pub(crate) fn back_off(
         &mut self,
         load_owner: impl Fn() -> u32,
         budget: u32,
-        stop: impl Fn() -> bool,
+        stop: impl Fn(u32) -> bool,
     ) -> u32 {
         let mut spent = 0u32;
         let mut last_delay = 0u32;
@@ -189,7 +190,7 @@ impl<'a> BackoffWaiter<'a> {
             }
             delay(last_delay);
             spent += last_delay;
-            if stop() {
+            if stop(spent) {
                 return spent;
             }
         }
@@ -264,7 +265,7 @@ unsafe impl RawSpinLock for BackoffTicketLock {
             return;
         }
         let mut waiter = BackoffWaiter::new(&self.handover, ticket, now);
-        waiter.back_off(|| owner.load(CoreOrdering::Relaxed), u32::MAX, || false);
+        waiter.back_off(|| owner.load(CoreOrdering::Relaxed), u32::MAX, |_| false);
         let polls = Self::poll_until_served(owner, ticket);
         waiter.observe(ticket, polls);
     }
@@ -282,6 +283,9 @@ unsafe impl RawSpinLock for BackoffTicketLock {
         self.ticket.is_locked()
     }
 }
+
+/// Backoff spins between two checks of whether the CPU a PV waiter waits for runs.
+const WAITED_FOR_CHECK_EVERY: u32 = 64;
 
 /// The spin phase of [`PvBackoffTicketLock`]'s waiters.
 struct ProportionalBackoff<'a> {
@@ -302,10 +306,18 @@ impl TicketSpin for ProportionalBackoff<'_> {
         let start = pv.ops.now();
         let wait_after = pv.ops.spin_budget().wait_after;
         let stopped = Cell::new(false);
-        let stop = || {
-            let waited_for_is_out = wait(0)
-                .waiting_for
-                .is_some_and(|cpu| pv.ops.is_not_running(cpu));
+        let asked_at = Cell::new(0u32);
+        let stop = |spent: u32| {
+            // Whom the waiter waits for is asked about every `WAITED_FOR_CHECK_EVERY` spins,
+            // as the spin phase does: the answer may scan every CPU's slot.
+            let ask = spent / WAITED_FOR_CHECK_EVERY != asked_at.get() / WAITED_FOR_CHECK_EVERY;
+            if ask {
+                asked_at.set(spent);
+            }
+            let waited_for_is_out = ask
+                && wait(0)
+                    .waiting_for
+                    .is_some_and(|cpu| pv.ops.is_not_running(cpu));
             let out_of_time = pv.ops.now().wrapping_sub(start) >= wait_after;
             stopped.set(waited_for_is_out || out_of_time);
             stopped.get()
@@ -462,7 +474,7 @@ mod tests {
             *first
         };
         let mut waiter = BackoffWaiter::new(&estimate, 10, 6);
-        let spent = waiter.back_off(load, u32::MAX, || false);
+        let spent = waiter.back_off(load, u32::MAX, |_| false);
         assert_eq!(spent, 3 * 10 + 10);
         // Moves seen: 6 -> 8 (the first, not a sample), then 8 -> 9 after 10 spins: 10 per
         // hand-over, as estimated.
@@ -474,10 +486,12 @@ mod tests {
     fn backoff_stops_at_its_budget() {
         let estimate = estimate_of(100);
         let mut waiter = BackoffWaiter::new(&estimate, 10, 0);
-        assert_eq!(waiter.back_off(|| 0, 250, || false), 250);
-        assert_eq!(waiter.back_off(|| 0, 0, || false), 0);
+        assert_eq!(waiter.back_off(|| 0, 250, |_| false), 250);
+        assert_eq!(waiter.back_off(|| 0, 0, |_| false), 0);
         // Asked to stop after its first delay (9 waiters ahead: 900 spins).
-        assert_eq!(waiter.back_off(|| 0, u32::MAX, || true), 900);
+        assert_eq!(waiter.back_off(|| 0, u32::MAX, |_| true), 900);
+        // Asked to stop once 2000 spins are spent: after three delays.
+        assert_eq!(waiter.back_off(|| 0, u32::MAX, |spent| spent >= 2000), 2700);
     }
 
     #[test]
@@ -666,9 +680,9 @@ mod tests {
         }
         let waits = domain.ops().waits.lock().unwrap().clone();
         assert!(waits.iter().all(|w| w.waiting_for == Some(1)), "{waits:?}");
-        // How CPU 0 got there, with the strategy alone: it asks whom it waits for after its
-        // first delay, learns that CPU is out, and ends the phase after one more look (a
-        // backoff that did not ask would spin 2^24 times and never ask).
+        // How CPU 0 got there, with the strategy alone: it asks whom it waits for once 64
+        // spins are spent (four delays of 16), learns that CPU is out, and ends the phase after
+        // one more look (a backoff that did not ask would spin 2^24 times and never ask).
         bind_current_thread(0);
         let handover = HandoverEstimate::new();
         let owner = AtomicU32::new(0);
