@@ -10,7 +10,7 @@
 //!
 //! The preemption bound defaults to 3 here; set `LOOM_MAX_PREEMPTIONS` to change it. The
 //! eleven models without backoff take about 25 s on the development machine (after a first
-//! build of loom, about a minute); all fifteen took 70 s on a busy one. Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
+//! build of loom, about a minute); all fifteen took 70 to 95 s on a busy one. Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
 //! second), the three-CPU models with `LOOM_MAX_PREEMPTIONS=4` (about 3 minutes).
 //!
 //! The models can fail: each of these mutations was checked to make loom report a deadlock
