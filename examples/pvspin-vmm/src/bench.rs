@@ -196,8 +196,11 @@ pub struct CaseResult {
     pub hogs: u32,
     /// Which variant.
     pub variant: Variant,
-    /// Guest seconds of each run.
+    /// Guest seconds of each run; a run stopped by its bound (`--timeout-ms`) counts as the
+    /// bound, and is counted in `timed_out` (its statistics are then lower bounds).
     pub seconds: Vec<f64>,
+    /// Runs stopped by the bound.
+    pub timed_out: u32,
 }
 
 impl CaseResult {
@@ -247,7 +250,8 @@ impl fmt::Display for BenchTable {
         writeln!(f, "{}", self.title)?;
         writeln!(
             f,
-            "guest seconds, less is better; mean (sd), median, and the median's change against the first variant"
+            "guest seconds, less is better; mean (sd), median, the median's change against the first variant, \
+             and the median over the same variant's median at 0 hogs (T1x); '>' marks runs stopped by the bound"
         )?;
         let mut baseline = None;
         for case in &self.cases {
@@ -261,9 +265,17 @@ impl fmt::Display for BenchTable {
             } else {
                 "n/a".into()
             };
+            let t1x = self
+                .cases
+                .iter()
+                .find(|c| c.hogs == 0 && c.variant == case.variant)
+                .map(CaseResult::median)
+                .filter(|m| *m > 0.0)
+                .map_or("n/a".into(), |m| format!("{:.2}", case.median() / m));
+            let bound = if case.timed_out > 0 { ">" } else { "" };
             writeln!(
                 f,
-                "case {load:.0}x ({} hogs)  {:<34} {:>9.4} ({:.4})  median {:.4}  {change:>7}  runs: {}",
+                "case {load:.0}x ({} hogs)  {:<34} {bound}{:>9.4} ({:.4})  median {bound}{:.4}  {change:>7}  T/T1x {t1x:>6}  runs: {}{}",
                 case.hogs,
                 case.variant.name(),
                 case.mean(),
@@ -273,7 +285,12 @@ impl fmt::Display for BenchTable {
                     .iter()
                     .map(|s| format!("{s:.4}"))
                     .collect::<Vec<_>>()
-                    .join(" ")
+                    .join(" "),
+                if case.timed_out > 0 {
+                    format!(" ({} stopped by the bound)", case.timed_out)
+                } else {
+                    String::new()
+                }
             )?;
         }
         Ok(())
@@ -306,6 +323,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
                 hogs,
                 variant,
                 seconds: Vec::new(),
+                timed_out: 0,
             })
         })
         .collect();
@@ -315,15 +333,34 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
     }
     for _ in 0..options.runs {
         for case in &mut cases {
-            let report = vmm::run(&case.variant.config(&base, case.hogs))?;
-            crate::cli::print_stdout(&report.to_json());
-            case.seconds.push(report.guest_seconds);
+            match vmm::run(&case.variant.config(&base, case.hogs)) {
+                Ok(report) => {
+                    crate::cli::print_stdout(&report.to_json());
+                    case.seconds.push(report.guest_seconds);
+                }
+                // A collapse is a result, not an error: record the bound.
+                Err(RunError::Timeout { limit_ms, .. }) => {
+                    eprintln!(
+                        "pvspin-vmm bench: {} with {} hogs stopped by its {limit_ms} ms bound",
+                        case.variant.name(),
+                        case.hogs
+                    );
+                    case.seconds.push(limit_ms as f64 / 1000.0);
+                    case.timed_out += 1;
+                }
+                Err(err) => return Err(err),
+            }
         }
     }
     Ok(BenchTable {
         title: format!(
-            "lock workload on {} vCPUs, {} acquisitions each, cs {} ncs {}, spin threshold {}, {} runs per case",
-            vm.vcpus, vm.iterations, vm.cs_work, vm.ncs_work, vm.spin_threshold, options.runs
+            "lock workload on {} vCPUs ({} mode), {} acquisitions each, cs {} ncs {}, {} runs per case, interleaved",
+            vm.vcpus,
+            if base.user_mode { "user" } else { "kernel" },
+            vm.iterations,
+            vm.cs_work,
+            vm.ncs_work,
+            options.runs
         ),
         vcpus: vm.vcpus,
         host_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -340,6 +377,7 @@ mod tests {
             hogs,
             variant: Variant::parse(variant).unwrap(),
             seconds: seconds.to_vec(),
+            timed_out: 0,
         }
     }
 
@@ -393,5 +431,8 @@ mod tests {
         assert!(text.contains("case 3x (4 hogs)"), "{text}");
         assert!(text.contains("-50.0%"), "{text}");
         assert!(text.contains("-90.0%"), "{text}");
+        // T/T1x: each variant against its own 0-hog median.
+        assert!(text.contains("T/T1x   3.00"), "{text}");
+        assert!(text.contains("T/T1x   0.60"), "{text}");
     }
 }
