@@ -1,15 +1,21 @@
 //! Shared fixtures for pvspin's real-KVM tests (the tests themselves are in `tests/`).
 #![deny(missing_docs)]
 
-/// Opens `/dev/kvm`, or prints a SKIPPED line naming the test and returns `None` when it cannot
-/// be opened (a CI machine without KVM must still pass).
+/// Opens `/dev/kvm` for a real-KVM test. A test cannot pass by skipping: when `/dev/kvm`
+/// cannot be opened the test fails, unless `PVSPIN_SKIP_KVM_TESTS=1` says this machine has no
+/// KVM on purpose; then it prints a `SKIPPED` line naming the test and returns `None` (and
+/// `.ci/run` reports how many were skipped).
 pub fn kvm_or_skip(test: &str) -> Option<kvm_ioctls::Kvm> {
     match kvm_ioctls::Kvm::new() {
         Ok(kvm) => Some(kvm),
-        Err(err) => {
+        Err(err) if std::env::var("PVSPIN_SKIP_KVM_TESTS").as_deref() == Ok("1") => {
             eprintln!("SKIPPED {test}: /dev/kvm cannot be opened ({err})");
             None
         }
+        Err(err) => panic!(
+            "{test} needs /dev/kvm, which cannot be opened ({err}); set PVSPIN_SKIP_KVM_TESTS=1 \
+             to skip real-KVM tests on a machine without KVM"
+        ),
     }
 }
 

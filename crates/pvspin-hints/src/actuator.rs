@@ -78,6 +78,16 @@ pub trait Actuator: Send + Sync + std::fmt::Debug {
             descheduled: yield_now(),
         }
     }
+    /// On a waiter's thread that is about to park (a WAIT carries its notification): boost
+    /// `target` without yielding, since parking gives the CPU away anyway. The default does
+    /// nothing (an actuator without boosts has nothing to add to the park).
+    fn boost(&self, target: usize, tid: i32) -> YieldReport {
+        let _ = (target, tid);
+        YieldReport {
+            boosted: false,
+            descheduled: false,
+        }
+    }
     /// On vCPU `v`'s own thread at each exit, and when it is kicked: end its boost.
     fn on_target_exit(&self, v: usize);
     /// Shutdown: end every boost (also done on drop).
@@ -99,17 +109,20 @@ impl Actuator for YieldOnly {
     fn restore_all(&self) {}
 }
 
-fn boost_then_yield(t: &BoostTracker, target: usize, tid: i32) -> YieldReport {
-    let boosted = match t.boost(target, tid) {
+fn boost_target(t: &BoostTracker, target: usize, tid: i32) -> bool {
+    match t.boost(target, tid) {
         Ok(BoostResult::Applied | BoostResult::Extended) => true,
         Ok(BoostResult::AlreadyHigher) => false,
         Err(e) => {
             log::debug!("pvspin-hints: boost of vCPU {target} failed: {e}");
             false
         }
-    };
+    }
+}
+
+fn boost_then_yield(t: &BoostTracker, target: usize, tid: i32) -> YieldReport {
     YieldReport {
-        boosted,
+        boosted: boost_target(t, target, tid),
         descheduled: yield_now(),
     }
 }
@@ -153,6 +166,12 @@ impl Actuator for BoostActuator {
     }
     fn yield_to(&self, target: usize, tid: i32) -> YieldReport {
         boost_then_yield(&self.tracker, target, tid)
+    }
+    fn boost(&self, target: usize, tid: i32) -> YieldReport {
+        YieldReport {
+            boosted: boost_target(&self.tracker, target, tid),
+            descheduled: false,
+        }
     }
     fn on_target_exit(&self, v: usize) {
         self.tracker.restore(v);

@@ -181,6 +181,17 @@ impl YieldState {
     /// CPL for this exit. The notification's `waiting_for` is already range-checked by the
     /// kick device.
     pub(crate) fn on_notification(&self, me: usize, n: SpinNotify) -> Handled {
+        self.handle(me, n, false)
+    }
+
+    /// A notification that came with a WAIT: the same decision, but the waiter parks next,
+    /// so a yield of its own thread is pointless: a directed decision only boosts, an
+    /// undirected one does nothing.
+    pub(crate) fn on_wait_notification(&self, me: usize, n: SpinNotify) -> Handled {
+        self.handle(me, n, true)
+    }
+
+    fn handle(&self, me: usize, n: SpinNotify, parking: bool) -> Handled {
         let c = &self.counters;
         bump(&c.notifications);
         self.windows.on_notification(me);
@@ -216,11 +227,16 @@ impl YieldState {
                 } else {
                     &c.yield_to_candidate
                 });
-                Some(self.actuator.yield_to(target, self.board.tid(target)))
+                let tid = self.board.tid(target);
+                Some(if parking {
+                    self.actuator.boost(target, tid)
+                } else {
+                    self.actuator.yield_to(target, tid)
+                })
             }
             Decision::YieldSelf(_) => {
                 bump(&c.yield_self);
-                Some(self.actuator.yield_self())
+                (!parking).then(|| self.actuator.yield_self())
             }
             Decision::Nothing(_) => {
                 bump(&c.nothing);

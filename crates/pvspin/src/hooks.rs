@@ -244,7 +244,7 @@ impl VcpuHooks {
             if let Some(cell) = self.cells.get(self.index) {
                 cell.record_spin_notification();
             }
-            let handled = dy.on_notification(self.index, n);
+            let handled = dy.on_wait_notification(self.index, n);
             if let (Some(cell), Some(successful)) = (self.cells.get(self.index), handled.yielded) {
                 cell.record_yield(successful);
             }
