@@ -285,6 +285,8 @@ fn command_line_exit_codes() {
     assert_eq!(with(&["--vcpus", "100000"]), 2);
     assert_eq!(with(&["--mem-mib", "1"]), 2);
     assert_eq!(with(&["--lock", "mcs"]), 2);
+    assert_eq!(with(&["--lock", "backoff"]), 0);
+    assert_eq!(with(&["--lock", "backoff", "--pv", "kick"]), 0);
 }
 
 #[test]
@@ -496,4 +498,52 @@ fn lock_workload_runs_in_guest_user_mode() {
         run(&hello),
         Err(RunError::Config(ConfigError::UserModeCannotHalt))
     ));
+}
+
+#[test]
+fn backoff_lock_counts_exactly_in_kernel_and_user_mode() {
+    if kvm_or_skip("backoff_lock_counts_exactly_in_kernel_and_user_mode").is_none() {
+        return;
+    }
+    // Guest kernel mode is emulated instruction by instruction here, user mode runs natively:
+    // few iterations in kernel mode, more in user mode (where PV waiters wait through the
+    // WAIT doorbell instead of `hlt`). Long critical sections and a tiny threshold make PV
+    // waiters halt.
+    let cases = [
+        (false, PvMode::Off, 40),
+        (false, PvMode::Kick, 40),
+        (true, PvMode::Off, 5_000),
+        (true, PvMode::Kick, 5_000),
+        (true, PvMode::KickYield, 5_000),
+    ];
+    for (user_mode, pv, iterations) in cases {
+        let mut halts = 0;
+        for vcpus in [2, 4] {
+            let config = RunConfig {
+                lock: LockKind::Backoff,
+                pv,
+                user_mode,
+                iterations,
+                cs_work: 40,
+                spin_threshold: 4,
+                ..config(Workload::Lock, vcpus)
+            };
+            let what = format!("user_mode {user_mode} {pv:?} x{vcpus}");
+            let report = run(&config).unwrap_or_else(|err| panic!("{what}: {err}"));
+            let expected = u64::from(vcpus) * iterations;
+            assert_eq!(report.counter, expected, "{what}");
+            let per_vcpu: u64 = report.per_vcpu.iter().map(|vcpu| vcpu.acquisitions).sum();
+            assert_eq!(per_vcpu, expected, "{what}");
+            // A kick needs a waiter that published a halt.
+            assert!(report.pv_kicks <= report.pv_slow_paths, "{what}");
+            if pv == PvMode::Off {
+                assert_eq!(report.pv_halts, 0, "{what}: PV off never halts");
+            }
+            halts += report.pv_halts;
+        }
+        if pv == PvMode::Kick && !user_mode {
+            // Whether one run halts depends on timing; over both some waiter must.
+            assert!(halts > 0, "no backoff waiter halted with --pv kick");
+        }
+    }
 }

@@ -1,4 +1,5 @@
-//! Plain ticket lock vs the PV locks with more threads than cores (parking stands for halting).
+//! Plain ticket locks (without and with proportional backoff) vs the PV locks with more threads
+//! than cores (parking stands for halting).
 //!
 //! `cargo bench -p pvspin-guest --features std --bench oversubscribed`
 //!
@@ -18,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use pvspin_guest::host::{bind_current_thread, HostPvOps};
 use pvspin_guest::{
-    PvDomain, PvQueuedLock, PvTicketLock, RawPvLock, RawSpinLock, SpinConfig, TicketLock,
+    BackoffTicketLock, PvBackoffTicketLock, PvDomain, PvQueuedLock, PvTicketLock, RawPvLock,
+    RawSpinLock, SpinConfig, TicketLock,
 };
 
 const THREADS: u32 = 4;
@@ -64,8 +66,8 @@ fn batch(take: &Take) -> (Duration, u64) {
     (last - first, spans.iter().map(|s| s.2).sum())
 }
 
-fn plain() -> Take {
-    let lock = Arc::new(TicketLock::new());
+fn plain<L: RawSpinLock + Send + Sync + 'static>(lock: L) -> Take {
+    let lock = Arc::new(lock);
     Arc::new(move || {
         lock.lock();
         critical_section();
@@ -88,9 +90,11 @@ fn pv<L: RawPvLock + Send + Sync + 'static>(lock: L) -> Take {
 }
 
 fn main() {
-    let makers: [Maker; 3] = [
-        ("ticket", plain),
+    let makers: [Maker; 5] = [
+        ("ticket", || plain(TicketLock::new())),
+        ("backoff", || plain(BackoffTicketLock::new())),
         ("pv_ticket", || pv(PvTicketLock::new())),
+        ("pv_backoff", || pv(PvBackoffTicketLock::new())),
         ("pv_queued", || pv(PvQueuedLock::new())),
     ];
     // Nanoseconds per lock/unlock pair, per batch; batches cut short by the deadline.

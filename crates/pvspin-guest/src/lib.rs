@@ -9,6 +9,10 @@
 //! Plain spinlocks (PAUSE in a loop, no paravirtual slow path):
 //! - [`TicketLock`]: a fair FIFO spinlock (the lock whose waiters suffer most from lock-holder
 //!   and lock-waiter preemption).
+//! - [`BackoffTicketLock`]: a ticket lock whose waiters back off in proportion to their
+//!   distance from the head of the queue, with a unit the lock tunes itself
+//!   ([`HandoverEstimate`]): what the origin threads tried before PV ticket locks, and saw
+//!   regress under overcommit.
 //! - [`TasLock`]: an unfair test-and-test-and-set lock.
 //! - [`SpinMutex`]: data guarded by any [`RawSpinLock`].
 //!
@@ -16,6 +20,8 @@
 //! - [`PvTicketLock`]: ticket lock; a waiter past the threshold publishes "halted waiting for
 //!   ticket t of lock L" in its vCPU's slot and halts; the unlocker scans the slots for the
 //!   halted holder of the next ticket and kicks it (Linux's old pv ticketlock).
+//! - [`PvBackoffTicketLock`]: [`PvTicketLock`]'s handshake with [`BackoffTicketLock`]'s
+//!   proportional backoff as the spin phase (the backoff counts against the threshold).
 //! - [`PvQueuedLock`]: MCS queued lock with per-vCPU nodes in state Running/Halted; the
 //!   unlocker hands over to its successor and kicks it only if it is Halted, only at unlock
 //!   time (the pv qspinlock's `vcpu_halted` protocol, without lock stealing).
@@ -138,6 +144,7 @@
 #[cfg(any(test, feature = "std"))]
 extern crate std;
 
+mod backoff;
 #[cfg(any(test, feature = "std"))]
 pub mod host;
 #[cfg(all(test, loom))]
@@ -152,6 +159,7 @@ mod ticket;
 #[cfg(all(target_arch = "x86_64", not(loom)))]
 pub mod x86;
 
+pub use backoff::{BackoffTicketLock, HandoverEstimate, PvBackoffTicketLock};
 pub use mutex::{SpinMutex, SpinMutexGuard};
 pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
@@ -167,6 +175,8 @@ pub use ticket::TicketLock;
 pub type StaticPvTicketLock<D> = StaticPv<PvTicketLock, D>;
 /// A [`PvQueuedLock`] on the static domain `D`, usable in a [`SpinMutex`].
 pub type StaticPvQueuedLock<D> = StaticPv<PvQueuedLock, D>;
+/// A [`PvBackoffTicketLock`] on the static domain `D`, usable in a [`SpinMutex`].
+pub type StaticPvBackoffTicketLock<D> = StaticPv<PvBackoffTicketLock, D>;
 
 /// A raw spinlock: mutual exclusion without data.
 ///
@@ -448,7 +458,8 @@ mod tests {
     use crate::host::HostPvOps;
     use crate::tests_common::hammer;
     use crate::{
-        PvConfigError, PvDomain, SpinConfig, SpinMutex, StaticPvQueuedLock, StaticPvTicketLock,
+        PvConfigError, PvDomain, SpinConfig, SpinMutex, StaticPvBackoffTicketLock,
+        StaticPvQueuedLock, StaticPvTicketLock,
     };
 
     const TEST_CONFIG: SpinConfig = SpinConfig {
@@ -468,6 +479,7 @@ mod tests {
         assert_eq!(*COUNTER.lock(), 1);
         hammer::<StaticPvTicketLock<TestPv>>(3, 300);
         hammer::<StaticPvQueuedLock<TestPv>>(3, 300);
+        hammer::<StaticPvBackoffTicketLock<TestPv>>(3, 300);
         assert_eq!(DOMAIN.ops().stats().timeouts, 0);
         assert_eq!(DOMAIN.bad_cpu_count(), 0);
     }

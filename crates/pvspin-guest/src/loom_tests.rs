@@ -8,9 +8,9 @@
 //!     cargo test -p pvspin-guest --release loom
 //! ```
 //!
-//! The preemption bound defaults to 3 here; set `LOOM_MAX_PREEMPTIONS` to change it. All
-//! eleven models take about 25 s on the development machine (after a first build of loom, about
-//! a minute). Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
+//! The preemption bound defaults to 3 here; set `LOOM_MAX_PREEMPTIONS` to change it. The
+//! eleven models without backoff take about 25 s on the development machine (after a first
+//! build of loom, about a minute); all fifteen took 70 to 95 s on a busy one. Deeper runs also pass: the two-CPU models with `LOOM_MAX_PREEMPTIONS=6` (under a
 //! second), the three-CPU models with `LOOM_MAX_PREEMPTIONS=4` (about 3 minutes).
 //!
 //! The models can fail: each of these mutations was checked to make loom report a deadlock
@@ -18,7 +18,9 @@
 //! ticket unlocker without its `fence(SeqCst)` (found with three CPUs); the ticket unlocker
 //! skipping the scan when one more ticket is out; the queued waiter or the queued unlocker
 //! without its fence; the bare handshake without the re-check; the host latch forgetting a
-//! kick that arrived between the waiter's check and its park.
+//! kick that arrived between the waiter's check and its park. The three-CPU backoff models
+//! reach the backoff: a backoff spin phase claiming the lock after any backoff, without reading
+//! `owner`, made loom report two holders.
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
@@ -27,7 +29,7 @@ use std::vec::Vec;
 use crate::host::{bind_current_thread, HostPvOps};
 use crate::pv::{PvDomain, PvOps, RawPvLock, SpinConfig};
 use crate::sync::{fence, AtomicU8, Ordering};
-use crate::{PvQueuedLock, PvTicketLock};
+use crate::{PvBackoffTicketLock, PvQueuedLock, PvTicketLock};
 
 /// The smallest threshold: one look at the lock, then the halt path.
 const CONFIG: SpinConfig = SpinConfig {
@@ -191,4 +193,27 @@ fn loom_pv_ticket_three_cpus_spurious() {
 #[test]
 fn loom_pv_queued_three_cpus_spurious() {
     lock_model(3, 2, PvQueuedLock::new);
+}
+
+// The backoff ticket lock: the PV ticket lock's handshake with a different spin phase. With
+// three CPUs the last waiter is two places from the head and backs off before its look.
+
+#[test]
+fn loom_pv_backoff_two_cpus() {
+    lock_model(2, 0, PvBackoffTicketLock::new);
+}
+
+#[test]
+fn loom_pv_backoff_two_cpus_spurious() {
+    lock_model(2, 2, PvBackoffTicketLock::new);
+}
+
+#[test]
+fn loom_pv_backoff_three_cpus() {
+    lock_model(3, 0, PvBackoffTicketLock::new);
+}
+
+#[test]
+fn loom_pv_backoff_three_cpus_spurious() {
+    lock_model(3, 2, PvBackoffTicketLock::new);
 }

@@ -27,6 +27,40 @@ use core::sync::atomic::{AtomicU32 as HintU32, Ordering as HintOrdering};
 use crate::pv::{Pv, PvOps, RawPvLock, SpinWait};
 use crate::sync::{full_fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
+/// How a PV ticket waiter spends one spin phase: the part of its wait before the halt
+/// handshake. The handshake (publish Halted, fence, re-check, `pv_wait`) and the unlocker's
+/// kick are the lock's and the same for every strategy, so a lock that only waits differently
+/// (the backoff ticket lock) reuses them instead of repeating them.
+pub(crate) trait TicketSpin {
+    /// Spins until `owner` serves `ticket` or the phase's budget (`pv.config.spin_threshold`
+    /// spins) is spent; `wait` describes the wait for spin notifications. Returns `true` only
+    /// right after an Acquire load of `owner` saw `ticket`.
+    fn spin_phase<O: PvOps>(
+        &self,
+        pv: Pv<'_, O>,
+        owner: &AtomicU32,
+        ticket: u32,
+        wait: impl Fn(u32) -> SpinWait,
+    ) -> bool;
+}
+
+/// The PV ticket lock's own strategy: look at `owner` once per spin.
+#[derive(Debug)]
+pub(crate) struct PollEverySpin;
+
+impl TicketSpin for PollEverySpin {
+    #[inline]
+    fn spin_phase<O: PvOps>(
+        &self,
+        pv: Pv<'_, O>,
+        owner: &AtomicU32,
+        ticket: u32,
+        wait: impl Fn(u32) -> SpinWait,
+    ) -> bool {
+        pv.spin_phase(|| owner.load(Ordering::Acquire) == ticket, wait)
+    }
+}
+
 /// The waiter runs (or has not published a wait).
 pub(crate) const RUNNING: u8 = 0;
 /// The waiter is halted, or about to halt, waiting for `ticket` of `lock`.
@@ -119,8 +153,18 @@ impl PvTicketLock {
         self as *const Self as usize
     }
 
+    /// Takes the lock, spending each spin phase of a contended wait as `spin` says.
+    #[inline]
+    pub(crate) fn lock_with<O: PvOps, S: TicketSpin>(&self, pv: Pv<'_, O>, spin: &S) {
+        let ticket = self.next.fetch_add(1, Ordering::Relaxed);
+        if self.owner.load(Ordering::Acquire) != ticket {
+            self.lock_slow(pv, ticket, spin);
+        }
+        self.record_holder(pv);
+    }
+
     #[cold]
-    fn lock_slow<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
+    fn lock_slow<O: PvOps, S: TicketSpin>(&self, pv: Pv<'_, O>, ticket: u32, spin: &S) {
         let me = if pv.config.halt { pv.this_cpu() } else { None };
         let my_id = if pv.ops.spin_window() != u32::MAX {
             // Notifications on: publish {lock, ticket} in this CPU's slot now (state stays
@@ -148,7 +192,7 @@ impl PvTicketLock {
             }
         };
         loop {
-            if pv.spin_phase(|| self.owner.load(Ordering::Acquire) == ticket, wait) {
+            if spin.spin_phase(pv, &self.owner, ticket, wait) {
                 return;
             }
             let Some((_, cpu)) = me else {
@@ -243,11 +287,7 @@ unsafe impl RawPvLock for PvTicketLock {
     const UNLOCKED: Self = Self::new();
 
     fn lock<O: PvOps>(&self, pv: Pv<'_, O>) {
-        let ticket = self.next.fetch_add(1, Ordering::Relaxed);
-        if self.owner.load(Ordering::Acquire) != ticket {
-            self.lock_slow(pv, ticket);
-        }
-        self.record_holder(pv);
+        self.lock_with(pv, &PollEverySpin);
     }
 
     fn try_lock<O: PvOps>(&self, pv: Pv<'_, O>) -> bool {

@@ -11,9 +11,9 @@ use crate::RawSpinLock;
 #[derive(Debug)]
 pub struct TicketLock {
     /// The next ticket to hand out.
-    next: AtomicU32,
+    pub(crate) next: AtomicU32,
     /// The ticket being served; only the holder writes it.
-    owner: AtomicU32,
+    pub(crate) owner: AtomicU32,
 }
 
 impl TicketLock {

@@ -56,15 +56,20 @@ unsafe impl Sync for HintPage {}
 impl HintPage {
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
         debug_assert!(offset % 4 == 0 && offset + 4 <= hint::DEFINED_END);
-        // SAFETY: `base` points at a live, 8-byte aligned page (GuestPageMap's contract) and
-        // `offset` is a 4-aligned field inside it (the ABI's layout, checked in its tests).
-        unsafe { AtomicU32::from_ptr(self.base.as_ptr().add(offset).cast()) }
+        // SAFETY: `offset` is a field inside the page (the ABI's layout, checked in its tests),
+        // so the pointer stays inside the page `base` points at.
+        let field = unsafe { self.base.as_ptr().add(offset) };
+        // SAFETY: the page is live and 8-byte aligned (GuestPageMap's contract) and `offset`
+        // is 4-aligned, so `field` is a valid, aligned u32 accessed only atomically.
+        unsafe { AtomicU32::from_ptr(field.cast()) }
     }
 
     fn u64_at(&self, offset: usize) -> &AtomicU64 {
         debug_assert!(offset % 8 == 0 && offset + 8 <= hint::DEFINED_END);
+        // SAFETY: as in `u32_at`: the field is inside the page.
+        let field = unsafe { self.base.as_ptr().add(offset) };
         // SAFETY: as in `u32_at`, for an 8-aligned field.
-        unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(offset).cast()) }
+        unsafe { AtomicU64::from_ptr(field.cast()) }
     }
 
     /// Publishes the budgets (TSC cycles) and the TSC frequency, then bumps the sequence.

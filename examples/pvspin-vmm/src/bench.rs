@@ -65,9 +65,10 @@ impl Variant {
             Some("ticket") => LockKind::Ticket,
             Some("tas") => LockKind::Tas,
             Some("queued") => LockKind::Queued,
+            Some("backoff") => LockKind::Backoff,
             other => {
                 return Err(format!(
-                    "{text:?}: unknown lock {other:?} (ticket, tas, queued)"
+                    "{text:?}: unknown lock {other:?} (ticket, tas, queued, backoff)"
                 ))
             }
         };
@@ -397,6 +398,8 @@ mod tests {
             "ticket:kick:signal-msi",
             "ticket:kick+yield:in-kernel",
             "queued:kick+yield:userspace",
+            "backoff:off",
+            "backoff:kick:in-kernel",
         ] {
             assert_eq!(Variant::parse(name).unwrap().name(), name);
         }

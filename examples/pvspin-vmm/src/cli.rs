@@ -71,6 +71,9 @@ pub enum LockArg {
     Tas,
     /// MCS queued lock (each waiter spins on its own node).
     Queued,
+    /// Ticket lock whose waiters back off in proportion to their place in the queue, with an
+    /// auto-tuned unit (what the origin threads tried before PV ticket locks).
+    Backoff,
 }
 
 /// Guest privilege level of the lock workload.
@@ -163,6 +166,7 @@ impl From<LockArg> for LockKind {
             LockArg::Ticket => LockKind::Ticket,
             LockArg::Tas => LockKind::Tas,
             LockArg::Queued => LockKind::Queued,
+            LockArg::Backoff => LockKind::Backoff,
         }
     }
 }

@@ -175,7 +175,7 @@ pub enum ConfigError {
     ZeroBound,
     /// The TAS lock has no PV variant.
     #[error(
-        "--pv kick needs --lock ticket or --lock queued (the tas lock has no paravirtual variant)"
+        "--pv kick needs --lock ticket, queued or backoff (the tas lock has no paravirtual variant)"
     )]
     NoPvVariant,
     /// The guest's PV lock domain is fixed-size.
@@ -341,6 +341,18 @@ mod tests {
     #[test]
     fn default_is_valid() {
         assert_eq!(RunConfig::default().validate(1024), Ok(()));
+    }
+
+    #[test]
+    fn backoff_lock_runs_with_and_without_pv() {
+        for pv in [PvMode::Off, PvMode::Kick, PvMode::KickYield] {
+            let backoff = RunConfig {
+                lock: LockKind::Backoff,
+                pv,
+                ..RunConfig::default()
+            };
+            assert_eq!(backoff.validate(1024), Ok(()), "{pv:?}");
+        }
     }
 
     #[test]

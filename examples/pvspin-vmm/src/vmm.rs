@@ -668,6 +668,7 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Ticket => "ticket",
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
+        LockKind::Backoff => "backoff",
     }
 }
 

@@ -18,7 +18,8 @@ use core::hint::black_box;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pvspin_guest::{
-    RawSpinLock, SpinMutex, StaticPvQueuedLock, StaticPvTicketLock, TasLock, TicketLock,
+    BackoffTicketLock, RawSpinLock, SpinMutex, StaticPvBackoffTicketLock, StaticPvQueuedLock,
+    StaticPvTicketLock, TasLock, TicketLock,
 };
 use pvspin_vmm_proto::{
     status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_SPIN_BUDGETS,
@@ -40,6 +41,9 @@ static TICKET_COUNTER: SpinMutex<TicketLock, u64> = SpinMutex::new(0);
 static TAS_COUNTER: SpinMutex<TasLock, u64> = SpinMutex::new(0);
 static PV_TICKET_COUNTER: SpinMutex<StaticPvTicketLock<pv::GuestPv>, u64> = SpinMutex::new(0);
 static PV_QUEUED_COUNTER: SpinMutex<StaticPvQueuedLock<pv::GuestPv>, u64> = SpinMutex::new(0);
+static BACKOFF_COUNTER: SpinMutex<BackoffTicketLock, u64> = SpinMutex::new(0);
+static PV_BACKOFF_COUNTER: SpinMutex<StaticPvBackoffTicketLock<pv::GuestPv>, u64> =
+    SpinMutex::new(0);
 
 /// Entry point of every vCPU: `rdi` = vCPU index, `rsi` = boot parameters.
 #[no_mangle]
@@ -84,6 +88,12 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                 (Some(LockKind::Tas), PV_OFF) => lock_workload(vcpu, &boot, params, &TAS_COUNTER),
                 (Some(LockKind::Ticket), PV_KICK | PV_KICK_YIELD) => {
                     lock_workload(vcpu, &boot, params, &PV_TICKET_COUNTER)
+                }
+                (Some(LockKind::Backoff), PV_OFF) => {
+                    lock_workload(vcpu, &boot, params, &BACKOFF_COUNTER)
+                }
+                (Some(LockKind::Backoff), PV_KICK | PV_KICK_YIELD) => {
+                    lock_workload(vcpu, &boot, params, &PV_BACKOFF_COUNTER)
                 }
                 // With PV off the queued lock's waiters never halt: a plain MCS lock.
                 (Some(LockKind::Queued), PV_OFF | PV_KICK | PV_KICK_YIELD) => {

@@ -122,6 +122,9 @@ pub enum LockKind {
     Tas = 2,
     /// `pvspin_guest::PvQueuedLock` (an MCS lock; with PV off its waiters never halt).
     Queued = 3,
+    /// A ticket lock with proportional backoff: `pvspin_guest::BackoffTicketLock` with PV off,
+    /// `pvspin_guest::PvBackoffTicketLock` with PV on.
+    Backoff = 4,
 }
 
 impl LockKind {
@@ -131,6 +134,7 @@ impl LockKind {
             1 => Self::Ticket,
             2 => Self::Tas,
             3 => Self::Queued,
+            4 => Self::Backoff,
             _ => return None,
         })
     }
