@@ -25,7 +25,7 @@ table() {
 
 # 2 vCPUs at 1x/2x/3x: critical sections of about 1.6 us, 1x runs of about 1 s.
 table user-2vcpu --cs-mode user --vcpus 2 --iterations 300000 --cs-work 5000 --ncs-work 5000 \
-    --hogs 0,2,4 --runs "$RUNS" --timeout-ms 60000 --variants "$LOCKS"
+    --hogs 0,2,4 --runs "$RUNS" --timeout-ms 60000 --variants "$LOCKS,queued:off"
 # vCPUs beyond the host's CPUs, no hogs: the VM overcommits itself.
 for v in 4 6 8; do
     table "user-${v}vcpu" --cs-mode user --vcpus "$v" --iterations 25000 --cs-work 5000 \
@@ -33,7 +33,16 @@ for v in 4 6 8; do
 done
 # Kernel mode (emulated here): the table of §1, for regressions.
 table kernel-2vcpu --vcpus 2 --iterations 1000 --hogs 0,2,4 --runs "$RUNS" --timeout-ms 120000 \
-    --variants ticket:off,ticket:kick,ticket:kick+yield,queued:kick,queued:kick+yield,backoff:off
+    --variants ticket:off,ticket:kick/spins,ticket:kick,ticket:kick+yield/spins,ticket:kick+yield,queued:kick/spins,queued:kick,queued:kick+yield,backoff:off,backoff:kick
+# Against the previous main's build, if one is given (OLD=path/to/pvspin-vmm): kernel mode.
+if [ -n "${OLD:-}" ]; then
+    for h in 0 2; do
+        for pv in kick kick+yield; do
+            python3 scripts/bench_ab.py --a "$OLD" --b "$VMM" --runs "$RUNS" -- --pv "$pv" \
+                --iterations 1000 --hogs "$h" | tee -a "$OUT/kernel-ab.txt"
+        done
+    done
+fi
 # Kick-to-wake at native speed: the user-mode token ring, each handoff one WAIT and one KICK.
 for path in in-kernel signal-msi userspace; do
     echo "== pingpong user mode $path"

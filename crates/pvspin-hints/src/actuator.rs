@@ -184,14 +184,23 @@ impl Actuator for BoostActuator {
 /// Builds an actuator by name ("yield", "nice", "fifo") for `n` vCPUs with the default
 /// deadline and nice value.
 pub fn by_name(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
+    by_name_with(name, n, DEFAULT_BOOST_DEADLINE)
+}
+
+/// [`by_name`] with boosts that last at most `deadline`.
+pub fn by_name_with(
+    name: &str,
+    n: usize,
+    deadline: Duration,
+) -> Result<Box<dyn Actuator>, ActuatorError> {
     match name {
         "yield" => Ok(Box::new(YieldOnly)),
         "nice" => Ok(Box::new(BoostActuator::nice(
             n,
             DEFAULT_BOOST_NICE,
-            DEFAULT_BOOST_DEADLINE,
+            deadline,
         )?)),
-        "fifo" => Ok(Box::new(BoostActuator::fifo(n, DEFAULT_BOOST_DEADLINE)?)),
+        "fifo" => Ok(Box::new(BoostActuator::fifo(n, deadline)?)),
         other => Err(ActuatorError::UnknownName(other.to_string())),
     }
 }
@@ -199,6 +208,15 @@ pub fn by_name(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError>
 /// Like [`by_name`], but a boost that is not permitted steps down (fifo -> nice -> yield)
 /// with a warning instead of failing. Unknown names still fail.
 pub fn by_name_or_fallback(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
+    by_name_or_fallback_with(name, n, DEFAULT_BOOST_DEADLINE)
+}
+
+/// [`by_name_or_fallback`] with boosts that last at most `deadline`.
+pub fn by_name_or_fallback_with(
+    name: &str,
+    n: usize,
+    deadline: Duration,
+) -> Result<Box<dyn Actuator>, ActuatorError> {
     let chain: &[&str] = match name {
         "fifo" => &["fifo", "nice", "yield"],
         "nice" => &["nice", "yield"],
@@ -207,7 +225,7 @@ pub fn by_name_or_fallback(name: &str, n: usize) -> Result<Box<dyn Actuator>, Ac
     };
     let mut last = None;
     for &c in chain {
-        match by_name(c, n) {
+        match by_name_with(c, n, deadline) {
             Ok(a) => {
                 if c != name {
                     log::warn!("pvspin-hints: {name} actuator refused, using {c}");

@@ -25,8 +25,8 @@ pub mod page;
 pub mod sched;
 
 pub use actuator::{
-    by_name, by_name_or_fallback, Actuator, ActuatorError, BoostActuator, YieldOnly, YieldReport,
-    DEFAULT_ACTUATOR,
+    by_name, by_name_or_fallback, by_name_or_fallback_with, by_name_with, Actuator, ActuatorError,
+    BoostActuator, YieldOnly, YieldReport, DEFAULT_ACTUATOR,
 };
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};

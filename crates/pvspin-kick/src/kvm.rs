@@ -64,6 +64,32 @@ pub fn setup_in_kernel(
     )?)
 }
 
+/// The ABI's rule that a vCPU's kick index is its initial APIC ID, applied to that vCPU's
+/// CPUID table: CPUID.01H:EBX[31:24] (the xAPIC ID, when `index` fits in 8 bits) and EDX of
+/// every subleaf of the x2APIC topology leaves 0BH and 1FH are set to `index`. KVM's
+/// supported CPUID carries the host CPU's values there, so without this every vCPU reads the
+/// same ID. Pure: edits only those fields of the entries present. Returns how many entries
+/// it changed.
+pub fn set_initial_apic_id(entries: &mut [kvm_cpuid_entry2], index: u32) -> usize {
+    let mut changed = 0;
+    for e in entries.iter_mut() {
+        let before = (e.ebx, e.edx);
+        match e.function {
+            1 => {
+                if let Ok(id) = u8::try_from(index) {
+                    e.ebx = (e.ebx & 0x00ff_ffff) | (u32::from(id) << 24);
+                }
+            }
+            0xb | 0x1f => e.edx = index,
+            _ => {}
+        }
+        if (e.ebx, e.edx) != before {
+            changed += 1;
+        }
+    }
+    changed
+}
+
 /// The two CPUID entries (base leaf and info leaf) that advertise `device` at `base`
 /// (normally [`pvspin_abi::cpuid::DEFAULT_BASE`]). Add them to every vCPU's `KVM_SET_CPUID2`
 /// table, next to (not instead of) KVM's leaves at 0x40000000.
@@ -91,6 +117,37 @@ pub fn cpuid_entries(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn initial_apic_id_is_the_vcpu_index() {
+        let entry = |function: u32, index: u32| kvm_cpuid_entry2 {
+            function,
+            index,
+            ebx: 0x0a00_0800,
+            edx: 7,
+            ..Default::default()
+        };
+        let mut table = [
+            entry(0, 0),
+            entry(1, 0),
+            entry(0xb, 0),
+            entry(0xb, 1),
+            entry(0x1f, 0),
+        ];
+        assert_eq!(super::set_initial_apic_id(&mut table, 3), 4);
+        assert_eq!(table[1].ebx, 0x0300_0800, "only bits 31..24 change");
+        assert!(table[2..].iter().all(|e| e.edx == 3));
+        assert_eq!(
+            (table[0].ebx, table[0].edx),
+            (0x0a00_0800, 7),
+            "other leaves untouched"
+        );
+        // An index beyond 8 bits keeps leaf 1 (the x2APIC leaves carry it).
+        assert_eq!(super::set_initial_apic_id(&mut table, 300), 3);
+        assert_eq!(table[1].ebx >> 24, 3);
+        assert_eq!(table[4].edx, 300);
+    }
+
     use super::*;
     use crate::KickConfig;
     use pvspin_abi::cpuid::{find_base, CpuidRegs, DEFAULT_BASE, FEATURE_KICK};

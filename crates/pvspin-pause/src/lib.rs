@@ -30,6 +30,7 @@
 
 pub mod budget;
 pub mod policy;
+pub mod trial;
 pub mod window;
 
 pub use budget::{
@@ -40,6 +41,7 @@ pub use policy::{
     BadHintCounters, BoostOutcome, Decision, DirectedYield, HintStatus, Outcome, PolicyConfig,
     PolicyError, Reason, ScanStats, SpinNotification, StealTimeView, VcpuView,
 };
+pub use trial::{BoostTrial, TrialConfig, TrialStats};
 pub use window::{grow_window, shrink_window, SpinWindows, WindowConfig, WindowError};
 
 #[cfg(test)]

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
 use pvspin_hints::Actuator;
 use pvspin_pause::{
-    Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification, SpinWindows,
-    WindowConfig,
+    BoostTrial, Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification,
+    SpinWindows, TrialConfig, TrialStats, WindowConfig,
 };
 use pvspin_track::{GuestBytes, VcpuBoard};
 
@@ -47,6 +47,8 @@ pub struct DirectedYieldOptions {
     pub policy: PolicyConfig,
     /// The adaptive per-vCPU spin window the guest reads (KVM's PLE window knobs).
     pub windows: WindowConfig,
+    /// How long a boost lasts at most (it also ends at the target's next exit or kick).
+    pub boost_deadline: std::time::Duration,
 }
 
 impl Default for DirectedYieldOptions {
@@ -64,6 +66,7 @@ impl Default for DirectedYieldOptions {
                 ..PolicyConfig::default()
             },
             windows: WindowConfig::default(),
+            boost_deadline: pvspin_hints::actuator::DEFAULT_BOOST_DEADLINE,
         }
     }
 }
@@ -91,6 +94,11 @@ pub struct DirectedYieldStats {
     pub hint_self: u64,
     /// Spin-window reads answered.
     pub window_reads: u64,
+    /// Boosts of a running target left out because the boost trial found them not paying
+    /// off (`pvspin_pause::trial`).
+    pub trial_skipped: u64,
+    /// The boost trial, when `boost_running_hint` is on.
+    pub trial: Option<TrialStats>,
 }
 
 #[derive(Debug, Default)]
@@ -104,6 +112,7 @@ struct Counters {
     descheduled: AtomicU64,
     hint_not_ready: AtomicU64,
     window_reads: AtomicU64,
+    trial_skipped: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -133,6 +142,9 @@ pub(crate) struct YieldState {
     /// With it, candidates' steal-time areas are read as they are examined, so a vCPU the
     /// host preempted inside `KVM_RUN` reads as ready (and preempted in kernel or user mode).
     pub(crate) mem: Option<StealTimeMemory>,
+    /// With `boost_running_hint`: whether boosting a target the board sees running pays
+    /// off, tried epoch by epoch from the guests' wait reports (hint pages).
+    trial: Option<BoostTrial>,
     counters: Counters,
 }
 
@@ -141,9 +153,9 @@ impl YieldState {
     pub(crate) fn new(options: &DirectedYieldOptions, vcpus: usize) -> Result<Self, ConfigError> {
         let name = options.actuator.as_str();
         let actuator = if options.fallback {
-            pvspin_hints::by_name_or_fallback(name, vcpus)
+            pvspin_hints::by_name_or_fallback_with(name, vcpus, options.boost_deadline)
         } else {
-            pvspin_hints::by_name(name, vcpus)
+            pvspin_hints::by_name_with(name, vcpus, options.boost_deadline)
         }
         .map_err(|err| ConfigError::Actuator {
             name: name.to_string(),
@@ -165,6 +177,10 @@ impl YieldState {
             windows: SpinWindows::new(vcpus, options.windows).map_err(|e| rule(&e))?,
             actuator,
             mem: None,
+            trial: options
+                .policy
+                .boost_running_hint
+                .then(|| BoostTrial::new(TrialConfig::default())),
             counters: Counters::default(),
         })
     }
@@ -220,7 +236,18 @@ impl YieldState {
             }
             _ => false,
         };
+        let running_target = match outcome.decision {
+            Decision::YieldTo(target, _) => {
+                self.board.snapshot(target).is_some_and(|s| s.is_running())
+            }
+            _ => false,
+        };
+        let trial_off = running_target && self.trial.as_ref().is_some_and(|t| !t.boosting());
         let report = match outcome.decision {
+            Decision::YieldTo(..) if trial_off => {
+                bump(&c.trial_skipped);
+                None
+            }
             Decision::YieldTo(target, reason) => {
                 bump(if reason == Reason::Hint {
                     &c.yield_to_hint
@@ -259,6 +286,13 @@ impl YieldState {
         }
     }
 
+    /// A guest's wait report (ns), for the boost trial.
+    pub(crate) fn on_wait_report(&self, ns: u64) {
+        if let Some(t) = &self.trial {
+            t.on_wait(ns);
+        }
+    }
+
     pub(crate) fn stats(&self) -> DirectedYieldStats {
         let c = &self.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -273,6 +307,8 @@ impl YieldState {
             hint_not_ready: ld(&c.hint_not_ready),
             hint_self: self.policy.bad_hints().self_hint.load(Ordering::Relaxed),
             window_reads: ld(&c.window_reads),
+            trial_skipped: ld(&c.trial_skipped),
+            trial: self.trial.as_ref().map(BoostTrial::stats),
         }
     }
 }

@@ -147,20 +147,19 @@ impl HintState {
         }
     }
 
-    /// At an exit of `v`: takes its wait report, adapts and republishes its budget.
-    pub(crate) fn on_exit(&self, v: usize) {
-        let Some(page) = self.pages.get(v) else {
-            return;
-        };
-        let Some(cycles) = page.take_last_wait() else {
-            return;
-        };
+    /// At an exit of `v`: takes its wait report, adapts and republishes its budget. Returns
+    /// the reported wait in ns, if there was one.
+    pub(crate) fn on_exit(&self, v: usize) -> Option<u64> {
+        let page = self.pages.get(v)?;
+        let cycles = page.take_last_wait()?;
         bump(&self.counters.wait_reports);
+        let ns = tsc_to_ns(cycles, self.tsc_khz());
         let before = self.budgets.wait_after_ns(v);
-        let after = self.budgets.on_wait(v, tsc_to_ns(cycles, self.tsc_khz()));
+        let after = self.budgets.on_wait(v, ns);
         if before != after {
             self.publish(v, page);
         }
+        Some(ns)
     }
 
     /// A spin notification of `v` was acted on usefully (its target was not running) or not.

@@ -112,7 +112,9 @@ impl VcpuHooks {
         self.counters.record_run(kind, ns);
         self.last_exit = Some(kind);
         if let Some(hints) = &self.hints {
-            hints.on_exit(self.index);
+            if let (Some(ns), Some(dy)) = (hints.on_exit(self.index), &self.dy) {
+                dy.on_wait_report(ns);
+            }
         }
         let Some(kick) = &self.kick else {
             return ExitOutcome::NotHandled;

@@ -141,8 +141,13 @@ impl KickState {
         }
     }
 
-    /// vCPU stage: advertise the device in the vCPU's CPUID.
-    pub(crate) fn add_cpuid(&self, cpuid: &mut CpuId) -> Result<(), Error> {
+    /// vCPU stage: advertise the device in the vCPU's CPUID, and make its initial APIC ID
+    /// its index (the ABI's kick index rule).
+    pub(crate) fn add_cpuid(&self, cpuid: &mut CpuId, index: usize) -> Result<(), Error> {
+        pvspin_kick::kvm::set_initial_apic_id(
+            cpuid.as_mut_slice(),
+            u32::try_from(index).unwrap_or(u32::MAX),
+        );
         let entries =
             pvspin_kick::kvm::cpuid_entries(&self.device, pvspin_abi::cpuid::DEFAULT_BASE)
                 .map_err(|e| Error::Kick(e.to_string()))?;

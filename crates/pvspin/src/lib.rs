@@ -625,13 +625,13 @@ impl PvSpin {
                 let plan = pvspin_kvm::plan::plan_for_vcpu(plan, vcpu)?;
                 let edit = pvspin_kvm::plan::edit_cpuid(&plan, cpuid)?;
                 if let Some(kick) = self.kick.get() {
-                    kick.add_cpuid(cpuid)?;
+                    kick.add_cpuid(cpuid, index)?;
                 }
                 Some(pvspin_kvm::plan::install_vcpu(&plan, vcpu, cpuid, edit)?)
             }
             None => {
                 if let Some(kick) = self.kick.get() {
-                    kick.add_cpuid(cpuid)?;
+                    kick.add_cpuid(cpuid, index)?;
                 }
                 vcpu.set_cpuid2(cpuid)
                     .map_err(|source| Error::SetCpuid { index, source })?;

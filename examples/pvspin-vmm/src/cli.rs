@@ -208,6 +208,9 @@ pub struct VmArgs {
     /// Time budgets: the ceiling of that budget, in us.
     #[arg(long)]
     pub wait_after_max_us: Option<u64>,
+    /// Directed yield (--pv kick+yield): how long a boost lasts at most, in us.
+    #[arg(long)]
+    pub boost_deadline_us: Option<u64>,
     /// KVM's halt-polling limit for this VM in ns (0: no polling; default: the host's).
     #[arg(long)]
     pub halt_poll_ns: Option<u32>,
@@ -366,6 +369,7 @@ impl VmArgs {
             },
             wait_after_us: self.wait_after_us,
             wait_after_max_us: self.wait_after_max_us,
+            boost_deadline_us: self.boost_deadline_us,
         }
     }
 }

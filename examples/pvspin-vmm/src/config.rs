@@ -57,6 +57,8 @@ pub struct RunConfig {
     pub wait_after_us: Option<u64>,
     /// Ceiling of the wait budget in us (`None`: pvspin's default).
     pub wait_after_max_us: Option<u64>,
+    /// Directed yield: longest boost in us (`None`: pvspin's default).
+    pub boost_deadline_us: Option<u64>,
 }
 
 /// How the guest's PV waiters wait.
@@ -129,6 +131,7 @@ impl Default for RunConfig {
             budgets: BudgetMode::Time,
             wait_after_us: None,
             wait_after_max_us: None,
+            boost_deadline_us: None,
         }
     }
 }

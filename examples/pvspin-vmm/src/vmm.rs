@@ -336,9 +336,15 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     }
     if config.pv == PvMode::KickYield {
         builder = builder
-            .directed_yield(pvspin::DirectedYieldOptions {
-                actuator: config.actuator.to_string(),
-                ..pvspin::DirectedYieldOptions::default()
+            .directed_yield({
+                let mut options = pvspin::DirectedYieldOptions {
+                    actuator: config.actuator.to_string(),
+                    ..pvspin::DirectedYieldOptions::default()
+                };
+                if let Some(us) = config.boost_deadline_us {
+                    options.boost_deadline = Duration::from_micros(us);
+                }
+                options
             })
             .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
     }

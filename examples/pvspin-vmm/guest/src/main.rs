@@ -199,8 +199,13 @@ fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
             _ => return Err(status::NO_PVSPIN),
         }
     }
-    // The PV locks learn "which vCPU am I" through GS; it must agree with the boot index.
+    // The PV locks learn "which vCPU am I" through GS; it must agree with the boot index,
+    // and with PV on, so must the initial APIC ID (the ABI's kick index rule), which the host
+    // sets in each vCPU's CPUID.
     if pvspin_guest::x86::PvPlatform::cpu_id(&pv::Platform) != vcpu {
+        return Err(status::BAD_PARAMS);
+    }
+    if pv_on && arch::cpuid(1)[1] >> 24 != vcpu {
         return Err(status::BAD_PARAMS);
     }
     if vcpu >= MAX_PV_VCPUS || !pv::configure(boot.spin_threshold, halt) {
