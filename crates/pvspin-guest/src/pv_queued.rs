@@ -149,25 +149,11 @@ impl PvQueuedLock {
         at(&at(pv.cpus, cpu as usize).nodes, index)
     }
 
-    /// What a waiter that is about to wait tells the host (the WAIT's notification, which the
-    /// host may act on with a directed boost): the holder's CPU when the holder is known, since
-    /// only the holder can move the queue (a boost of a predecessor that waits itself is
-    /// wasted); otherwise `prev`'s, as [`spin_wait`](Self::spin_wait).
-    fn wait_notification(&self, prev: u32) -> SpinWait {
-        let holder = self.holder.load(Ordering::Relaxed);
-        if holder == NONE {
-            return self.spin_wait(prev, 0);
-        }
-        SpinWait {
-            lock: self as *const Self as usize,
-            waiting_for: Some(decode(holder).0),
-            next_owner: false,
-            spun: 0,
-        }
-    }
-
     /// What a waiter behind node `prev` tells the host: it waits for `prev`'s CPU, which is
-    /// the holder or, when the holder's node is another, the next owner before it.
+    /// the holder or, when the holder's node is another, the next owner before it. Also what
+    /// its WAIT names: `prev` is the vCPU that gets the lock next, often just kicked and not
+    /// running yet, where a boost helps; the `holder` word may still name the waiter itself
+    /// then (the new holder has not recorded itself), so it is no target.
     fn spin_wait(&self, prev: u32, spun: u32) -> SpinWait {
         SpinWait {
             lock: self as *const Self as usize,
@@ -199,7 +185,7 @@ impl PvQueuedLock {
             }
             cpu.stats.halt();
             pv.ops
-                .wait_for(&node.state, HALTED, &self.wait_notification(prev));
+                .wait_for(&node.state, HALTED, &self.spin_wait(prev, 0));
             node.state.store(RUNNING, Ordering::Relaxed);
             if node.locked.load(Ordering::Acquire) != 0 {
                 return;

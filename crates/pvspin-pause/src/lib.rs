@@ -24,6 +24,12 @@
 //! with the board's ready bitmap; with every vCPU's steal-time byte to read, 77 ns, 736 ns
 //! and 525 ns (the last one capped by [`PolicyConfig::scan_budget`]).
 //!
+//! Time budgets (ABI 0.3, [`budget`]): per vCPU, how long a waiter spins before it waits
+//! (KVM's halt-polling rule over the guests' wait reports) and before it notifies (KVM's PLE
+//! rule, counting a notification useful only when its target was not running). The boost
+//! trial ([`trial`]) decides, from the same wait reports, whether boosting a waited-for vCPU
+//! the host sees running pays off.
+//!
 //! Not here: the wire format of notifications and windows (pvspin-abi), and acting on
 //! decisions (pvspin-hints).
 #![deny(missing_docs)]

@@ -68,8 +68,19 @@
 //! default [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads
 //! as running (`PolicyConfig::boost_running_hint`); a notification without a usable hint then
 //! finds no ready candidate and yields undirected.
-//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; scheduler
-//! hints through shared pages.
+//! With [`PvSpinBuilder::hint_pages`] (ABI 0.3) each vCPU registers a page where pvspin
+//! publishes its spin budgets in TSC cycles (how long to spin before waiting and before
+//! notifying, adapted from the guest's own wait reports, `pvspin_pause::budget`) and whether
+//! the host runs it, so budgets cost no exit and a notification one; with
+//! [`PvSpinBuilder::pv_wait`] the guest can wait without `HLT` (the WAIT command: KVM's own
+//! halt with an in-kernel irqchip, a bounded park on the latch without one), from guest user
+//! mode too, and the WAIT carries its notification. With directed yield and hint pages, a
+//! boost trial (`pvspin_pause::trial`) decides from the wait reports whether boosting a
+//! waited-for vCPU that the host sees running pays off.
+//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; reading the
+//! guest's spin state from hint pages for scheduling (the run slots of the scheduling issue);
+//! the boost still cannot end when the holder releases its lock (the host does not see the
+//! release), which is why boosting can cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
 
 mod counters;
