@@ -822,10 +822,18 @@ mod tests {
             "{:?}",
             ok.actuator_name()
         );
+        // Nothing happened yet; the default policy boosts running hints, so the boost trial
+        // is on, starting with boosts.
+        let stats = ok.directed_yield_stats().unwrap();
         assert_eq!(
-            ok.directed_yield_stats(),
-            Some(DirectedYieldStats::default())
+            DirectedYieldStats {
+                trial: None,
+                ..stats
+            },
+            DirectedYieldStats::default()
         );
+        let trial = stats.trial.expect("boost trial with boost_running_hint");
+        assert!(trial.boosting && trial.epochs_on == 0 && trial.epochs_off == 0);
         ok.shutdown();
     }
 
