@@ -41,10 +41,12 @@ fn expected_write(
             } else {
                 FEATURE_WAIT
             };
-            if waiting_for != u32::from(SPIN_WAITING_FOR_UNKNOWN) && waiting_for >= nr {
-                Err(Reject::NoSuchVcpu)
-            } else if extra & feature == 0 {
+            // A command that is off is "not enabled" whatever it names (ABI: commands whose
+            // feature bit is clear are ignored).
+            if extra & feature == 0 {
                 Err(Reject::NotEnabled)
+            } else if waiting_for != u32::from(SPIN_WAITING_FOR_UNKNOWN) && waiting_for >= nr {
+                Err(Reject::NoSuchVcpu)
             } else {
                 Ok(None)
             }

@@ -435,6 +435,10 @@ impl KickDevice {
         bump(&self.counters.accesses);
         let cmd = match decode(offset, data, self.cfg.nr_vcpus) {
             Ok(c) => c,
+            // A command that is off is "not enabled" whatever vCPU it names.
+            Err(Reject::NoSuchVcpu) if !self.command_enabled(offset) => {
+                return self.reject(Reject::NotEnabled, port, data)
+            }
             Err(reason) => return self.reject(reason, port, data),
         };
         match cmd {
@@ -457,6 +461,17 @@ impl KickDevice {
                 PioOutcome::Handled(Handled::Forward(other))
             }
         }
+    }
+
+    /// Whether the command at doorbell `offset` is enabled (KICK always is).
+    fn command_enabled(&self, offset: u16) -> bool {
+        let feature = match offset {
+            SPIN_OFFSET => FEATURE_SPIN_NOTIFY,
+            pvspin_abi::doorbell::SHARED_PAGE_OFFSET => FEATURE_SHARED_PAGE,
+            pvspin_abi::doorbell::WAIT_OFFSET => FEATURE_WAIT,
+            _ => return true,
+        };
+        self.cfg.extra_commands & feature != 0
     }
 
     /// Handles a guest `IN` from the doorbell. The guest reads all ones unless the VMM fills
@@ -783,6 +798,11 @@ mod tests {
         assert_eq!(d.handle_pio_write(P + 1, &le(1)), r(Reject::UnusedOffset));
         assert_eq!(d.handle_pio_write(P + 13, &le(1)), r(Reject::UnusedOffset));
         assert_eq!(d.handle_pio_write(P + 12, &le(1)), r(Reject::NotEnabled));
+        // Off is "not enabled" even when the named vCPU does not exist either.
+        assert_eq!(
+            d.handle_pio_write(P + 12, &le(0x1ffe)),
+            r(Reject::NotEnabled)
+        );
         assert_eq!(
             d.handle_pio_write(P + SPIN_OFFSET, &le(0xffff)),
             r(Reject::NotEnabled)
@@ -801,9 +821,9 @@ mod tests {
         assert_eq!(s.rejected(Reject::NoSuchVcpu), 2);
         assert_eq!(s.rejected(Reject::WrongWidth), 2);
         assert_eq!(s.rejected(Reject::UnusedOffset), 2);
-        assert_eq!(s.rejected(Reject::NotEnabled), 3);
+        assert_eq!(s.rejected(Reject::NotEnabled), 4);
         assert_eq!(s.rejected(Reject::Read), 1);
-        assert_eq!(s.accesses, 10);
+        assert_eq!(s.accesses, 11);
         assert_eq!(s.kicks + s.forwarded + s.rejected_total(), s.accesses);
     }
 
