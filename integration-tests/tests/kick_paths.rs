@@ -564,3 +564,21 @@ fn userspace_pingpong_kick_during_halt() {
 fn userspace_pingpong_kick_before_halt() {
     check_pingpong("userspace_pingpong_kick_before_halt", Path::Userspace, true);
 }
+
+/// The VM-stage ordering rules are named, not a bare errno: the irqchip (MSI kick paths) must
+/// come before the first vCPU, and pvspin does not create a second one.
+#[test]
+fn irqchip_ordering_rules_are_named() {
+    let Some(kvm) = kvm_or_skip("irqchip_ordering_rules_are_named") else {
+        return;
+    };
+    let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+    let _vcpu = vm.create_vcpu(0).expect("KVM_CREATE_VCPU");
+    let err = irqchip::create_irqchip(&vm).unwrap_err();
+    assert!(matches!(err, irqchip::IrqchipError::AfterVcpus), "{err}");
+    assert!(err.to_string().contains("before the first KVM_CREATE_VCPU"));
+    let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+    irqchip::create_irqchip(&vm).expect("first irqchip");
+    let err = irqchip::create_irqchip(&vm).unwrap_err();
+    assert!(matches!(err, irqchip::IrqchipError::Exists), "{err}");
+}

@@ -60,6 +60,19 @@ pub enum IrqchipError {
     /// Building the routing table failed (too many entries).
     #[error("building the GSI routing table failed: {0:?}")]
     Routing(vmm_sys_util::fam::Error),
+    /// Rule: the in-kernel irqchip is created before the first vCPU (KVM answers EINVAL after).
+    #[error(
+        "KVM_CREATE_IRQCHIP refused with EINVAL: the rule is that configure_vm (which creates \
+         the in-kernel irqchip for the in-kernel and signal-msi kick paths) runs before the \
+         first KVM_CREATE_VCPU"
+    )]
+    AfterVcpus,
+    /// Rule: one irqchip per VM (KVM answers EEXIST to a second one).
+    #[error(
+        "KVM_CREATE_IRQCHIP refused with EEXIST: the VM already has an irqchip; pvspin creates \
+         its own for the in-kernel and signal-msi kick paths and cannot yet adopt the VMM's"
+    )]
+    Exists,
 }
 
 fn kvm(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> IrqchipError {
@@ -68,7 +81,14 @@ fn kvm(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> IrqchipError {
 
 /// `KVM_CREATE_IRQCHIP`. Call once, after creating the VM and before creating vCPUs.
 pub fn create_irqchip(vm: &VmFd) -> Result<(), IrqchipError> {
-    vm.create_irq_chip().map_err(kvm("KVM_CREATE_IRQCHIP"))
+    vm.create_irq_chip().map_err(|source| match source.errno() {
+        libc::EINVAL => IrqchipError::AfterVcpus,
+        libc::EEXIST => IrqchipError::Exists,
+        _ => IrqchipError::Kvm {
+            op: "KVM_CREATE_IRQCHIP",
+            source,
+        },
+    })
 }
 
 /// `KVM_SET_MP_STATE(RUNNABLE)`: lets an AP run without INIT/SIPI. Call after creating it.

@@ -43,6 +43,8 @@ pub struct VcpuHooks {
     wait: Option<WaitOptions>,
     /// A WAIT that arrived with this exit, carried out in `after_run`.
     pending_wait: Option<SpinNotify>,
+    /// The first `before_run` checked the VM's setup.
+    checked_setup: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -66,6 +68,7 @@ impl VcpuHooks {
             hints: None,
             wait: None,
             pending_wait: None,
+            checked_setup: false,
             run_started: None,
             last_exit: None,
         }
@@ -88,6 +91,25 @@ impl VcpuHooks {
 
     /// Call right before `KVM_RUN`, on the vCPU's thread.
     pub fn before_run(&mut self) {
+        if !self.checked_setup {
+            self.checked_setup = true;
+            if let Some(kick) = &self.kick {
+                if kick.device.path() != KickPath::Userspace
+                    && !kick
+                        .vcpus_created
+                        .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    log::error!(
+                        "pvspin: vCPU {} runs before PvSpin::vcpus_created; the rule: with the {:?} \
+                         kick path call vcpus_created once every vCPU exists, before the first \
+                         KVM_RUN (until then MSIs to APIC ID 1 and up reach nobody and APs wait \
+                         for INIT/SIPI)",
+                        self.index,
+                        kick.device.path()
+                    );
+                }
+            }
+        }
         if let Some(dy) = &self.dy {
             if !self.tid_recorded {
                 dy.board

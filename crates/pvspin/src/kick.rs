@@ -79,6 +79,8 @@ pub(crate) struct KickState {
     /// userspace path, where pvspin sees both ends.
     kicked_at: Vec<AtomicU64>,
     epoch: Instant,
+    /// `PvSpin::vcpus_created` ran (the MSI paths need it before any vCPU runs).
+    pub(crate) vcpus_created: std::sync::atomic::AtomicBool,
 }
 
 impl KickState {
@@ -122,6 +124,7 @@ impl KickState {
             _routes: Mutex::new(routes),
             kicked_at: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
             epoch: Instant::now(),
+            vcpus_created: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -138,6 +141,7 @@ impl KickState {
             _routes: Mutex::new(None),
             kicked_at: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
             epoch: Instant::now(),
+            vcpus_created: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

@@ -552,6 +552,8 @@ impl PvSpin {
             if kick.device.path() != KickPath::Userspace {
                 pvspin_kvm::irqchip::finish_vcpus(vcpus, true)?;
             }
+            kick.vcpus_created
+                .store(true, std::sync::atomic::Ordering::Release);
         }
         Ok(())
     }
