@@ -435,11 +435,11 @@ unsafe impl RawPvLock for PvBackoffTicketLock {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     use std::vec::Vec;
 
     use super::*;
-    use crate::host::{bind_current_thread, HostPvOps};
+    use crate::host::bind_current_thread;
     use crate::pv::{PvDomain, SpinConfig};
     use crate::tests_common::{hammer, pv_hammer, Timed};
 
@@ -711,45 +711,11 @@ mod tests {
 
     #[test]
     fn pv_unlocker_kicks_the_halted_waiters_in_ticket_order() {
-        // Four waiters queue one by one and halt (the farther ones after backing off);
-        // each unlock kicks exactly the next one.
-        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
-            Arc::new(PvDomain::new(HostPvOps::new(), small()));
-        let lock = Arc::new(PvBackoffTicketLock::new());
-        let order = Arc::new(Mutex::new(Vec::new()));
-        bind_current_thread(0);
-        lock.lock(domain.pv());
-        let mut threads = Vec::new();
-        for id in 1..5u32 {
-            threads.push({
-                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
-                std::thread::spawn(move || {
-                    bind_current_thread(id);
-                    lock.lock(domain.pv());
-                    order.lock().unwrap().push(id);
-                    // SAFETY: this thread holds the lock.
-                    unsafe { lock.unlock(domain.pv()) };
-                })
-            });
-            let mut tries = 0;
-            while domain.ops().parked(id) != 1 {
-                tries += 1;
-                assert!(tries < 20_000, "waiter {id} never halted");
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-        }
-        assert_eq!(lock.queue_len(), 5);
-        // SAFETY: the main thread holds the lock.
-        unsafe { lock.unlock(domain.pv()) };
-        for thread in threads {
-            thread.join().unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
-        let stats = domain.total_stats();
-        assert_eq!((stats.kicks, stats.halts), (4, 4), "{stats:?}");
-        for cpu in 1..5 {
-            assert_eq!(domain.ops().kicks_to(cpu), 1, "cpu {cpu}");
-        }
-        assert_eq!(domain.ops().stats().timeouts, 0);
+        // The farther waiters back off before they halt; the order and the kicks are the
+        // PV ticket lock's.
+        crate::tests_common::check_kick_order(
+            PvBackoffTicketLock::new(),
+            PvBackoffTicketLock::queue_len,
+        );
     }
 }

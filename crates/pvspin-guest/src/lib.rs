@@ -326,6 +326,62 @@ mod tests_common {
         }
     }
 
+    /// A holder (CPU 0) lets four waiters (CPUs 1..=4) queue one by one, each halting before
+    /// the next queues, then unlocks: they must be served in queue order, each unlock kicking
+    /// exactly the next waiter once. `queue_len` is the lock's own racy count of holder and
+    /// waiters.
+    pub(crate) fn check_kick_order<L: RawPvLock + Send + Sync + 'static>(
+        lock: L,
+        queue_len: fn(&L) -> u32,
+    ) {
+        use std::sync::Mutex;
+        let config = SpinConfig {
+            spin_threshold: 4,
+            halt: true,
+        };
+        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), config));
+        let lock = Arc::new(lock);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let mut threads = Vec::new();
+        for id in 1..5u32 {
+            threads.push({
+                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(id);
+                    lock.lock(domain.pv());
+                    order.lock().unwrap().push(id);
+                    // SAFETY: this thread holds the lock.
+                    unsafe { lock.unlock(domain.pv()) };
+                })
+            });
+            // Wait (bounded) until this waiter has halted before letting the next one queue.
+            let mut tries = 0;
+            while domain.ops().parked(id) != 1 {
+                tries += 1;
+                assert!(tries < 20_000, "waiter {id} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        assert_eq!(queue_len(&lock), 5);
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+        let stats = domain.total_stats();
+        // Unlocks by 0, 1, 2, 3 kick 1, 2, 3, 4; the last unlock has no waiter and scans nothing.
+        assert_eq!((stats.kicks, stats.halts), (4, 4), "{stats:?}");
+        assert_eq!(domain.ops().stats().kicks, 4);
+        for cpu in 1..5 {
+            assert_eq!(domain.ops().kicks_to(cpu), 1, "cpu {cpu}");
+        }
+        assert_eq!(domain.ops().stats().timeouts, 0);
+    }
+
     /// `threads` threads each take the lock `rounds` times and do a torn read-modify-write
     /// inside; any overlap of two holders loses an update and fails the final count. Thread
     /// `i` is bound to CPU `i` of the host PV backend (ignored by non-PV locks).
