@@ -715,7 +715,7 @@ mod tests {
         // PV ticket lock's.
         crate::tests_common::check_kick_order(
             PvBackoffTicketLock::new(),
-            PvBackoffTicketLock::queue_len,
+            Some(PvBackoffTicketLock::queue_len),
         );
     }
 }

@@ -289,7 +289,7 @@ unsafe impl RawPvLock for PvQueuedLock {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     use std::vec::Vec;
 
     use super::*;
@@ -389,43 +389,7 @@ mod tests {
 
     #[test]
     fn unlocker_kicks_only_halted_successor_in_queue_order() {
-        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
-            Arc::new(PvDomain::new(HostPvOps::new(), small()));
-        let lock = Arc::new(PvQueuedLock::new());
-        let order = Arc::new(Mutex::new(Vec::new()));
-        bind_current_thread(0);
-        lock.lock(domain.pv());
-        let mut threads = Vec::new();
-        for id in 1..5u32 {
-            threads.push({
-                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
-                std::thread::spawn(move || {
-                    bind_current_thread(id);
-                    lock.lock(domain.pv());
-                    order.lock().unwrap().push(id);
-                    // SAFETY: this thread holds the lock.
-                    unsafe { lock.unlock(domain.pv()) };
-                })
-            });
-            let mut tries = 0;
-            while domain.ops().parked(id) != 1 {
-                tries += 1;
-                assert!(tries < 20_000, "waiter {id} never halted");
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-        }
-        // SAFETY: the main thread holds the lock.
-        unsafe { lock.unlock(domain.pv()) };
-        for thread in threads {
-            thread.join().unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
-        let stats = domain.total_stats();
-        assert_eq!(stats.kicks, 4, "{stats:?}");
-        assert_eq!(stats.halts, 4, "{stats:?}");
-        for cpu in 1..5 {
-            assert_eq!(domain.ops().kicks_to(cpu), 1, "cpu {cpu}");
-        }
+        crate::tests_common::check_kick_order(PvQueuedLock::new(), None);
     }
 
     #[test]

@@ -394,7 +394,7 @@ mod tests {
 
     #[test]
     fn unlocker_kicks_only_halted_waiter_in_ticket_order() {
-        crate::tests_common::check_kick_order(PvTicketLock::new(), PvTicketLock::queue_len);
+        crate::tests_common::check_kick_order(PvTicketLock::new(), Some(PvTicketLock::queue_len));
     }
 
     #[test]
