@@ -7,7 +7,7 @@ Used to check that a change does not regress an existing table (e.g. the kernel-
 table against the build of the previous main), where `bench` cannot put two builds in one run.
 
 Usage: scripts/bench_ab.py --a OLD_BINARY --b NEW_BINARY [--runs 5] -- RUN_ARGS...
-Example: scripts/bench_ab.py --a /tmp/pvspin-vmm-old --b target/release/pvspin-vmm --runs 5 \\
+Example: scripts/bench_ab.py --a previous-main/target/release/pvspin-vmm --b target/release/pvspin-vmm --runs 5 \\
          -- --pv kick --iterations 1000 --hogs 2
 """
 import argparse
