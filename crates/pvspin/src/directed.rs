@@ -230,18 +230,14 @@ impl YieldState {
         if outcome.hint == HintStatus::NotReady {
             bump(&c.hint_not_ready);
         }
-        let useful = match outcome.decision {
-            Decision::YieldTo(target, _) => {
-                self.board.snapshot(target).is_some_and(|s| !s.is_running())
-            }
-            _ => false,
+        // The target as the board sees it now, read once: not running means the notification
+        // could help; running means only the boost trial decides whether to boost it.
+        let target_running = match outcome.decision {
+            Decision::YieldTo(target, _) => self.board.snapshot(target).map(|s| s.is_running()),
+            _ => None,
         };
-        let running_target = match outcome.decision {
-            Decision::YieldTo(target, _) => {
-                self.board.snapshot(target).is_some_and(|s| s.is_running())
-            }
-            _ => false,
-        };
+        let useful = target_running == Some(false);
+        let running_target = target_running == Some(true);
         let trial_off = running_target && self.trial.as_ref().is_some_and(|t| !t.boosting());
         let report = match outcome.decision {
             Decision::YieldTo(..) if trial_off => {

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use pvspin_abi::doorbell::SpinNotify;
-use pvspin_kick::{Command, Handled, KickPath, PioOutcome};
+use pvspin_kick::{Command, Handled, KickDevice, KickError, KickPath, ParkOutcome, PioOutcome};
 use pvspin_kvm::telemetry::VcpuCounterCell;
 
 use crate::counters::{ExitKind, SharedCounters};
@@ -157,14 +157,8 @@ impl VcpuHooks {
                 outcome
             }
             Ok(VcpuExit::Hlt) if kick.device.path() == KickPath::Userspace => {
-                if let Some(dy) = &self.dy {
-                    dy.board.on_halt(self.index);
-                }
-                self.park(kick);
-                if let Some(dy) = &self.dy {
-                    dy.board.on_wake(self.index);
-                    dy.actuator.on_target_exit(self.index);
-                }
+                let index = u32::try_from(self.index).unwrap_or(u32::MAX);
+                self.park(kick, "parking on a halt", |dev| dev.handle_hlt(index));
                 return ExitOutcome::Handled;
             }
             _ => return ExitOutcome::NotHandled,
@@ -215,18 +209,68 @@ impl VcpuHooks {
         }
     }
 
-    fn park(&self, kick: &KickState) {
-        let index = u32::try_from(self.index).unwrap_or(u32::MAX);
-        match kick.device.handle_hlt(index) {
-            Ok(outcome) if outcome.kicked() => {
-                if let (Some(age), Some(cell)) =
-                    (kick.take_kick_age(self.index), self.cells.get(self.index))
-                {
-                    cell.record_kick_to_wake_ns(age);
+    /// Userspace path: parks this thread on the vCPU's latch with `park` (a halt or a WAIT),
+    /// the board and the hint page saying meanwhile that the vCPU does not run; records the
+    /// kick-to-wake time of a kicked wake-up. `None` when the device refused (logged).
+    fn park(
+        &self,
+        kick: &KickState,
+        what: &str,
+        park: impl FnOnce(&KickDevice) -> Result<ParkOutcome, KickError>,
+    ) -> Option<ParkOutcome> {
+        let page = self.hints.as_ref().and_then(|h| h.pages.get(self.index));
+        if let Some(page) = page {
+            page.set_not_running(true);
+        }
+        if let Some(dy) = &self.dy {
+            dy.board.on_halt(self.index);
+        }
+        let outcome = park(&kick.device);
+        if let Some(dy) = &self.dy {
+            dy.board.on_wake(self.index);
+            dy.actuator.on_target_exit(self.index);
+        }
+        if let Some(page) = page {
+            page.set_not_running(false);
+        }
+        match outcome {
+            Ok(outcome) => {
+                if outcome.kicked() {
+                    if let (Some(age), Some(cell)) =
+                        (kick.take_kick_age(self.index), self.cells.get(self.index))
+                    {
+                        cell.record_kick_to_wake_ns(age);
+                    }
                 }
+                Some(outcome)
             }
-            Ok(_) => {}
-            Err(err) => log::error!("vCPU {index}: parking on a halt: {err}"),
+            Err(err) => {
+                log::error!("vCPU {}: {what}: {err}", self.index);
+                None
+            }
+        }
+    }
+
+    /// Acts on a notification of this vCPU: a SPIN, or the one a WAIT carries (`parking`:
+    /// the thread parks next, so it is not yielded).
+    fn notify(&self, n: SpinNotify, parking: bool) {
+        let Some(dy) = &self.dy else {
+            return;
+        };
+        let cell = self.cells.get(self.index);
+        if let Some(cell) = cell {
+            cell.record_spin_notification();
+        }
+        let handled = if parking {
+            dy.on_wait_notification(self.index, n)
+        } else {
+            dy.on_notification(self.index, n)
+        };
+        if let (Some(cell), Some(successful)) = (cell, handled.yielded) {
+            cell.record_yield(successful);
+        }
+        if let Some(hints) = &self.hints {
+            hints.on_notification(self.index, handled.useful);
         }
     }
 
@@ -264,54 +308,17 @@ impl VcpuHooks {
         let Some(kick) = self.kick.clone() else {
             return;
         };
-        if let Some(dy) = &self.dy {
-            if let Some(cell) = self.cells.get(self.index) {
-                cell.record_spin_notification();
-            }
-            let handled = dy.on_wait_notification(self.index, n);
-            if let (Some(cell), Some(successful)) = (self.cells.get(self.index), handled.yielded) {
-                cell.record_yield(successful);
-            }
-            if let Some(hints) = &self.hints {
-                hints.on_notification(self.index, handled.useful);
-            }
-        }
-        let page = self.hints.as_ref().and_then(|h| h.pages.get(self.index));
+        self.notify(n, true);
         match kick.device.path() {
             KickPath::Userspace => {
                 let timeout = self.wait.map(|w| w.timeout);
                 let index = u32::try_from(self.index).unwrap_or(u32::MAX);
-                if let Some(page) = page {
-                    page.set_not_running(true);
-                }
-                if let Some(dy) = &self.dy {
-                    dy.board.on_halt(self.index);
-                }
-                let outcome = kick.device.handle_wait(index, timeout);
-                if let Some(dy) = &self.dy {
-                    dy.board.on_wake(self.index);
-                    dy.actuator.on_target_exit(self.index);
-                }
-                if let Some(page) = page {
-                    page.set_not_running(false);
-                }
-                match outcome {
-                    Ok(outcome) => {
-                        if outcome.kicked() {
-                            if let (Some(age), Some(cell)) =
-                                (kick.take_kick_age(self.index), self.cells.get(self.index))
-                            {
-                                cell.record_kick_to_wake_ns(age);
-                            }
-                        }
-                        if let Some(hints) = &self.hints {
-                            hints.note_wait(
-                                outcome == pvspin_kick::ParkOutcome::KickedBeforePark,
-                                outcome == pvspin_kick::ParkOutcome::TimedOut,
-                            );
-                        }
-                    }
-                    Err(err) => log::error!("vCPU {index}: WAIT: {err}"),
+                let outcome = self.park(&kick, "WAIT", |dev| dev.handle_wait(index, timeout));
+                if let (Some(outcome), Some(hints)) = (outcome, &self.hints) {
+                    hints.note_wait(
+                        outcome == ParkOutcome::KickedBeforePark,
+                        outcome == ParkOutcome::TimedOut,
+                    );
                 }
             }
             KickPath::InKernel | KickPath::SignalMsi => {
@@ -342,17 +349,7 @@ impl VcpuHooks {
         dy.board.on_exit(self.index, cpl);
         dy.actuator.on_target_exit(self.index);
         if let Some(n) = self.pending_spin.take() {
-            let cell = self.cells.get(self.index);
-            if let Some(cell) = cell {
-                cell.record_spin_notification();
-            }
-            let handled = dy.on_notification(self.index, n);
-            if let (Some(cell), Some(successful)) = (cell, handled.yielded) {
-                cell.record_yield(successful);
-            }
-            if let Some(hints) = &self.hints {
-                hints.on_notification(self.index, handled.useful);
-            }
+            self.notify(n, false);
         }
     }
 
