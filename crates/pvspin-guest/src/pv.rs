@@ -8,7 +8,7 @@ use core::sync::atomic::{AtomicU64, AtomicU8 as CoreAtomicU8, Ordering as CoreOr
 
 use crate::pv_queued::McsNode;
 use crate::pv_ticket::TicketWaitSlot;
-use crate::sync::{spin_loop, AtomicU8};
+use crate::sync::{spin_loop, AtomicU32 as SyncU32, AtomicU8};
 #[cfg(not(loom))]
 use crate::RawSpinLock;
 
@@ -378,6 +378,10 @@ pub struct PvDomain<O, const N: usize> {
     cpus: [PvCpu; N],
     /// Slow-path entries by a CPU whose id was not below `N` (it spins instead of halting).
     bad_cpu: AtomicU64,
+    /// CPUs that published a halt on a PV ticket lock and have not come back: an unlocker
+    /// scans the wait slots for one to kick only when this is non-zero (part of the halt/kick
+    /// handshake, so a loom atomic under loom).
+    halting: SyncU32,
 }
 
 impl<O, const N: usize> PvDomain<O, N> {
@@ -411,6 +415,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             halt: core::sync::atomic::AtomicBool::new(config.halt),
             cpus: [const { PvCpu::new() }; N],
             bad_cpu: AtomicU64::new(0),
+            halting: SyncU32::new(0),
         }
     }
 
@@ -426,6 +431,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             halt: core::sync::atomic::AtomicBool::new(config.halt),
             cpus: core::array::from_fn(|_| PvCpu::new()),
             bad_cpu: AtomicU64::new(0),
+            halting: SyncU32::new(0),
         }
     }
 
@@ -442,6 +448,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             config: self.config(),
             cpus: &self.cpus,
             bad_cpu: &self.bad_cpu,
+            halting: &self.halting,
         }
     }
 
@@ -494,6 +501,7 @@ pub struct Pv<'a, O> {
     pub(crate) config: SpinConfig,
     pub(crate) cpus: &'a [PvCpu],
     bad_cpu: &'a AtomicU64,
+    pub(crate) halting: &'a SyncU32,
 }
 
 impl<O> Clone for Pv<'_, O> {

@@ -10,8 +10,10 @@
 //! 3. `pv_wait(&slot[c].state, HALTED)`; set RUNNING; if `owner == t` it owns the lock, else
 //!    (spurious) spin again.
 //!
-//! Unlocker: `owner = t` (Release); `fence(SeqCst)`; if some CPU drew ticket `t` (`next != t`),
-//! scan the slots for one that is HALTED on {lock, t}; `cmpxchg(HALTED -> KICKED)` and kick it.
+//! Unlocker: `owner = t` (Release); `fence(SeqCst)`; if some CPU drew ticket `t` (`next != t`)
+//! and some CPU of the domain is halting (a counter waiters raise after step 1, before the
+//! fence, and lower when they run again), scan the slots for one that is HALTED on {lock, t};
+//! `cmpxchg(HALTED -> KICKED)` and kick it.
 //!
 //! The two fences order "waiter publishes HALTED, then reads owner" against "unlocker writes
 //! owner, then reads the slot": at least one side sees the other's write, so either the waiter
@@ -203,14 +205,18 @@ impl PvTicketLock {
             slot.lock.store(self.id(), Ordering::Relaxed);
             slot.ticket.store(ticket, Ordering::Relaxed);
             slot.state.store(HALTED, Ordering::Release);
+            // Counted after the slot says HALTED: an unlocker that sees the count sees the slot.
+            pv.halting.fetch_add(1, Ordering::SeqCst);
             full_fence();
             if self.owner.load(Ordering::Acquire) == ticket {
                 slot.state.store(RUNNING, Ordering::Relaxed);
+                pv.halting.fetch_sub(1, Ordering::Relaxed);
                 return;
             }
             cpu.stats.halt();
             pv.ops.wait_for(&slot.state, HALTED, &wait(0));
             slot.state.store(RUNNING, Ordering::Relaxed);
+            pv.halting.fetch_sub(1, Ordering::Relaxed);
             if self.owner.load(Ordering::Acquire) == ticket {
                 return;
             }
@@ -317,8 +323,16 @@ unsafe impl RawPvLock for PvTicketLock {
         full_fence();
         // Nobody has drawn ticket `served` yet: whoever draws it will see `owner == served`
         // (the fences order our `owner` store before its re-check), so nobody needs a kick.
+        // Nobody halting anywhere: the same fences order our `owner` store against a waiter's
+        // count, so a waiter that is not counted yet re-checks `owner` after it is, and does
+        // not halt. This keeps the slot scan off every contended unlock that needs no kick
+        // (at native speed, most of them).
         if self.next.load(Ordering::Relaxed) != served {
-            self.kick_next(pv, served);
+            if pv.halting.load(Ordering::Acquire) != 0 {
+                self.kick_next(pv, served);
+            } else if let Some((_, me)) = pv.this_cpu() {
+                me.stats.no_kick();
+            }
         }
     }
 

@@ -198,8 +198,11 @@ impl PvPlatform for Platform {
             return SpinBudget::UNLIMITED;
         };
         // The host's value wins whenever it published a new one.
+        // Plain loads on the hot path; a store only when the host published anew (an atomic
+        // swap here was a locked write per slow path, on a line the vCPUs share).
         let host_seq = page.load32(hint::HOST_SEQ);
-        if seq.swap(host_seq, Ordering::Relaxed) != host_seq {
+        if seq.load(Ordering::Relaxed) != host_seq {
+            seq.store(host_seq, Ordering::Relaxed);
             local.store(page.load64(hint::WAIT_AFTER_TSC), Ordering::Relaxed);
         }
         // A waiter that waits with WAIT notifies in that same exit: no separate SPIN.
