@@ -1,6 +1,6 @@
 //! The guest-host contract of pvspin.
 //!
-//! Both sides depend on this crate: the host crates (`pvspin-kick`, `pvspin-pause`,
+//! Both sides depend on this crate: the host crates (`pvspin-kick`, `pvspin-yield`,
 //! `pvspin-hints`) to decode what a guest writes, and `pvspin-guest` to produce it. It is
 //! `no_std` and has no dependencies, so a guest kernel can vendor it. The prose version, for a
 //! guest OS author who does not read Rust, is `docs/abi.md`.

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
 use pvspin_hints::Actuator;
-use pvspin_pause::{
+use pvspin_yield::{
     BoostTrial, Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification,
     SpinWindows, TrialConfig, TrialStats, WindowConfig,
 };
@@ -53,7 +53,7 @@ pub struct DirectedYieldOptions {
 
 impl Default for DirectedYieldOptions {
     /// The `nice` actuator (stepping down to `yield` without the privilege to lower a nice
-    /// value), KVM's window knobs as `pvspin-pause` sets them, and KVM's policy
+    /// value), KVM's window knobs as `pvspin-yield` sets them, and KVM's policy
     /// except that a hinted vCPU the board sees running is boosted too
     /// ([`PolicyConfig::boost_running_hint`]): the hooks cannot see a vCPU thread preempted
     /// inside `KVM_RUN`, so without it every hint would read "not ready".
@@ -95,7 +95,7 @@ pub struct DirectedYieldStats {
     /// Spin-window reads answered.
     pub window_reads: u64,
     /// Boosts of a running target left out because the boost trial found them not paying
-    /// off (`pvspin_pause::trial`).
+    /// off (`pvspin_yield::trial`).
     pub trial_skipped: u64,
     /// The boost trial, when `boost_running_hint` is on.
     pub trial: Option<TrialStats>,
@@ -219,7 +219,7 @@ impl YieldState {
         };
         let outcome = match &self.mem {
             Some(mem) => self.policy.decide(
-                &pvspin_pause::StealTimeView {
+                &pvspin_yield::StealTimeView {
                     board: &self.board,
                     mem: &**mem,
                 },

@@ -3,7 +3,7 @@
 //! guest's wait reports.
 //!
 //! Per exit of vCPU `v` with a registered page: the guest's report of its last wait
-//! (`LAST_WAIT_TSC`, taken once) adapts `v`'s wait budget (`pvspin_pause::SpinBudgets`), and a
+//! (`LAST_WAIT_TSC`, taken once) adapts `v`'s wait budget (`pvspin_yield::SpinBudgets`), and a
 //! changed budget is published back to the page in TSC cycles. Nothing here adds an ioctl or
 //! an exit: the page is read and written in place.
 
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pvspin_hints::{GuestPageMap, HintPage, HintPages, RegisterError};
-use pvspin_pause::{ns_to_tsc, tsc_to_ns, BudgetConfig, SpinBudgets};
+use pvspin_yield::{ns_to_tsc, tsc_to_ns, BudgetConfig, SpinBudgets};
 
 use crate::ConfigError;
 

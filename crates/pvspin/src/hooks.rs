@@ -586,7 +586,7 @@ mod directed_tests {
     #[test]
     fn with_kvm_rules_a_running_holder_falls_back_to_the_scan_and_yields_self() {
         let options = DirectedYieldOptions {
-            policy: pvspin_pause::PolicyConfig::default(),
+            policy: pvspin_yield::PolicyConfig::default(),
             ..DirectedYieldOptions::default()
         };
         let mut vm = vm_with(2, false, &options);
@@ -624,7 +624,7 @@ mod directed_tests {
     fn steal_time_shows_preemption_inside_kvm_run_and_in_which_mode() {
         // KVM's rules (no trust in running hints): only steal time can make a vCPU ready.
         let options = DirectedYieldOptions {
-            policy: pvspin_pause::PolicyConfig::default(),
+            policy: pvspin_yield::PolicyConfig::default(),
             ..DirectedYieldOptions::default()
         };
         let mut vm = vm_with(3, false, &options);
@@ -796,7 +796,7 @@ mod hint_tests {
         let map = Arc::new(BufferPageMap::new(8));
         let options = HintOptions {
             memory: map.clone(),
-            budgets: pvspin_pause::BudgetConfig::default(),
+            budgets: pvspin_yield::BudgetConfig::default(),
         };
         let hints = Arc::new(HintState::new(&options, 2, false).unwrap());
         hints.set_tsc_khz(1_000_000); // 1 GHz: cycles == ns

@@ -56,7 +56,7 @@
 //! With [`PvSpinBuilder::kick`], the kick doorbell and its three wake paths (`pvspin-kick`).
 //! With [`PvSpinBuilder::directed_yield`] (needs the kick), spin notifications: the hooks keep
 //! a `pvspin_track::VcpuBoard` (state per vCPU, CPL at each exit from the sync registers, halts,
-//! kicks, thread ids), and on a SPIN doorbell write decide with `pvspin_pause::DirectedYield`
+//! kicks, thread ids), and on a SPIN doorbell write decide with `pvspin_yield::DirectedYield`
 //! (the guest's hint first, KVM's rules otherwise), act with a `pvspin_hints` actuator and
 //! adapt the vCPU's spin window, which the guest reads from the same register.
 //! **Preemption inside `KVM_RUN`:** with [`PvSpinBuilder::steal_time_memory`] and
@@ -70,12 +70,12 @@
 //! finds no ready candidate and yields undirected.
 //! With [`PvSpinBuilder::hint_pages`] (ABI 0.3) each vCPU registers a page where pvspin
 //! publishes its spin budgets in TSC cycles (how long to spin before waiting and before
-//! notifying, adapted from the guest's own wait reports, `pvspin_pause::budget`) and whether
+//! notifying, adapted from the guest's own wait reports, `pvspin_yield::budget`) and whether
 //! the host runs it, so budgets cost no exit and a notification one; with
 //! [`PvSpinBuilder::pv_wait`] the guest can wait without `HLT` (the WAIT command: KVM's own
 //! halt with an in-kernel irqchip, a bounded park on the latch without one), from guest user
 //! mode too, and the WAIT carries its notification. With directed yield and hint pages, a
-//! boost trial (`pvspin_pause::trial`) decides from the wait reports whether boosting a
+//! boost trial (`pvspin_yield::trial`) decides from the wait reports whether boosting a
 //! waited-for vCPU that the host sees running pays off.
 //! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; reading the
 //! guest's spin state from hint pages for scheduling (the run slots of the scheduling issue);
@@ -96,8 +96,8 @@ pub use kick::KickOptions;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_kick::{KickPath, KickStats};
-pub use pvspin_pause::BudgetConfig;
-pub use pvspin_pause::{PolicyConfig, WindowConfig};
+pub use pvspin_yield::BudgetConfig;
+pub use pvspin_yield::{PolicyConfig, WindowConfig};
 pub use pvspin_track::GuestBytes;
 
 use std::fmt::Debug;

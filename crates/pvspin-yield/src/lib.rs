@@ -1,4 +1,5 @@
-//! The pvspin pause-exit handler.
+//! pvspin's spin-notification policy (the guest's SPIN and WAIT reports, not PAUSE exits:
+//! KVM handles pause-loop exits in the kernel and never forwards them to the VMM).
 //!
 //! Takes a spin notification from a guest vCPU ([`SpinNotification`]), decides whom to yield
 //! to ([`DirectedYield`]: the guest's holder hint first, KVM's `kvm_vcpu_on_spin` candidate
@@ -19,7 +20,7 @@
 //!    `windows.on_scheduled_out(v)` (KVM's shrink on reload after `scheduled_out`), and
 //!    publishes the window again.
 //!
-//! Cost (criterion, `cargo bench -p pvspin-pause -- --warm-up-time 1 --measurement-time 3`,
+//! Cost (criterion, `cargo bench -p pvspin-yield -- --warm-up-time 1 --measurement-time 3`,
 //! shared and loaded 2-CPU machine, medians): 27-53 ns per decision at 8, 64 and 1024 vCPUs
 //! with the board's ready bitmap; with every vCPU's steal-time byte to read, 77 ns, 736 ns
 //! and 525 ns (the last one capped by [`PolicyConfig::scan_budget`]).

@@ -6,10 +6,10 @@
 //! "steal_time_full_scan" (every vCPU has a steal-time area, none preempted: one guest-memory
 //! byte read per vCPU examined, up to the scan budget).
 //!
-//! `cargo bench -p pvspin-pause -- --warm-up-time 1 --measurement-time 3`
+//! `cargo bench -p pvspin-yield -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pvspin_pause::{DirectedYield, PolicyConfig, SpinNotification, StealTimeView};
+use pvspin_yield::{DirectedYield, PolicyConfig, SpinNotification, StealTimeView};
 use pvspin_track::VcpuBoard;
 
 fn worst(n: usize) -> VcpuBoard {

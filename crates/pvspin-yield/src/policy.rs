@@ -328,7 +328,7 @@ impl DirectedYield {
         count.fetch_add(1, Ordering::Relaxed);
         if !logged.swap(true, Ordering::Relaxed) {
             log::warn!(
-                "pvspin-pause: vCPU {spinner} sent an unusable hint {hint} ({status:?}); \
+                "pvspin-yield: vCPU {spinner} sent an unusable hint {hint} ({status:?}); \
                  counted, logged once"
             );
         }

@@ -9,7 +9,7 @@
 use std::cell::Cell;
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_pause::{
+use pvspin_yield::{
     BoostOutcome, Decision, DirectedYield, PolicyConfig, Reason, SpinNotification, VcpuView,
 };
 use pvspin_track::{VcpuSnapshot, VcpuState};
