@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use pvspin_abi::doorbell::DEFAULT_PORT;
 use pvspin_integration_tests::{kvm_or_skip, TestVm};
-use pvspin_kick::{kvm::setup_in_kernel, KickConfig, KickDevice, ParkOutcome, Reject};
+use pvspin_kick::{KickConfig, KickDevice, ParkOutcome, Reject};
 use pvspin_kvm::irqchip;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
@@ -292,10 +292,27 @@ fn scenario(
     let dev = Arc::new(match path {
         Path::InKernel => {
             let d = KickDevice::in_kernel(cfg, None).unwrap();
-            _routes = Some(setup_in_kernel(&vm, &d, &[]).expect("in-kernel kick setup"));
+            let targets: Vec<irqchip::KickTarget> = (0..NR_VCPUS)
+                .map(|i| irqchip::KickTarget {
+                    datamatch: i,
+                    apic_id: i,
+                })
+                .collect();
+            _routes = Some(
+                irqchip::KickRoutes::register(
+                    &vm,
+                    DEFAULT_PORT + pvspin_abi::doorbell::KICK_OFFSET,
+                    &targets,
+                    irqchip::FIRST_FREE_GSI,
+                    &[],
+                )
+                .expect("in-kernel kick setup"),
+            );
             d
         }
-        Path::SignalMsi => KickDevice::signal_msi(cfg, vm.clone()).unwrap(),
+        Path::SignalMsi => {
+            KickDevice::signal_msi(cfg, Arc::new(pvspin::VmMsiSink::new(&vm).unwrap())).unwrap()
+        }
         Path::Userspace => KickDevice::userspace(cfg).unwrap(),
     });
     let stop = Arc::new(AtomicBool::new(false));

@@ -383,15 +383,12 @@ fn kick_leaf_and_added_kvm_leaves_coexist() {
                 .vcpus(1)
                 .interrupter(Arc::new(NoInterrupter))
                 .paravirt(PlanRequest::new(Placement::Overcommitted, 1))
-                .kick(pvspin::KickOptions {
-                    path: pvspin::KickPath::InKernel,
-                    park_spin: Duration::ZERO,
-                })
+                .kick(pvspin::KickOptions::new(pvspin::KickPath::InKernel))
                 .build()
                 .expect("build");
             let t = TestVm::new(&kvm, MEM_SIZE);
             t.write(CODE_AT, CPUID_GUEST);
-            let setup = pvspin.configure_vm(&kvm, &t.vm).expect("configure_vm");
+            let setup = pvspin::simple::setup_vm(&pvspin, &kvm, &t.vm).expect("setup_vm");
             assert!(setup.hypercall_quirk_disabled);
             let mut vcpu = t.vm.create_vcpu(0).unwrap();
             let entries: Vec<kvm_cpuid_entry2> = supported(&kvm)
@@ -401,12 +398,11 @@ fn kick_leaf_and_added_kvm_leaves_coexist() {
                 .copied()
                 .collect();
             let mut cpuid = CpuId::from_entries(&entries).unwrap();
-            let (_hooks, applied) = pvspin
-                .configure_vcpu(0, &mut vcpu, &mut cpuid)
-                .expect("configure_vcpu with a CPUID without KVM leaves");
+            let (_hooks, applied) =
+                pvspin::simple::configure_vcpu(&pvspin, 0, &mut vcpu, &mut cpuid)
+                    .expect("configure_vcpu with a CPUID without KVM leaves");
             let applied = applied.expect("plan applied");
             assert!(applied.cpuid.added && applied.lapic_in_kernel);
-            pvspin.vcpus_created([&vcpu]).unwrap();
             real_mode(&vcpu);
             let view = run_cpuid_guest(&mut vcpu);
             assert_eq!(view.signature_ebx, KVM_SIGNATURE[0]);

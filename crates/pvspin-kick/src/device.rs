@@ -33,10 +33,10 @@ pub enum KickPath {
 }
 
 /// Something that can send a REMRD ("remote read", KVM's `pv_unhalted` wake) MSI to an APIC
-/// ID. [`crate::kvm`] implements it for `kvm_ioctls::VmFd`; tests use fakes.
+/// ID. `pvspin::VmMsiSink` implements it over a VM fd; tests use fakes.
 pub trait RemrdSink: Send + Sync {
     /// Sends the MSI. `Ok(true)`: delivered to a vCPU; `Ok(false)`: KVM delivered it to nobody
-    /// (e.g. the stale APIC-ID map: see `pvspin_kvm::irqchip::refresh_lapic`).
+    /// (e.g. a stale APIC-ID map in KVM).
     fn signal_remrd(&self, apic_id: u32) -> Result<bool, SinkError>;
 }
 
@@ -344,7 +344,7 @@ impl KickDevice {
     }
 
     /// A device on the in-kernel path. The ioeventfd/irqfd wiring is done separately
-    /// ([`crate::kvm::setup_in_kernel`]). `fallback`, if given, delivers a valid kick that
+    /// (`pvspin::PvSpin::kick_wiring`). `fallback`, if given, delivers a valid kick that
     /// reaches userspace anyway (its ioeventfd is missing); without it such a kick is counted
     /// as [`Delivery::InKernelMissed`] and logged.
     pub fn in_kernel(

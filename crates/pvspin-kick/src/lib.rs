@@ -8,19 +8,24 @@
 //!
 //! - **in-kernel**: the KICK port is an ioeventfd per target (datamatch = target) wired to an
 //!   irqfd routed to a REMRD MSI at the target's APIC ID; KVM latches `pv_unhalted` exactly as
-//!   for `KVM_HC_KICK_CPU`, and no userspace exit happens ([`kvm::setup_in_kernel`]);
-//! - **signal-msi**: the doorbell exits to userspace and the device calls `KVM_SIGNAL_MSI`
-//!   with the same REMRD MSI ([`RemrdSink`], implemented for `kvm_ioctls::VmFd`);
+//!   for `KVM_HC_KICK_CPU`, and no userspace exit happens (the wiring is the VMM's, built by
+//!   the `pvspin` crate: `PvSpin::kick_wiring`);
+//! - **signal-msi**: the doorbell exits to userspace and the device sends the same REMRD MSI
+//!   through a [`RemrdSink`] (`pvspin::VmMsiSink` over a VM fd);
 //! - **userspace**: no in-kernel irqchip; `KVM_EXIT_HLT` parks the vCPU thread on its
 //!   [`WakeLatch`], and a kick sets the latch (a kick before the halt is remembered).
+//!
+//! This crate knows nothing of KVM: it depends on `pvspin-abi` only; its edges are the
+//! [`RemrdSink`] trait (send an MSI) and plain calls from the VMM's exit handling. The KVM
+//! setup around it (irqchip, GSI routes, ioeventfds, CPUID) is the `pvspin` crate's
+//! (`docs/embedding.md`).
 //!
 //! # What the VMM calls, and when
 //!
 //! | stage | in-kernel | signal-msi | userspace |
 //! |---|---|---|---|
-//! | VM created | `pvspin_kvm::irqchip::create_irqchip`; [`KickDevice::in_kernel`]; [`kvm::setup_in_kernel`] | `create_irqchip`; [`KickDevice::signal_msi`] with the `VmFd` | [`KickDevice::userspace`] |
-//! | each vCPU created | CPUID: the leaves of [`KickDevice::cpuid_info`]; APs: `pvspin_kvm::irqchip::set_runnable` (guests without INIT/SIPI) | same | CPUID only |
-//! | all vCPUs created | `pvspin_kvm::irqchip::refresh_lapic` on every vCPU | same | - |
+//! | VM created | [`KickDevice::in_kernel`]; the VMM's irqchip and kick routes | [`KickDevice::signal_msi`] with a [`RemrdSink`] | [`KickDevice::userspace`] |
+//! | each vCPU created | CPUID: the leaves of [`KickDevice::cpuid_info`] | same | CPUID only |
 //! | `KVM_EXIT_IO` out | [`KickDevice::handle_pio_write`] (only bad writes arrive) | same (every kick arrives) | same |
 //! | `KVM_EXIT_IO` in | [`KickDevice::handle_pio_read`] | same | same |
 //! | `KVM_EXIT_HLT` | (never exits) | (never exits) | [`KickDevice::handle_hlt`] |
@@ -43,8 +48,6 @@ mod sync;
 pub mod decode;
 #[cfg(not(loom))]
 pub mod device;
-#[cfg(not(loom))]
-pub mod kvm;
 pub mod latch;
 #[cfg(not(loom))]
 pub mod ratelimit;

@@ -1264,6 +1264,24 @@ pub fn apply_vcpu(plan: &Plan, vcpu: &VcpuFd, cpuid: &mut CpuId) -> Result<Appli
     install_vcpu(&plan, vcpu, cpuid, edit)
 }
 
+/// The vCPU stage's last step for a VMM that sets the CPUID itself (after [`edit_cpuid`] and
+/// its own `KVM_SET_CPUID2`): enables `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` when `plan` (resolved
+/// by [`plan_for_vcpu`] or [`Plan::for_lapic`]) asks for it. Returns whether it did.
+pub fn enforce_pv_cpuid(plan: &Plan, vcpu: &VcpuFd) -> Result<bool, PlanError> {
+    if plan.enforce_pv_cpuid {
+        let mut cap = kvm_enable_cap {
+            cap: KVM_CAP_ENFORCE_PV_FEATURE_CPUID,
+            ..Default::default()
+        };
+        cap.args[0] = 1;
+        vcpu.enable_cap(&cap).map_err(|source| PlanError::Kvm {
+            op: "KVM_ENABLE_CAP(ENFORCE_PV_FEATURE_CPUID)",
+            source,
+        })?;
+    }
+    Ok(plan.enforce_pv_cpuid)
+}
+
 /// The second half of [`apply_vcpu`], for a VMM (or `pvspin`) that adds leaves of its own
 /// between the edit and `KVM_SET_CPUID2`: installs `cpuid`, already edited by
 /// [`edit_cpuid`] with `plan` as resolved by [`plan_for_vcpu`], and enables PV enforcement.
@@ -1293,17 +1311,7 @@ pub fn install_vcpu(
             }
         }
     })?;
-    if plan.enforce_pv_cpuid {
-        let mut cap = kvm_enable_cap {
-            cap: KVM_CAP_ENFORCE_PV_FEATURE_CPUID,
-            ..Default::default()
-        };
-        cap.args[0] = 1;
-        vcpu.enable_cap(&cap).map_err(|source| PlanError::Kvm {
-            op: "KVM_ENABLE_CAP(ENFORCE_PV_FEATURE_CPUID)",
-            source,
-        })?;
-    }
+    enforce_pv_cpuid(plan, vcpu)?;
     Ok(AppliedVcpu {
         cpuid: edit,
         enforce_pv_cpuid: plan.enforce_pv_cpuid,

@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
 use pvspin_hints::Actuator;
+use pvspin_track::{GuestBytes, VcpuBoard};
 use pvspin_yield::{
     BoostTrial, Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification,
     SpinWindows, TrialConfig, TrialStats, WindowConfig,
 };
-use pvspin_track::{GuestBytes, VcpuBoard};
 
 /// Guest memory directed yield reads steal-time `preempted` bytes from: anything that reads
 /// a guest byte by GPA and may be shared between vCPU threads.

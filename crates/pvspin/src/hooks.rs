@@ -1,5 +1,6 @@
 //! The per-vCPU hooks a VMM's vCPU loop calls around `KVM_RUN`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,15 +35,13 @@ pub struct VcpuHooks {
     dy: Option<Arc<YieldState>>,
     /// Whether this thread's id is on the board.
     tid_recorded: bool,
-    /// A SPIN notification that arrived with this exit, handled in `after_run` once the CPL
-    /// is known.
-    pending_spin: Option<SpinNotify>,
+    /// The doorbell handling this vCPU shares with the port-I/O bus device
+    /// ([`crate::DoorbellPio`]), which finds it through a thread-local.
+    doorbell: Arc<VcpuDoorbell>,
     /// Hint pages and budgets, when enabled.
     hints: Option<Arc<HintState>>,
     /// WAIT, when enabled.
     wait: Option<WaitOptions>,
-    /// A WAIT that arrived with this exit, carried out in `after_run`.
-    pending_wait: Option<SpinNotify>,
     /// The first `before_run` checked the VM's setup.
     checked_setup: bool,
     run_started: Option<Instant>,
@@ -57,6 +56,8 @@ impl VcpuHooks {
         kick: Option<Arc<KickState>>,
         dy: Option<Arc<YieldState>>,
     ) -> Self {
+        let (cells_for_doorbell, kick_for_doorbell, dy_for_doorbell) =
+            (cells.clone(), kick.clone(), dy.clone());
         Self {
             index,
             counters,
@@ -64,10 +65,17 @@ impl VcpuHooks {
             kick,
             dy,
             tid_recorded: false,
-            pending_spin: None,
+            doorbell: Arc::new(VcpuDoorbell {
+                index,
+                cells: cells_for_doorbell,
+                kick: kick_for_doorbell,
+                dy: dy_for_doorbell,
+                hints: None,
+                pending_spin: AtomicU64::new(0),
+                pending_wait: AtomicU64::new(0),
+            }),
             hints: None,
             wait: None,
-            pending_wait: None,
             checked_setup: false,
             run_started: None,
             last_exit: None,
@@ -79,6 +87,10 @@ impl VcpuHooks {
         hints: Option<Arc<HintState>>,
         wait: Option<WaitOptions>,
     ) -> Self {
+        self.doorbell = Arc::new(VcpuDoorbell {
+            hints: hints.clone(),
+            ..VcpuDoorbell::clone_of(&self.doorbell)
+        });
         self.hints = hints;
         self.wait = wait;
         self
@@ -94,21 +106,32 @@ impl VcpuHooks {
         if !self.checked_setup {
             self.checked_setup = true;
             if let Some(kick) = &self.kick {
-                if kick.device.path() != KickPath::Userspace
+                if kick.options.needs_lapic()
                     && !kick
-                        .vcpus_created
+                        .all_configured
                         .load(std::sync::atomic::Ordering::Acquire)
                 {
                     log::error!(
-                        "pvspin: vCPU {} runs before PvSpin::vcpus_created; the rule: with the {:?} \
-                         kick path call vcpus_created once every vCPU exists, before the first \
-                         KVM_RUN (until then MSIs to APIC ID 1 and up reach nobody and APs wait \
-                         for INIT/SIPI)",
+                        "pvspin: vCPU {} runs before every vCPU went through \
+                         PvSpin::configure_vcpu; the rule: with the {:?} kick path configure \
+                         all vCPUs before the first KVM_RUN (the last one rebuilds KVM's \
+                         APIC-ID map; until then kicks to some vCPUs reach nobody)",
                         self.index,
                         kick.device.path()
                     );
                 }
             }
+        }
+        if self.kick.is_some() {
+            CURRENT.with(|current| {
+                let mut current = current.borrow_mut();
+                if !current
+                    .as_ref()
+                    .is_some_and(|d| Arc::ptr_eq(d, &self.doorbell))
+                {
+                    *current = Some(self.doorbell.clone());
+                }
+            });
         }
         if let Some(dy) = &self.dy {
             if !self.tid_recorded {
@@ -141,71 +164,15 @@ impl VcpuHooks {
         let Some(kick) = &self.kick else {
             return ExitOutcome::NotHandled;
         };
-        let outcome = match exit {
-            Ok(VcpuExit::IoOut(port, data)) => kick.device.handle_pio_write(*port, data),
-            Ok(VcpuExit::IoIn(port, data)) => {
-                let outcome = kick.device.handle_pio_read(*port, data);
-                if outcome == PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow)) {
-                    if let Some(dy) = &self.dy {
-                        let window = dy.read_window(self.index).to_le_bytes();
-                        // The device forwards only 4-byte reads.
-                        if data.len() == window.len() {
-                            data.copy_from_slice(&window);
-                        }
-                    }
-                }
-                outcome
-            }
+        match exit {
+            Ok(VcpuExit::IoOut(port, data)) => self.doorbell.pio_write(*port, data),
+            Ok(VcpuExit::IoIn(port, data)) => self.doorbell.pio_read(*port, data),
             Ok(VcpuExit::Hlt) if kick.device.path() == KickPath::Userspace => {
                 let index = u32::try_from(self.index).unwrap_or(u32::MAX);
                 self.park(kick, "parking on a halt", |dev| dev.handle_hlt(index));
-                return ExitOutcome::Handled;
-            }
-            _ => return ExitOutcome::NotHandled,
-        };
-        match outcome {
-            PioOutcome::NotMine => ExitOutcome::NotHandled,
-            PioOutcome::Handled(Handled::Kicked { target, .. }) => {
-                kick.note_kick(target);
-                if let Some(dy) = &self.dy {
-                    dy.board.kick(target as usize);
-                }
-                if let Some(cell) = self.cells.get(target as usize) {
-                    cell.record_kick(kick.telemetry_path());
-                }
                 ExitOutcome::Handled
             }
-            PioOutcome::Handled(Handled::Rejected(reason)) => {
-                if let Some(cell) = self.cells.get(self.index) {
-                    cell.reject(reason.name());
-                }
-                ExitOutcome::Handled
-            }
-            PioOutcome::Handled(Handled::Forward(Command::Spin(n))) => {
-                // Decided in `after_run`, once the CPL of this exit is known.
-                if self.dy.is_some() {
-                    self.pending_spin = Some(n);
-                }
-                ExitOutcome::Handled
-            }
-            PioOutcome::Handled(Handled::Forward(Command::SharedPage { pfn })) => {
-                if let Some(hints) = &self.hints {
-                    if let Err(err) = hints.register(self.index, pfn) {
-                        if let Some(cell) = self.cells.get(self.index) {
-                            cell.reject("bad_hint_page");
-                        }
-                        log::debug!("vCPU {}: SHARED_PAGE ignored: {err}", self.index);
-                    }
-                }
-                ExitOutcome::Handled
-            }
-            PioOutcome::Handled(Handled::Forward(Command::Wait(n))) => {
-                // Carried out in `after_run`, once the VMM is done with this exit.
-                self.pending_wait = Some(n);
-                ExitOutcome::Handled
-            }
-            // Window reads were answered above.
-            PioOutcome::Handled(Handled::Forward(_)) => ExitOutcome::Handled,
+            _ => ExitOutcome::NotHandled,
         }
     }
 
@@ -296,7 +263,7 @@ impl VcpuHooks {
 
     fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
         self.after_run_spin(cpl);
-        if let Some(n) = self.pending_wait.take() {
+        if let Some(n) = take_pending(&self.doorbell.pending_wait) {
             self.wait(n, vcpu);
         }
     }
@@ -348,7 +315,7 @@ impl VcpuHooks {
         };
         dy.board.on_exit(self.index, cpl);
         dy.actuator.on_target_exit(self.index);
-        if let Some(n) = self.pending_spin.take() {
+        if let Some(n) = take_pending(&self.doorbell.pending_spin) {
             self.notify(n, false);
         }
     }
@@ -356,6 +323,144 @@ impl VcpuHooks {
     /// The kind of the exit being handled, between `handle_exit` and `after_run`.
     pub fn last_exit(&self) -> Option<ExitKind> {
         self.last_exit
+    }
+}
+
+impl Drop for VcpuHooks {
+    fn drop(&mut self) {
+        // Forget this vCPU on this thread (`try_with`: the thread may be exiting).
+        let _ = CURRENT.try_with(|current| {
+            if let Ok(mut current) = current.try_borrow_mut() {
+                if current
+                    .as_ref()
+                    .is_some_and(|d| Arc::ptr_eq(d, &self.doorbell))
+                {
+                    *current = None;
+                }
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// The doorbell of the vCPU whose hooks last ran `before_run` on this thread.
+    static CURRENT: std::cell::RefCell<Option<Arc<VcpuDoorbell>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A pending notification: 0 when none, else `1 << 32 | value`.
+fn take_pending(slot: &AtomicU64) -> Option<SpinNotify> {
+    let v = slot.swap(0, Ordering::Relaxed);
+    (v != 0).then(|| SpinNotify::decode(v as u32))
+}
+
+fn set_pending(slot: &AtomicU64, n: SpinNotify) {
+    slot.store(1 << 32 | u64::from(n.encode()), Ordering::Relaxed);
+}
+
+/// One vCPU's doorbell accesses: what both [`VcpuHooks::handle_exit`] and the bus device
+/// ([`crate::DoorbellPio`]) do with a port-I/O exit. Only the vCPU's own thread uses it.
+#[derive(Debug)]
+pub(crate) struct VcpuDoorbell {
+    index: usize,
+    cells: Arc<[Arc<VcpuCounterCell>]>,
+    kick: Option<Arc<KickState>>,
+    dy: Option<Arc<YieldState>>,
+    hints: Option<Arc<HintState>>,
+    /// A SPIN that arrived with this exit, handled in `after_run` once the CPL is known.
+    pending_spin: AtomicU64,
+    /// A WAIT that arrived with this exit, carried out in `after_run`.
+    pending_wait: AtomicU64,
+}
+
+impl VcpuDoorbell {
+    fn clone_of(other: &Self) -> Self {
+        Self {
+            index: other.index,
+            cells: other.cells.clone(),
+            kick: other.kick.clone(),
+            dy: other.dy.clone(),
+            hints: other.hints.clone(),
+            pending_spin: AtomicU64::new(0),
+            pending_wait: AtomicU64::new(0),
+        }
+    }
+
+    /// Runs `f` with the doorbell of the vCPU whose hooks run on this thread.
+    pub(crate) fn with_current<R>(f: impl FnOnce(Option<&VcpuDoorbell>) -> R) -> R {
+        CURRENT.with(|current| f(current.borrow().as_deref()))
+    }
+
+    pub(crate) fn pio_write(&self, port: u16, data: &[u8]) -> ExitOutcome {
+        let Some(kick) = &self.kick else {
+            return ExitOutcome::NotHandled;
+        };
+        let outcome = kick.device.handle_pio_write(port, data);
+        self.after_pio(kick, outcome)
+    }
+
+    pub(crate) fn pio_read(&self, port: u16, data: &mut [u8]) -> ExitOutcome {
+        let Some(kick) = &self.kick else {
+            return ExitOutcome::NotHandled;
+        };
+        let outcome = kick.device.handle_pio_read(port, data);
+        if outcome == PioOutcome::Handled(Handled::Forward(Command::ReadSpinWindow)) {
+            if let Some(dy) = &self.dy {
+                let window = dy.read_window(self.index).to_le_bytes();
+                // The device forwards only 4-byte reads.
+                if data.len() == window.len() {
+                    data.copy_from_slice(&window);
+                }
+            }
+        }
+        self.after_pio(kick, outcome)
+    }
+
+    fn after_pio(&self, kick: &KickState, outcome: PioOutcome) -> ExitOutcome {
+        match outcome {
+            PioOutcome::NotMine => ExitOutcome::NotHandled,
+            PioOutcome::Handled(Handled::Kicked { target, .. }) => {
+                kick.note_kick(target);
+                if let Some(dy) = &self.dy {
+                    dy.board.kick(target as usize);
+                }
+                if let Some(cell) = self.cells.get(target as usize) {
+                    cell.record_kick(kick.telemetry_path());
+                }
+                ExitOutcome::Handled
+            }
+            PioOutcome::Handled(Handled::Rejected(reason)) => {
+                if let Some(cell) = self.cells.get(self.index) {
+                    cell.reject(reason.name());
+                }
+                ExitOutcome::Handled
+            }
+            PioOutcome::Handled(Handled::Forward(Command::Spin(n))) => {
+                // Decided in `after_run`, once the CPL of this exit is known.
+                if self.dy.is_some() {
+                    set_pending(&self.pending_spin, n);
+                }
+                ExitOutcome::Handled
+            }
+            PioOutcome::Handled(Handled::Forward(Command::SharedPage { pfn })) => {
+                if let Some(hints) = &self.hints {
+                    if let Err(err) = hints.register(self.index, pfn) {
+                        if let Some(cell) = self.cells.get(self.index) {
+                            cell.reject("bad_hint_page");
+                        }
+                        log::debug!("vCPU {}: SHARED_PAGE ignored: {err}", self.index);
+                    }
+                }
+                ExitOutcome::Handled
+            }
+            PioOutcome::Handled(Handled::Forward(Command::Wait(n))) => {
+                // Carried out in `after_run`, once the VMM is done with this exit.
+                set_pending(&self.pending_wait, n);
+                ExitOutcome::Handled
+            }
+            // Window reads were answered in `pio_read`.
+            PioOutcome::Handled(Handled::Forward(_)) => ExitOutcome::Handled,
+        }
     }
 }
 

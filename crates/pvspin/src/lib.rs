@@ -1,40 +1,52 @@
 //! pvspin's embedding API: paravirtual spinlocks and lock-holder-aware vCPU scheduling for a
 //! KVM-based VMM built on rust-vmm crates.
 //!
-//! The VMM keeps its threads, memory and device model; pvspin plugs in through a few hooks:
+//! The VMM keeps its threads, memory, device model and VM-wide KVM state; pvspin asks for
+//! what it needs and plugs in through a few hooks:
 //!
 //! 1. Build a [`PvSpin`] with [`PvSpin::builder`], giving the number of vCPUs and a
-//!    [`VcpuInterrupter`] (how to get a vCPU thread out of `KVM_RUN`).
-//! 2. After creating the VM and before creating vCPUs: [`PvSpin::configure_vm`].
-//! 3. For each vCPU, after creating it: [`PvSpin::configure_vcpu`] with the CPUID the VMM
-//!    wants it to have (pvspin edits and sets it), which returns the [`VcpuHooks`] that
-//!    vCPU's thread owns.
-//! 4. After all vCPUs exist: [`PvSpin::vcpus_created`].
-//! 5. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
-//!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it), then
+//!    [`VcpuInterrupter`] (how to get a vCPU thread out of `KVM_RUN`; [`SignalInterrupter`]
+//!    is a ready one).
+//! 2. After creating the VM and before creating vCPUs: [`PvSpin::configure_vm`] (quirks, the
+//!    paravirt plan's VM stage, the kick device). The VMM creates its irqchip as it always
+//!    does (the in-kernel and signal-msi kick paths need one, the userspace path needs none)
+//!    and, for the in-kernel path, gives pvspin GSIs from its allocator
+//!    ([`PvSpin::set_kick_gsis`]), merges [`KickWiring::routes`] into its routing table and
+//!    registers the eventfds ([`KickWiring::register`] or its own calls).
+//! 3. For each vCPU: [`PvSpin::edit_cpuid`] on the CPUID the VMM built (pure), the VMM's own
+//!    `KVM_SET_CPUID2`, then [`PvSpin::configure_vcpu`], which checks the rules and returns
+//!    the [`VcpuHooks`] that vCPU's thread owns. pvspin changes no MP state: APs start as the
+//!    VMM starts them.
+//! 4. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
+//!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it; a VMM that dispatches
+//!    port I/O through a bus registers [`PvSpin::doorbell_pio`] there instead), then
 //!    [`VcpuHooks::after_run`] with the vCPU (where a spin notification is acted on).
-//! 6. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
-//! 7. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
+//! 5. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
+//! 6. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
+//!
+//! [`simple`] does the VMM's part of steps 2-3 for a VMM without irqchip, routes or CPUID of
+//! its own.
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //! # use kvm_ioctls::{Kvm, VcpuExit};
-//! # #[derive(Debug)] struct MyInterrupter;
-//! # impl pvspin::VcpuInterrupter for MyInterrupter { fn interrupt(&self, _: usize) {} }
+//! let interrupter = pvspin::SignalInterrupter::new(1)?;
 //! let pvspin = pvspin::PvSpin::builder()
-//!     .vcpus(2)
-//!     .interrupter(Arc::new(MyInterrupter))
+//!     .vcpus(1)
+//!     .interrupter(interrupter.clone())
 //!     .build()?;
 //! let kvm = Kvm::new()?;
 //! let vm = kvm.create_vm()?;
 //! pvspin.configure_vm(&kvm, &vm)?;
 //! let mut vcpu = vm.create_vcpu(0)?;
 //! let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
-//! let (mut hooks, _) = pvspin.configure_vcpu(0, &mut vcpu, &mut cpuid)?;
-//! pvspin.vcpus_created([&vcpu])?;
+//! pvspin.edit_cpuid_for_vcpu(0, &vcpu, &mut cpuid)?;
+//! vcpu.set_cpuid2(&cpuid)?;
+//! let (mut hooks, _) = pvspin.configure_vcpu(0, &mut vcpu)?;
+//! let thread = interrupter.attach(0)?; // on the vCPU's thread
 //! loop {
 //!     hooks.before_run();
-//!     let mut exit = vcpu.run();
+//!     let mut exit = thread.run(&mut vcpu);
 //!     let outcome = hooks.handle_exit(&mut exit);
 //!     let done = outcome == pvspin::ExitOutcome::NotHandled
 //!         && matches!(exit, Ok(VcpuExit::Hlt)); // else: the VMM's own devices
@@ -84,21 +96,27 @@
 #![deny(missing_docs)]
 
 mod counters;
+pub mod cpuid;
 mod directed;
 mod hints;
 mod hooks;
+pub mod interrupt;
 mod kick;
+mod pio;
+pub mod simple;
 mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
 pub use hints::{HintOptions, HintStats, WaitOptions};
-pub use kick::KickOptions;
+pub use interrupt::{SignalInterrupter, VcpuThread};
+pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
+pub use pio::DoorbellPio;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
 pub use pvspin_yield::{PolicyConfig, WindowConfig};
-pub use pvspin_track::GuestBytes;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -181,6 +199,31 @@ pub enum ConfigError {
     /// The hint-page budgets broke a rule.
     #[error("hint pages: {0}")]
     HintPages(String),
+    /// An ordering or combination rule of the embedding API, named.
+    #[error("rule: {0}")]
+    Rule(&'static str),
+    /// The in-kernel kick path's GSIs broke a rule.
+    #[error("rule: kick GSIs: {0}")]
+    KickGsis(String),
+    /// The doorbell port range does not fit in the 16-bit port space.
+    #[error("rule: the doorbell's {count} ports from {port:#x} must fit below 0x10000")]
+    DoorbellPort {
+        /// The first port asked for.
+        port: u16,
+        /// The number of ports of the doorbell.
+        count: u16,
+    },
+    /// The MSI kick paths address vCPUs by xAPIC ID.
+    #[error("rule: the in-kernel and signal-msi kick paths reach APIC IDs 0..=255 only (an xAPIC MSI); {0} vCPUs need the userspace path")]
+    MsiVcpus(usize),
+    /// vCPU `index`'s CPUID in KVM is not what pvspin's edit made.
+    #[error("rule: set vCPU {index}'s CPUID from PvSpin::edit_cpuid with KVM_SET_CPUID2 before configure_vcpu: {what}")]
+    Cpuid {
+        /// The vCPU.
+        index: usize,
+        /// What is missing.
+        what: String,
+    },
     /// The actuator could not be built (unknown name, or a boost the process may not apply,
     /// such as `fifo` without real-time privilege, with `fallback` off).
     #[error("directed yield actuator {name:?}: {reason}")]
@@ -231,9 +274,21 @@ pub enum Error {
     /// The kick device could not be set up.
     #[error("kick device: {0}")]
     Kick(String),
-    /// The irqchip could not be finished after the vCPUs were created.
-    #[error("finishing the irqchip after creating the vCPUs: {0}")]
+    /// A KVM call on the vCPU's irqchip failed.
+    #[error("vCPU irqchip setup: {0}")]
     Irqchip(#[from] pvspin_kvm::irqchip::IrqchipError),
+    /// pvspin's CPUID leaves could not be added.
+    #[error("CPUID: {0}")]
+    Cpuid(#[from] cpuid::CpuidError),
+    /// `KVM_GET_CPUID2` failed (configure_vcpu checks the CPUID the VMM set).
+    #[error("KVM_GET_CPUID2 on vCPU {index}: {source}")]
+    GetCpuid {
+        /// The vCPU.
+        index: usize,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
 }
 
 /// Builds a [`PvSpin`].
@@ -249,6 +304,8 @@ pub struct PvSpinBuilder {
     steal_time: Option<StealTimeMemory>,
     hints: Option<HintOptions>,
     wait: Option<WaitOptions>,
+    doorbell_port: Option<u16>,
+    cpuid_base: Option<u32>,
 }
 
 impl PvSpinBuilder {
@@ -343,6 +400,21 @@ impl PvSpinBuilder {
         self
     }
 
+    /// The doorbell's first port (default `pvspin_abi::doorbell::DEFAULT_PORT`, 0xa40; the
+    /// doorbell takes `pvspin_abi::doorbell::PORT_COUNT` ports). The guest finds it in
+    /// pvspin's CPUID leaf.
+    pub fn doorbell_port(mut self, port: u16) -> Self {
+        self.doorbell_port = Some(port);
+        self
+    }
+
+    /// Where pvspin's CPUID leaves go (default `pvspin_abi::cpuid::DEFAULT_BASE`,
+    /// 0x40000100): a 0x100-aligned hypervisor base above KVM's 0x40000000, where guests scan.
+    pub fn cpuid_base(mut self, base: u32) -> Self {
+        self.cpuid_base = Some(base);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -353,6 +425,27 @@ impl PvSpinBuilder {
             });
         }
         let interrupter = self.interrupter.ok_or(ConfigError::MissingInterrupter)?;
+        let doorbell_port = self
+            .doorbell_port
+            .unwrap_or(pvspin_abi::doorbell::DEFAULT_PORT);
+        let count = pvspin_abi::doorbell::PORT_COUNT;
+        if u32::from(doorbell_port) + u32::from(count) > 0x1_0000 {
+            return Err(ConfigError::DoorbellPort {
+                port: doorbell_port,
+                count,
+            });
+        }
+        let cpuid_base = self.cpuid_base.unwrap_or(pvspin_abi::cpuid::DEFAULT_BASE);
+        if cpuid::check_base(cpuid_base).is_err() {
+            return Err(ConfigError::Rule(
+                "pvspin's CPUID base is 0x100-aligned, in 0x40000100..=0x4000ff00 (PvSpinBuilder::cpuid_base)",
+            ));
+        }
+        if self.kick.is_some_and(|k| k.needs_lapic())
+            && vcpus > pvspin_kvm::irqchip::MAX_MSI_APIC_ID as usize + 1
+        {
+            return Err(ConfigError::MsiVcpus(vcpus));
+        }
         let mut paravirt = self.paravirt;
         if let Some(request) = &mut paravirt {
             if usize::try_from(request.vcpus).ok() != Some(vcpus) {
@@ -399,7 +492,17 @@ impl PvSpinBuilder {
             )?)),
             None => None,
         };
+        let lapic_in_kernel = match (self.kick, &paravirt) {
+            (Some(kick), _) => Some(kick.needs_lapic()),
+            (None, Some(request)) => request.lapic_in_kernel,
+            (None, None) => None,
+        };
         Ok(PvSpin {
+            doorbell_port,
+            cpuid_base,
+            lapic_in_kernel,
+            configured_count: std::sync::atomic::AtomicUsize::new(0),
+            edits: (0..vcpus).map(|_| std::sync::Mutex::new(None)).collect(),
             hints,
             wait: self.wait,
             directed_yield,
@@ -439,6 +542,14 @@ pub struct VmSetup {
 /// pvspin for one VM: the composed parts and the hooks' shared state.
 #[derive(Debug)]
 pub struct PvSpin {
+    doorbell_port: u16,
+    cpuid_base: u32,
+    /// Whether the VM has an in-kernel LAPIC, when the configuration says (kick path, plan).
+    lapic_in_kernel: Option<bool>,
+    /// How many vCPUs went through `configure_vcpu`.
+    configured_count: std::sync::atomic::AtomicUsize,
+    /// Per vCPU, the plan's CPUID edit `edit_cpuid` made last (for `AppliedVcpu`).
+    edits: Vec<std::sync::Mutex<Option<pvspin_kvm::plan::CpuidEdit>>>,
     interrupter: Arc<dyn VcpuInterrupter>,
     keep_hypercall_quirk: bool,
     vmm_disabled_quirks: u64,
@@ -472,7 +583,10 @@ impl PvSpin {
     }
 
     /// VM-stage setup: call after creating the VM, before creating any vCPU. Applies the
-    /// paravirt plan's VM stage (or, without one, turns the FIX_HYPERCALL_INSN quirk off).
+    /// paravirt plan's VM stage (or, without one, turns the FIX_HYPERCALL_INSN quirk off) and
+    /// makes the kick device. It does not create an irqchip, touch the GSI routing or register
+    /// eventfds: those are the VMM's ([`kick_wiring`](Self::kick_wiring); `simple::setup_vm`
+    /// does all of it for a VMM that has none of its own).
     pub fn configure_vm(&self, kvm: &Kvm, vm: &VmFd) -> Result<VmSetup, Error> {
         self.stats.open_vm(vm);
         let setup = match &self.paravirt {
@@ -532,7 +646,15 @@ impl PvSpin {
             if self.wait.is_some() {
                 extra |= pvspin_abi::cpuid::FEATURE_WAIT;
             }
-            let state = kick::KickState::configure_vm(options, extra, self.vcpus(), vm)?;
+            let cfg = pvspin_kick::KickConfig {
+                port: self.doorbell_port,
+                nr_vcpus: u32::try_from(self.vcpus()).unwrap_or(u32::MAX),
+                extra_commands: extra,
+                spin: options.park_spin,
+                park_timeout: options.park_bound,
+                ..pvspin_kick::KickConfig::default()
+            };
+            let state = kick::KickState::configure_vm(options, cfg, vm)?;
             let _ = self.kick.set(Arc::new(state));
         }
         let _ = self
@@ -541,19 +663,100 @@ impl PvSpin {
         Ok(setup)
     }
 
-    /// After every vCPU exists, before any runs: with an in-kernel irqchip (the in-kernel and
-    /// signal-msi kick paths), makes the APs runnable and refreshes each LAPIC (KVM's APIC-ID
-    /// map is stale until then, and MSIs to APIC ID 1 and up reach nobody). A no-op otherwise.
-    pub fn vcpus_created<'a>(
+    /// In-kernel kick path: records the GSIs the VMM allocated for the kicks (one per vCPU, in
+    /// index order, distinct, below [`MAX_GSI`]; once) and returns what to apply: the routes
+    /// to merge into the VMM's GSI routing table and the ioeventfds and irqfds to register.
+    /// Call after [`configure_vm`](Self::configure_vm) and before
+    /// [`configure_vcpu`](Self::configure_vcpu). Refused, naming the rule, on the other paths.
+    pub fn set_kick_gsis(&self, gsis: &[u32]) -> Result<KickWiring<'_>, Error> {
+        let kick = self.kick.get().ok_or(Error::VmNotConfigured)?;
+        kick.set_gsis(gsis)
+    }
+
+    /// The in-kernel kick wiring, once [`set_kick_gsis`](Self::set_kick_gsis) ran: a VMM that
+    /// rebuilds its GSI routing table takes [`KickWiring::routes`] from here again.
+    pub fn kick_wiring(&self) -> Option<KickWiring<'_>> {
+        self.kick.get().and_then(|kick| kick.wiring())
+    }
+
+    /// The doorbell's first port and its number of ports.
+    pub fn doorbell_ports(&self) -> (u16, u16) {
+        (self.doorbell_port, pvspin_abi::doorbell::PORT_COUNT)
+    }
+
+    /// The doorbell as a port-I/O bus device (after [`configure_vm`](Self::configure_vm), with
+    /// a kick path), for a VMM that dispatches port I/O through a bus.
+    pub fn doorbell_pio(&self) -> Option<DoorbellPio> {
+        self.kick.get().map(|_| {
+            let (base, len) = self.doorbell_ports();
+            DoorbellPio::new(base, len)
+        })
+    }
+
+    /// Where pvspin's CPUID leaves are.
+    pub fn cpuid_base(&self) -> u32 {
+        self.cpuid_base
+    }
+
+    /// Edits vCPU `index`'s CPUID (pure: no KVM call): the paravirt plan's edits (KVM's
+    /// feature leaf, added KVM leaves), the kick-index rule (initial APIC ID = `index` in
+    /// leaves 01H, 0BH and 1FH) and pvspin's leaves. The VMM sets the result with
+    /// `KVM_SET_CPUID2` before [`configure_vcpu`](Self::configure_vcpu). Needs to know whether
+    /// the VM has an in-kernel LAPIC: the kick path says, or `PlanRequest::lapic_in_kernel`;
+    /// without either, use [`edit_cpuid_for_vcpu`](Self::edit_cpuid_for_vcpu).
+    pub fn edit_cpuid(&self, index: usize, cpuid: &mut CpuId) -> Result<(), Error> {
+        self.edit_cpuid_with(index, cpuid, self.lapic_in_kernel)
+    }
+
+    /// [`edit_cpuid`](Self::edit_cpuid) asking `vcpu` whether it has an in-kernel LAPIC
+    /// (`KVM_GET_LAPIC`) when the configuration does not say.
+    pub fn edit_cpuid_for_vcpu(
         &self,
-        vcpus: impl IntoIterator<Item = &'a VcpuFd>,
+        index: usize,
+        vcpu: &VcpuFd,
+        cpuid: &mut CpuId,
     ) -> Result<(), Error> {
+        let lapic = self
+            .lapic_in_kernel
+            .or_else(|| Some(pvspin_kvm::plan::vcpu_has_in_kernel_lapic(vcpu)));
+        self.edit_cpuid_with(index, cpuid, lapic)
+    }
+
+    fn edit_cpuid_with(
+        &self,
+        index: usize,
+        cpuid: &mut CpuId,
+        lapic_in_kernel: Option<bool>,
+    ) -> Result<(), Error> {
+        let edit_slot = self.edits.get(index).ok_or(ConfigError::VcpuIndex {
+            index,
+            vcpus: self.vcpus(),
+        })?;
+        let plan = self.plan.get().ok_or(Error::VmNotConfigured)?;
+        // The plan edits the VMM's CPUID first: pvspin's own leaf must not be mistaken for a
+        // foreign hypervisor's when the VMM's CPUID has no KVM leaves yet.
+        if let Some(plan) = plan {
+            let plan = match (plan.lapic_in_kernel, lapic_in_kernel) {
+                (Some(_), _) => plan.clone(),
+                (None, Some(lapic)) => plan.for_lapic(lapic)?,
+                (None, None) => {
+                    return Err(ConfigError::Rule(
+                        "to edit CPUID without a vCPU, pvspin must know whether the VM has an \
+                         in-kernel LAPIC: give a kick path or PlanRequest::lapic_in_kernel, or \
+                         use edit_cpuid_for_vcpu",
+                    )
+                    .into())
+                }
+            };
+            let edit = pvspin_kvm::plan::edit_cpuid(&plan, cpuid)?;
+            *edit_slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(edit);
+        }
+        let apic_id = u32::try_from(index).unwrap_or(u32::MAX);
+        cpuid::set_initial_apic_id(cpuid.as_mut_slice(), apic_id);
         if let Some(kick) = self.kick.get() {
-            if kick.device.path() != KickPath::Userspace {
-                pvspin_kvm::irqchip::finish_vcpus(vcpus, true)?;
-            }
-            kick.vcpus_created
-                .store(true, std::sync::atomic::Ordering::Release);
+            kick.add_cpuid(cpuid, index, self.cpuid_base)?;
         }
         Ok(())
     }
@@ -611,45 +814,77 @@ impl PvSpin {
         self.kick.get().map(|kick| kick.device.stats())
     }
 
-    /// vCPU-stage setup: call once per vCPU after creating it, before its first `KVM_RUN`.
-    /// `cpuid` is the CPUID the VMM wants the vCPU to have; pvspin edits it (the paravirt
-    /// plan's leaf 0x40000001) and sets it with `KVM_SET_CPUID2`. With directed yield it asks
-    /// KVM to copy the special registers into `kvm_run` at every exit (`KVM_SYNC_X86_SREGS`,
-    /// so the hooks read the CPL without an ioctl). The returned hooks belong to that vCPU's
-    /// thread.
+    /// vCPU-stage setup: call once per vCPU after creating it and setting its CPUID (from
+    /// [`edit_cpuid`](Self::edit_cpuid)), before its first `KVM_RUN`. Checks the rules that
+    /// tie the vCPU to the configuration (its CPUID carries pvspin's leaves and its index as
+    /// initial APIC ID; an in-kernel LAPIC exactly when the kick path needs one; the in-kernel
+    /// path's GSIs set), enables the plan's PV-CPUID enforcement, reads the TSC frequency for
+    /// hint pages and, with directed yield, asks KVM to copy the special registers into
+    /// `kvm_run` at every exit (`KVM_SYNC_X86_SREGS`: the CPL without an ioctl). The last vCPU
+    /// configured rewrites its own LAPIC unchanged, which makes KVM rebuild its APIC-ID map
+    /// (stale until then: kicks to later vCPUs would reach nobody). Changes no MP state.
+    /// The returned hooks belong to that vCPU's thread.
     pub fn configure_vcpu(
         &self,
         index: usize,
         vcpu: &mut VcpuFd,
-        cpuid: &mut CpuId,
     ) -> Result<(VcpuHooks, Option<AppliedVcpu>), Error> {
         let configured = self.configured.get(index).ok_or(ConfigError::VcpuIndex {
             index,
             vcpus: self.vcpus(),
         })?;
         let plan = self.plan.get().ok_or(Error::VmNotConfigured)?;
-        if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        if configured.load(std::sync::atomic::Ordering::Acquire) {
             return Err(ConfigError::VcpuConfiguredTwice(index).into());
         }
-        // The plan edits the VMM's CPUID first: pvspin's own leaf must not be mistaken for a
-        // foreign hypervisor's when the VMM's CPUID has no KVM leaves yet.
+        let lapic = pvspin_kvm::plan::vcpu_has_in_kernel_lapic(vcpu);
+        if let Some(kick) = self.kick.get() {
+            match (kick.options.needs_lapic(), lapic) {
+                (true, false) => {
+                    return Err(ConfigError::Rule(
+                        "the in-kernel and signal-msi kick paths need an in-kernel LAPIC: \
+                         create the irqchip (KVM_CREATE_IRQCHIP) before the vCPUs",
+                    )
+                    .into())
+                }
+                (false, true) => {
+                    return Err(ConfigError::Rule(
+                        "the userspace kick path needs HLT exits, which an in-kernel LAPIC keeps \
+                         inside KVM: with an irqchip use KickPath::SignalMsi or InKernel",
+                    )
+                    .into())
+                }
+                _ => {}
+            }
+            if kick.options.path == KickPath::InKernel && kick.wiring().is_none() {
+                return Err(ConfigError::Rule(
+                    "the in-kernel kick path needs its GSIs (PvSpin::set_kick_gsis) and their \
+                     routes and eventfds applied before configure_vcpu",
+                )
+                .into());
+            }
+            self.check_cpuid(index, vcpu, kick)?;
+        }
         let applied = match plan {
             Some(plan) => {
                 let plan = pvspin_kvm::plan::plan_for_vcpu(plan, vcpu)?;
-                let edit = pvspin_kvm::plan::edit_cpuid(&plan, cpuid)?;
-                if let Some(kick) = self.kick.get() {
-                    kick.add_cpuid(cpuid, index)?;
-                }
-                Some(pvspin_kvm::plan::install_vcpu(&plan, vcpu, cpuid, edit)?)
+                let enforce = pvspin_kvm::plan::enforce_pv_cpuid(&plan, vcpu)?;
+                let edit = self.edits[index]
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+                    .ok_or(ConfigError::Cpuid {
+                        index,
+                        what: "edit_cpuid was never called for it (the paravirt plan edits it)"
+                            .into(),
+                    })?;
+                Some(AppliedVcpu {
+                    cpuid: edit,
+                    enforce_pv_cpuid: enforce,
+                    lapic_in_kernel: lapic,
+                })
             }
-            None => {
-                if let Some(kick) = self.kick.get() {
-                    kick.add_cpuid(cpuid, index)?;
-                }
-                vcpu.set_cpuid2(cpuid)
-                    .map_err(|source| Error::SetCpuid { index, source })?;
-                None
-            }
+            None => None,
         };
         self.stats.open_vcpu(index, vcpu);
         if let Some(hints) = &self.hints {
@@ -663,6 +898,20 @@ impl PvSpin {
         if self.directed_yield.is_some() {
             pvspin_track::enable_sync_sregs(vcpu);
         }
+        if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Err(ConfigError::VcpuConfiguredTwice(index).into());
+        }
+        let done = self
+            .configured_count
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+            + 1;
+        if done == self.vcpus() && lapic {
+            pvspin_kvm::irqchip::refresh_lapic(vcpu)?;
+            if let Some(kick) = self.kick.get() {
+                kick.all_configured
+                    .store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
         let hooks = VcpuHooks::new(
             index,
             self.counters[index].clone(),
@@ -672,6 +921,29 @@ impl PvSpin {
         )
         .with_hints(self.hints.clone(), self.wait);
         Ok((hooks, applied))
+    }
+
+    /// The CPUID KVM holds for vCPU `index` must be [`edit_cpuid`](Self::edit_cpuid)'s.
+    fn check_cpuid(
+        &self,
+        index: usize,
+        vcpu: &VcpuFd,
+        kick: &kick::KickState,
+    ) -> Result<(), Error> {
+        let set = vcpu
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| Error::GetCpuid { index, source })?;
+        let apic_id = u32::try_from(index).unwrap_or(u32::MAX);
+        let what = if cpuid::find_pvspin_info(set.as_slice(), self.cpuid_base)
+            != Some(kick.device.cpuid_info())
+        {
+            format!("pvspin's leaves are missing at {:#x}", self.cpuid_base)
+        } else if !cpuid::follows_apic_id_rule(set.as_slice(), apic_id) {
+            "its initial APIC ID (CPUID 01H/0BH/1FH) is not its index".to_string()
+        } else {
+            return Ok(());
+        };
+        Err(ConfigError::Cpuid { index, what }.into())
     }
 
     /// Everything pvspin and KVM count, per vCPU: pvspin's counters merged with KVM's binary
@@ -779,10 +1051,7 @@ mod tests {
     #[test]
     fn directed_yield_needs_kick_and_a_known_actuator() {
         let interrupter = Arc::new(CountingInterrupter::default());
-        let kick = KickOptions {
-            path: KickPath::Userspace,
-            park_spin: std::time::Duration::ZERO,
-        };
+        let kick = KickOptions::new(KickPath::Userspace);
         let base = || PvSpin::builder().vcpus(2).interrupter(interrupter.clone());
         assert_eq!(
             base()

@@ -1,34 +1,14 @@
 //! vCPU threads: the run loop, how other threads interrupt it, and what it reports.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvm_bindings::KVM_EXIT_INTERNAL_ERROR;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use pvspin::{ExitOutcome, VcpuHooks, VcpuInterrupter};
-use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::devices::{IoBus, PioAction};
-
-/// The signal that kicks a vCPU thread out of `KVM_RUN`.
-fn kick_signal() -> i32 {
-    SIGRTMIN()
-}
-
-extern "C" fn on_kick_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // The kicker set immediate_exit before signalling; the signal's only job is to make
-    // KVM_RUN return EINTR. The fence pairs with the kicker's store.
-    std::sync::atomic::fence(Ordering::Acquire);
-}
-
-/// Installs the kick signal's handler once per process (without it the signal would kill us).
-pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
-    static INSTALLED: Once = Once::new();
-    let mut result = Ok(());
-    INSTALLED.call_once(|| result = register_signal_handler(kick_signal(), on_kick_signal));
-    result
-}
 
 /// Why a vCPU thread stopped or what it saw last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -54,9 +34,8 @@ pub struct VcpuShared {
     unpark: AtomicBool,
     /// Exits handled in userspace.
     pub exits: AtomicU64,
-    /// `kvm_run.immediate_exit` of this vCPU (null until the thread starts).
-    immediate_exit: AtomicPtr<u8>,
-    thread: OnceLock<libc::pthread_t>,
+    /// Gets the vCPU's thread out of `KVM_RUN` (a signal handled on that thread).
+    signal: Arc<pvspin::SignalInterrupter>,
     /// Registers captured when the thread stopped on a failure or a stop request.
     pub last_regs: Mutex<Option<RegsSnapshot>>,
 }
@@ -73,16 +52,15 @@ pub struct RegsSnapshot {
 }
 
 impl VcpuShared {
-    /// State for vCPU `index`.
-    pub fn new(index: u32) -> Self {
+    /// State for vCPU `index`, interrupted through `signal`.
+    pub fn new(index: u32, signal: Arc<pvspin::SignalInterrupter>) -> Self {
         Self {
             index,
             state: Mutex::new(VcpuState::Created),
             parked: Condvar::new(),
             unpark: AtomicBool::new(false),
             exits: AtomicU64::new(0),
-            immediate_exit: AtomicPtr::new(std::ptr::null_mut()),
-            thread: OnceLock::new(),
+            signal,
             last_regs: Mutex::new(None),
         }
     }
@@ -98,21 +76,7 @@ impl VcpuShared {
 
     /// Forces the vCPU out of `KVM_RUN` (or out of its halt) soon.
     pub fn kick(&self) {
-        let immediate_exit = self.immediate_exit.load(Ordering::Acquire);
-        if !immediate_exit.is_null() {
-            // SAFETY: the pointer is the vCPU's kvm_run.immediate_exit, set by its thread; the
-            // VcpuFd (and so the mapping) outlives every kicker (the VMM drops it after joining
-            // all threads). Access is atomic, as the vCPU thread's own clear.
-            unsafe { AtomicU8::from_ptr(immediate_exit) }.store(1, Ordering::Release);
-        }
-        if let Some(&thread) = self.thread.get() {
-            // SAFETY: pthread_kill on a thread of this process that has not been joined yet
-            // (threads are joined only after the last kick); the handler is installed first.
-            let ret = unsafe { libc::pthread_kill(thread, kick_signal()) };
-            if ret != 0 {
-                log::debug!("kicking vCPU {}: pthread_kill returned {ret}", self.index);
-            }
-        }
+        self.signal.interrupt(self.index as usize);
         let _state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         self.unpark.store(true, Ordering::Release);
         self.parked.notify_all();
@@ -137,7 +101,8 @@ impl VcpuShared {
     }
 }
 
-/// The VMM's [`VcpuInterrupter`] for pvspin: immediate_exit plus a signal.
+/// The VMM's [`VcpuInterrupter`] for pvspin: pvspin's signal interrupter, plus the wake-up of
+/// the VMM's own park.
 #[derive(Debug)]
 pub struct SignalInterrupter {
     vcpus: Vec<Arc<VcpuShared>>,
@@ -197,18 +162,21 @@ impl VcpuRunner {
     /// with the reason before returning the vCPU (which must outlive every kick).
     pub fn run(mut self, on_end: impl FnOnce(u32, &VcpuEnd)) -> VcpuFd {
         let index = self.shared.index;
-        let immediate_exit: *mut u8 = &mut self.vcpu.get_kvm_run().immediate_exit;
-        self.shared
-            .immediate_exit
-            .store(immediate_exit, Ordering::Release);
-        // SAFETY: pthread_self has no preconditions.
-        let _ = self.shared.thread.set(unsafe { libc::pthread_self() });
+        let thread = match self.shared.signal.attach(index as usize) {
+            Ok(thread) => thread,
+            Err(err) => {
+                let end = VcpuEnd::Fault(format!("attaching the vCPU thread: {err}"));
+                on_end(index, &end);
+                self.shared.set_state(VcpuState::Exited);
+                return self.vcpu;
+            }
+        };
         self.shared.set_state(VcpuState::Running);
         let end = loop {
             if self.stopping.load(Ordering::Acquire) {
                 break VcpuEnd::Stopped;
             }
-            match self.step() {
+            match self.step(&thread) {
                 Step::Continue => {}
                 Step::Halt => {
                     // Without an in-kernel irqchip, nothing wakes a halted vCPU but the VMM;
@@ -222,22 +190,20 @@ impl VcpuRunner {
         if !matches!(end, VcpuEnd::GuestExit(_)) {
             self.capture_regs();
         }
+        drop(thread);
         on_end(index, &end);
         self.shared.set_state(VcpuState::Exited);
         self.vcpu
     }
 
-    fn step(&mut self) -> Step {
+    fn step(&mut self, thread: &pvspin::VcpuThread) -> Step {
         self.hooks.before_run();
-        let mut exit = self.vcpu.run();
+        let mut exit = thread.run(&mut self.vcpu);
         let outcome = self.hooks.handle_exit(&mut exit);
         let step = match (outcome, exit) {
             (ExitOutcome::Handled, _) => Step::Continue,
             (ExitOutcome::NotHandled, Ok(exit)) => handle_exit(&self.shared, &self.bus, exit),
-            (ExitOutcome::NotHandled, Err(err)) if err.errno() == libc::EINTR => {
-                self.clear_immediate_exit();
-                Step::Continue
-            }
+            (ExitOutcome::NotHandled, Err(err)) if err.errno() == libc::EINTR => Step::Continue,
             (ExitOutcome::NotHandled, Err(err)) if err.errno() == libc::EAGAIN => Step::Continue,
             (ExitOutcome::NotHandled, Err(err)) => {
                 Step::End(VcpuEnd::Fault(format!("KVM_RUN failed: {err}")))
@@ -280,12 +246,6 @@ fn handle_exit(shared: &VcpuShared, bus: &IoBus, exit: VcpuExit<'_>) -> Step {
 }
 
 impl VcpuRunner {
-    fn clear_immediate_exit(&mut self) {
-        let immediate_exit: *mut u8 = &mut self.vcpu.get_kvm_run().immediate_exit;
-        // SAFETY: our own kvm_run, mapped while `self.vcpu` lives; atomic like the kickers'.
-        unsafe { AtomicU8::from_ptr(immediate_exit) }.store(0, Ordering::Release);
-    }
-
     fn describe_internal_error(&mut self) -> String {
         let run = self.vcpu.get_kvm_run();
         if run.exit_reason != KVM_EXIT_INTERNAL_ERROR {

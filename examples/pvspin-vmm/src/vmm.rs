@@ -19,7 +19,7 @@ use crate::config::{ConfigError, PvMode, RunConfig};
 use crate::devices::{ConsoleSink, IoBus};
 use crate::memory::{self, GuestMemory, MemoryError};
 use crate::report::{RunReport, VcpuReport};
-use crate::vcpu::{install_kick_handler, SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
+use crate::vcpu::{SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
 
 /// The guest program, built by this crate's build script.
 pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
@@ -300,8 +300,8 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let kvm = Kvm::new().map_err(setup_err("opening /dev/kvm"))?;
     let kvm_max_vcpus = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX);
     config.validate(kvm_max_vcpus)?;
-    install_kick_handler()
-        .map_err(|err| RunError::Setup(format!("installing the kick signal handler: {err}")))?;
+    let signal = pvspin::SignalInterrupter::new(config.vcpus as usize)
+        .map_err(|err| RunError::Setup(format!("installing the vCPU interrupt signal: {err}")))?;
 
     let memory = memory::create(config.mem_bytes())?;
     memory::write_tables(&memory)?;
@@ -309,7 +309,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
 
     let vm = kvm.create_vm().map_err(setup_err("KVM_CREATE_VM"))?;
     let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
-        .map(|i| Arc::new(VcpuShared::new(i)))
+        .map(|i| Arc::new(VcpuShared::new(i, signal.clone())))
         .collect();
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
@@ -325,8 +325,8 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     if config.pv.kicks() {
         builder = builder
             .kick(pvspin::KickOptions {
-                path: config.kick_path,
                 park_spin: Duration::from_micros(config.park_spin_us),
+                ..pvspin::KickOptions::new(config.kick_path)
             })
             .hint_pages(pvspin::HintOptions {
                 memory: Arc::new(memory.clone()),
@@ -351,7 +351,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let pvspin = builder
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
-    let vm_setup = pvspin.configure_vm(&kvm, &vm).map_err(pvspin_error)?;
+    let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
     if config.pv == PvMode::KickYield {
         // Where the guest registers its steal-time areas (it does when KVM offers them).
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
@@ -399,10 +399,9 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .create_vcpu(u64::from(index))
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported_cpuid.clone();
-        set_initial_apic_id(&mut cpuid, index);
-        let (hooks, applied) = pvspin
-            .configure_vcpu(index as usize, &mut vcpu, &mut cpuid)
-            .map_err(pvspin_error)?;
+        let (hooks, applied) =
+            pvspin::simple::configure_vcpu(&pvspin, index as usize, &mut vcpu, &mut cpuid)
+                .map_err(pvspin_error)?;
         if let (Some(applied), 0) = (applied, index) {
             plan_lines.push(format!(
                 "applied to vCPU 0 (and likewise the others): {applied}"
@@ -415,9 +414,8 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .map_err(setup_err("KVM_SET_REGS"))?;
         vcpus.push((vcpu, hooks));
     }
-    pvspin
-        .vcpus_created(vcpus.iter().map(|(vcpu, _)| vcpu))
-        .map_err(pvspin_error)?;
+    // The example's guests start every vCPU at once (no INIT/SIPI).
+    pvspin::simple::start_aps(vcpus.iter().map(|(vcpu, _)| vcpu)).map_err(pvspin_error)?;
     let tsc_khz = vcpus
         .first()
         .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
@@ -632,16 +630,6 @@ fn pvspin_error(err: pvspin::Error) -> RunError {
         }
         pvspin::Error::Plan(_) => RunError::Refused(err.to_string()),
         _ => RunError::Setup(format!("pvspin: {err}")),
-    }
-}
-
-/// CPUID leaf 1 EBX[31:24] is the vCPU's initial APIC ID, which KVM's supported table
-/// leaves at 0 (KVM derives the LAPIC's ID from the vCPU id, not from CPUID).
-fn set_initial_apic_id(cpuid: &mut kvm_bindings::CpuId, index: u32) {
-    for entry in cpuid.as_mut_slice() {
-        if entry.function == 1 {
-            entry.ebx = (entry.ebx & 0x00ff_ffff) | ((index & 0xff) << 24);
-        }
     }
 }
 

@@ -1,0 +1,185 @@
+//! A ready [`VcpuInterrupter`](crate::VcpuInterrupter): a signal to the vCPU's own thread,
+//! whose handler sets `immediate_exit` in that thread's `kvm_run`.
+//!
+//! The shape Firecracker uses: the kicking thread never touches another thread's `kvm_run`.
+//! It sends a real-time signal with `pthread_kill`; the handler runs on the vCPU's thread and
+//! writes `immediate_exit` through a thread-local pointer, which is set only while
+//! [`VcpuThread::run`] borrows the `VcpuFd` (so it can never outlive the mapping). A signal
+//! that arrives outside `KVM_RUN` is remembered in a thread-local flag, and the next
+//! [`VcpuThread::run`] returns at once (`KVM_EXIT_INTR`, i.e. `Err(EINTR)`).
+//!
+//! Guarantee: after [`SignalInterrupter::interrupt`]`(i)` returns, the next return of vCPU
+//! `i`'s [`VcpuThread::run`] happens without waiting for a guest exit (it may be the run in
+//! progress, interrupted, or the next one, which returns at once).
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMAX, SIGRTMIN};
+
+use crate::VcpuInterrupter;
+
+/// Errors from the signal interrupter.
+#[derive(Debug, thiserror::Error)]
+pub enum InterruptError {
+    /// Rule: a real-time signal, which nothing else in the VMM uses.
+    #[error(
+        "rule: the interrupt signal must be a real-time signal (SIGRTMIN..=SIGRTMAX), got {0}"
+    )]
+    NotRealtime(i32),
+    /// `sigaction` failed.
+    #[error("installing the interrupt signal's handler: {0}")]
+    Handler(#[source] vmm_sys_util::errno::Error),
+    /// vCPU index out of range.
+    #[error("vCPU index {index} is out of range: the interrupter has {vcpus} vCPUs")]
+    VcpuIndex {
+        /// The index.
+        index: usize,
+        /// The count.
+        vcpus: usize,
+    },
+    /// Rule: one thread per vCPU at a time.
+    #[error("rule: vCPU {0} already has a thread attached (one VcpuThread per vCPU at a time)")]
+    Attached(usize),
+}
+
+thread_local! {
+    /// This thread's `kvm_run.immediate_exit`, while `VcpuThread::run` borrows its `VcpuFd`.
+    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
+    /// An interrupt arrived since the last return from `KVM_RUN`.
+    static PENDING: Cell<bool> = const { Cell::new(false) };
+}
+
+extern "C" fn on_interrupt_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Only thread-local cells with const initialisers and no destructors: async-signal-safe.
+    PENDING.with(|p| p.set(true));
+    let ptr = IMMEDIATE_EXIT.with(Cell::get);
+    if !ptr.is_null() {
+        // SAFETY: the pointer is this thread's kvm_run.immediate_exit, set by `run` while it
+        // holds `&mut VcpuFd` (the mapping is alive) and cleared before `run` returns; the
+        // handler interrupts that same thread, so nothing else writes it concurrently.
+        unsafe { AtomicU8::from_ptr(ptr) }.store(1, Ordering::Relaxed);
+    }
+}
+
+/// Interrupts vCPU threads with a real-time signal (default `SIGRTMIN`).
+#[derive(Debug)]
+pub struct SignalInterrupter {
+    signal: i32,
+    threads: Box<[Mutex<Option<libc::pthread_t>>]>,
+}
+
+impl SignalInterrupter {
+    /// An interrupter for `vcpus` vCPUs using `SIGRTMIN`.
+    pub fn new(vcpus: usize) -> Result<Arc<Self>, InterruptError> {
+        Self::with_signal(vcpus, SIGRTMIN())
+    }
+
+    /// An interrupter using `signal`; installs its handler for the whole process (the
+    /// handler only touches the interrupted thread's own state, so installing it twice is
+    /// harmless).
+    pub fn with_signal(vcpus: usize, signal: i32) -> Result<Arc<Self>, InterruptError> {
+        if !(SIGRTMIN()..=SIGRTMAX()).contains(&signal) {
+            return Err(InterruptError::NotRealtime(signal));
+        }
+        register_signal_handler(signal, on_interrupt_signal).map_err(InterruptError::Handler)?;
+        Ok(Arc::new(Self {
+            signal,
+            threads: (0..vcpus).map(|_| Mutex::new(None)).collect(),
+        }))
+    }
+
+    /// The signal.
+    pub fn signal(&self) -> i32 {
+        self.signal
+    }
+
+    /// Attaches the calling thread as vCPU `index`'s: interrupts for `index` signal it until
+    /// the returned [`VcpuThread`] is dropped. Call on the vCPU's thread, which then runs the
+    /// vCPU with [`VcpuThread::run`].
+    pub fn attach(self: &Arc<Self>, index: usize) -> Result<VcpuThread, InterruptError> {
+        let slot = self.threads.get(index).ok_or(InterruptError::VcpuIndex {
+            index,
+            vcpus: self.threads.len(),
+        })?;
+        let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() {
+            return Err(InterruptError::Attached(index));
+        }
+        // SAFETY: pthread_self has no preconditions.
+        *slot = Some(unsafe { libc::pthread_self() });
+        PENDING.with(|p| p.set(false));
+        Ok(VcpuThread {
+            owner: self.clone(),
+            index,
+            _same_thread: PhantomData,
+        })
+    }
+}
+
+impl VcpuInterrupter for SignalInterrupter {
+    fn interrupt(&self, index: usize) {
+        let Some(slot) = self.threads.get(index) else {
+            return;
+        };
+        // Held across pthread_kill: `VcpuThread::drop` clears the slot under the same lock,
+        // so the thread cannot have exited when it is signalled.
+        let slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(thread) = *slot {
+            // SAFETY: `thread` is a live thread of this process (see above); the handler is
+            // installed, so the signal cannot kill the process.
+            let ret = unsafe { libc::pthread_kill(thread, self.signal) };
+            if ret != 0 {
+                log::debug!("interrupting vCPU {index}: pthread_kill returned {ret}");
+            }
+        }
+    }
+}
+
+/// A vCPU thread attached to a [`SignalInterrupter`]; stays on that thread.
+#[derive(Debug)]
+pub struct VcpuThread {
+    owner: Arc<SignalInterrupter>,
+    index: usize,
+    /// `!Send`: the registration names this thread.
+    _same_thread: PhantomData<*const ()>,
+}
+
+impl VcpuThread {
+    /// The vCPU index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// `KVM_RUN` on `vcpu`, returning at once (`Err` with `EINTR`) when an interrupt arrived
+    /// since the previous return, and early when one arrives during the run.
+    pub fn run<'a>(&self, vcpu: &'a mut VcpuFd) -> Result<VcpuExit<'a>, kvm_ioctls::Error> {
+        let run = vcpu.get_kvm_run();
+        // Clears what an interrupt during the previous run left, before the handler can see
+        // the pointer (a signal in between is caught by PENDING below).
+        run.immediate_exit = 0;
+        let ptr: *mut u8 = &mut run.immediate_exit;
+        IMMEDIATE_EXIT.with(|p| p.set(ptr));
+        if PENDING.with(Cell::get) {
+            // SAFETY: `ptr` points into `vcpu`'s kvm_run, borrowed mutably for this call.
+            unsafe { AtomicU8::from_ptr(ptr) }.store(1, Ordering::Relaxed);
+        }
+        let result = vcpu.run();
+        // Whatever arrived until here is answered by this return.
+        IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
+        PENDING.with(|p| p.set(false));
+        result
+    }
+}
+
+impl Drop for VcpuThread {
+    fn drop(&mut self) {
+        if let Some(slot) = self.owner.threads.get(self.index) {
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
+        IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
+    }
+}
