@@ -66,3 +66,29 @@ impl TestVm {
             .expect("write into guest memory");
     }
 }
+
+/// Runs `f`, aborting the whole test process if it has not returned within `limit`: a
+/// real-guest test must never wait on a guest without a bound.
+pub fn with_watchdog<T>(
+    test: &'static str,
+    limit: std::time::Duration,
+    f: impl FnOnce() -> T,
+) -> T {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = done.clone();
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        while start.elapsed() < limit {
+            if flag.load(Ordering::Acquire) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        eprintln!("{test}: watchdog fired after {limit:?}; aborting");
+        std::process::abort();
+    });
+    let out = f();
+    done.store(true, Ordering::Release);
+    out
+}

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_cpuid_entry2, kvm_enable_cap, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use pvspin_integration_tests::{kvm_required, TestVm};
+use pvspin_integration_tests::{kvm_required, with_watchdog, TestVm};
 use pvspin_kvm::guest::{
     guest_outcome, GuestCpuid, GuestKernel, GuestLockChoice, KernelLine, LinuxGuest,
 };
@@ -30,26 +30,6 @@ const MEM_SIZE: usize = 0x10000;
 const CODE_AT: u64 = 0x1000;
 /// `KVM_X86_QUIRK_LINT0_REENABLED`: a quirk the VMM disables that the guest cannot observe.
 const LINT0_REENABLED: u64 = 1 << 0;
-
-/// Aborts the process if `f` has not returned after `limit` (a hung vCPU must not hang CI).
-fn with_watchdog<T>(test: &'static str, limit: Duration, f: impl FnOnce() -> T) -> T {
-    let done = Arc::new(AtomicBool::new(false));
-    let flag = done.clone();
-    std::thread::spawn(move || {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if flag.load(Ordering::Acquire) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!("{test}: watchdog fired after {limit:?}; aborting");
-        std::process::abort();
-    });
-    let out = f();
-    done.store(true, Ordering::Release);
-    out
-}
 
 fn real_mode(vcpu: &VcpuFd) {
     let mut sregs = vcpu.get_sregs().expect("get sregs");

@@ -999,3 +999,54 @@ mod hint_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod pio_tests {
+    use super::*;
+    use crate::DoorbellPio;
+    use pvspin_abi::doorbell::{DEFAULT_PORT, KICK_OFFSET, PORT_COUNT};
+
+    /// The bus device does what `handle_exit` does, for the vCPU whose hooks run on the
+    /// calling thread; accesses on other threads are counted and ignored.
+    #[test]
+    fn doorbell_pio_acts_for_the_vcpu_of_the_calling_thread() {
+        let kick = Arc::new(KickState::userspace_for_tests(2, 0));
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let mut hooks = VcpuHooks::new(0, Arc::default(), cells.clone(), Some(kick.clone()), None);
+        let pio = DoorbellPio::new(DEFAULT_PORT, PORT_COUNT);
+        let kick_offset = u64::from(KICK_OFFSET);
+        // Before any `before_run` on this thread, nobody is attributed.
+        assert!(pio.write(kick_offset, &1u32.to_le_bytes()));
+        assert_eq!(pio.unattributed(), 1);
+        hooks.before_run();
+        assert!(pio.write(kick_offset, &1u32.to_le_bytes()));
+        assert!(kick.device.kick_pending(1).unwrap(), "vCPU 1 was kicked");
+        // A kick of a vCPU that does not exist is a counted reject of the caller.
+        assert!(pio.write(kick_offset, &7u32.to_le_bytes()));
+        assert_eq!(
+            cells[0]
+                .snapshot()
+                .rejected_guest_inputs
+                .values()
+                .sum::<u64>(),
+            1
+        );
+        // Offsets beyond the doorbell are not its.
+        assert!(!pio.write(u64::from(PORT_COUNT), &1u32.to_le_bytes()));
+        // Another thread has no hooks: ignored, counted.
+        let other = pio.clone();
+        std::thread::spawn(move || {
+            let mut data = [0u8; 4];
+            assert!(other.read(kick_offset, &mut data));
+            assert_eq!(data, [0xff; 4]);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(pio.unattributed(), 2);
+        // Dropping the hooks forgets them on this thread.
+        drop(hooks);
+        assert!(pio.write(kick_offset, &1u32.to_le_bytes()));
+        assert_eq!(pio.unattributed(), 3);
+    }
+}

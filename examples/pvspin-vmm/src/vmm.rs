@@ -295,6 +295,32 @@ fn setup_err(what: &str) -> impl FnOnce(kvm_ioctls::Error) -> RunError + '_ {
     move |err| RunError::Setup(format!("{what}: {err}"))
 }
 
+/// The boot parameters the example guest reads for `config` (`tsc_khz`: the vCPUs' TSC
+/// frequency, 0 when unknown).
+pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
+    BootParams {
+        magic: BOOT_MAGIC,
+        version: BOOT_VERSION,
+        workload: config.workload as u32,
+        lock: config.lock as u32,
+        vcpus: config.vcpus,
+        iterations: config.iterations,
+        cs_work: config.cs_work,
+        ncs_work: config.ncs_work,
+        tsc_khz,
+        cpuid_leaves: config.cpuid_leaves,
+        pv: match config.pv {
+            PvMode::Off => pvspin_vmm_proto::PV_OFF,
+            PvMode::Kick => pvspin_vmm_proto::PV_KICK,
+            PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
+        },
+        spin_threshold: config.spin_threshold,
+        user_mode: u32::from(config.user_mode),
+        pv_flags: config.pv_flags(),
+        result: Default::default(),
+    }
+}
+
 /// Runs one VM with `config` to its end.
 pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let kvm = Kvm::new().map_err(setup_err("opening /dev/kvm"))?;
@@ -420,31 +446,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .first()
         .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
         .map_or(0, u64::from);
-    memory::write_boot_params(
-        &memory,
-        &BootParams {
-            magic: BOOT_MAGIC,
-            version: BOOT_VERSION,
-            workload: config.workload as u32,
-            lock: config.lock as u32,
-            vcpus: config.vcpus,
-            iterations: config.iterations,
-            cs_work: config.cs_work,
-            ncs_work: config.ncs_work,
-            tsc_khz,
-            cpuid_leaves: config.cpuid_leaves,
-            pv: match config.pv {
-                PvMode::Off => pvspin_vmm_proto::PV_OFF,
-                PvMode::Kick => pvspin_vmm_proto::PV_KICK,
-                PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
-            },
-            spin_threshold: config.spin_threshold,
-            user_mode: u32::from(config.user_mode),
-            pv_flags: config.pv_flags(),
-            result: Default::default(),
-        },
-        config.vcpus,
-    )?;
+    memory::write_boot_params(&memory, &boot_params(config, tsc_khz), config.vcpus)?;
 
     let console = ConsoleSink::new(config.echo_console);
     let bus = Arc::new(IoBus::new(console.clone()));
