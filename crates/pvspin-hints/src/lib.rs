@@ -21,6 +21,7 @@
 
 pub mod actuator;
 pub mod boost;
+pub mod confine;
 pub mod page;
 pub mod sched;
 
@@ -29,6 +30,7 @@ pub use actuator::{
     BoostActuator, YieldOnly, YieldReport, DEFAULT_ACTUATOR,
 };
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+pub use confine::{Confinement, Verdict};
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
 
 #[cfg(test)]

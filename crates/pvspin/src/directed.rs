@@ -14,6 +14,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
+use pvspin_hints::confine::{Confinement, Verdict};
 use pvspin_hints::Actuator;
 use pvspin_track::{GuestBytes, VcpuBoard};
 use pvspin_yield::{
@@ -49,6 +50,12 @@ pub struct DirectedYieldOptions {
     pub windows: WindowConfig,
     /// How long a boost lasts at most (it also ends at the target's next exit or kick).
     pub boost_deadline: std::time::Duration,
+    /// Whether boosts stay inside the VM's CPU share (`pvspin_hints::confine`): with
+    /// [`Confinement::Auto`] a nice boost is used only when this process is alone in its own
+    /// cpu cgroup, and `SCHED_FIFO` only with [`Confinement::Unconfined`]. A boost that would
+    /// not be confined steps down to a plain yield with `fallback` (the reason is logged and
+    /// in [`crate::PvSpin::boost_confinement`]), and is refused naming the rule without it.
+    pub confinement: Confinement,
 }
 
 impl Default for DirectedYieldOptions {
@@ -67,6 +74,7 @@ impl Default for DirectedYieldOptions {
             },
             windows: WindowConfig::default(),
             boost_deadline: pvspin_hints::actuator::DEFAULT_BOOST_DEADLINE,
+            confinement: Confinement::Auto,
         }
     }
 }
@@ -146,12 +154,53 @@ pub(crate) struct YieldState {
     /// off, tried epoch by epoch from the guests' wait reports (hint pages).
     trial: Option<BoostTrial>,
     counters: Counters,
+    /// Whether boosts stay inside the VM's share, as found when the actuator was chosen.
+    pub(crate) confinement: Verdict,
+}
+
+/// The actuator `options` ask for, stepped down (with `fallback`) or refused when its boosts
+/// would not stay inside the VM's share (`verdict`).
+fn confined_actuator<'a>(
+    options: &'a DirectedYieldOptions,
+    verdict: &Verdict,
+) -> Result<&'a str, ConfigError> {
+    let name = options.actuator.as_str();
+    let allowed = match name {
+        "fifo" => verdict.allows_fifo(),
+        "nice" => verdict.allows_nice(),
+        _ => true,
+    };
+    if allowed {
+        return Ok(name);
+    }
+    let why = match verdict {
+        Verdict::NotConfined { reason } => reason.clone(),
+        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup".into(),
+    };
+    if !options.fallback {
+        return Err(ConfigError::Actuator {
+            name: name.to_string(),
+            reason: format!(
+                "rule: a guest must not raise its VM's CPU share, and this boost would not be \
+                 confined ({why}); run the VMM alone in its own cpu cgroup, or accept \
+                 Confinement::Unconfined"
+            ),
+        });
+    }
+    let step = if name == "fifo" && verdict.allows_nice() {
+        "nice"
+    } else {
+        "yield"
+    };
+    log::warn!("pvspin: the {name} actuator's boosts would not be confined ({why}); using {step}");
+    Ok(if step == "nice" { "nice" } else { "yield" })
 }
 
 impl YieldState {
     /// Validates `options` for `vcpus` vCPUs and builds the actuator.
     pub(crate) fn new(options: &DirectedYieldOptions, vcpus: usize) -> Result<Self, ConfigError> {
-        let name = options.actuator.as_str();
+        let verdict = pvspin_hints::confine::check(&options.confinement);
+        let name = confined_actuator(options, &verdict)?;
         let actuator = if options.fallback {
             pvspin_hints::by_name_or_fallback_with(name, vcpus, options.boost_deadline)
         } else {
@@ -161,7 +210,9 @@ impl YieldState {
             name: name.to_string(),
             reason: err.to_string(),
         })?;
-        Self::with_actuator(options, vcpus, actuator)
+        let mut state = Self::with_actuator(options, vcpus, actuator)?;
+        state.confinement = verdict;
+        Ok(state)
     }
 
     /// Like [`new`](Self::new) with a given actuator (tests inject a recording one).
@@ -182,6 +233,7 @@ impl YieldState {
                 .boost_running_hint
                 .then(|| BoostTrial::new(TrialConfig::default())),
             counters: Counters::default(),
+            confinement: Verdict::Unconfined,
         })
     }
 

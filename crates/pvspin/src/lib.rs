@@ -113,6 +113,7 @@ pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOU
 pub use pio::DoorbellPio;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
+pub use pvspin_hints::{Confinement, Verdict};
 pub use pvspin_kick::{KickPath, KickStats};
 pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
@@ -773,6 +774,12 @@ impl PvSpin {
         }
     }
 
+    /// Whether directed yield's boosts stay inside the VM's CPU share (and why not), if
+    /// directed yield is enabled.
+    pub fn boost_confinement(&self) -> Option<&Verdict> {
+        self.directed_yield.as_ref().map(|dy| &dy.confinement)
+    }
+
     /// The actuator directed yield uses (`"yield"`, `"nice"`, `"fifo"`; with `fallback`, the
     /// one that was permitted), if directed yield is enabled.
     pub fn actuator_name(&self) -> Option<&'static str> {
@@ -1106,6 +1113,48 @@ mod tests {
         let trial = stats.trial.expect("boost trial with boost_running_hint");
         assert!(trial.boosting && trial.epochs_on == 0 && trial.epochs_off == 0);
         ok.shutdown();
+    }
+
+    #[test]
+    fn boosts_that_would_raise_the_vms_share_are_refused_or_stepped_down() {
+        let interrupter = Arc::new(CountingInterrupter::default());
+        let base = || {
+            PvSpin::builder()
+                .vcpus(2)
+                .interrupter(interrupter.clone())
+                .kick(KickOptions::new(KickPath::Userspace))
+        };
+        // FIFO is never confined by a cgroup.
+        let fifo = |fallback| DirectedYieldOptions {
+            actuator: "fifo".into(),
+            fallback,
+            ..DirectedYieldOptions::default()
+        };
+        let err = base().directed_yield(fifo(false)).build().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("must not raise its VM's CPU share"),
+            "{err}"
+        );
+        let stepped = base().directed_yield(fifo(true)).build().unwrap();
+        assert_ne!(stepped.actuator_name(), Some("fifo"));
+        // Nice is used exactly when the verdict allows it (or the privilege is missing).
+        let nice = base()
+            .directed_yield(DirectedYieldOptions::default())
+            .build()
+            .unwrap();
+        let verdict = nice.boost_confinement().unwrap().clone();
+        if !verdict.allows_nice() {
+            assert_eq!(nice.actuator_name(), Some("yield"), "{verdict:?}");
+        }
+        let unconfined = base()
+            .directed_yield(DirectedYieldOptions {
+                confinement: Confinement::Unconfined,
+                ..DirectedYieldOptions::default()
+            })
+            .build()
+            .unwrap();
+        assert_eq!(unconfined.boost_confinement(), Some(&Verdict::Unconfined));
     }
 
     #[test]
