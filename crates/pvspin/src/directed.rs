@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
 use pvspin_hints::Actuator;
+use pvspin_track::{GuestBytes, VcpuBoard};
 use pvspin_yield::{
     BoostTrial, Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification,
     SpinWindows, TrialConfig, TrialStats, WindowConfig,
 };
-use pvspin_track::{GuestBytes, VcpuBoard};
 
 /// Guest memory directed yield reads steal-time `preempted` bytes from: anything that reads
 /// a guest byte by GPA and may be shared between vCPU threads.
@@ -149,13 +149,19 @@ pub(crate) struct YieldState {
 }
 
 impl YieldState {
-    /// Validates `options` for `vcpus` vCPUs and builds the actuator.
-    pub(crate) fn new(options: &DirectedYieldOptions, vcpus: usize) -> Result<Self, ConfigError> {
+    /// Validates `options` for `vcpus` vCPUs and builds the actuator; `start` runs first on
+    /// the helper thread a boost actuator starts.
+    pub(crate) fn new(
+        options: &DirectedYieldOptions,
+        vcpus: usize,
+        start: Option<&pvspin_hints::ThreadStartHook>,
+    ) -> Result<Self, ConfigError> {
         let name = options.actuator.as_str();
+        let deadline = options.boost_deadline;
         let actuator = if options.fallback {
-            pvspin_hints::by_name_or_fallback_with(name, vcpus, options.boost_deadline)
+            pvspin_hints::by_name_or_fallback_with_start(name, vcpus, deadline, start)
         } else {
-            pvspin_hints::by_name_with(name, vcpus, options.boost_deadline)
+            pvspin_hints::by_name_with_start(name, vcpus, deadline, start)
         }
         .map_err(|err| ConfigError::Actuator {
             name: name.to_string(),

@@ -88,6 +88,7 @@ mod directed;
 mod hints;
 mod hooks;
 mod kick;
+pub mod seccomp;
 mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
@@ -96,9 +97,9 @@ pub use kick::KickOptions;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
 pub use pvspin_yield::{PolicyConfig, WindowConfig};
-pub use pvspin_track::GuestBytes;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -249,6 +250,7 @@ pub struct PvSpinBuilder {
     steal_time: Option<StealTimeMemory>,
     hints: Option<HintOptions>,
     wait: Option<WaitOptions>,
+    helper_thread_filter: Option<Arc<seccompiler::BpfProgram>>,
 }
 
 impl PvSpinBuilder {
@@ -343,6 +345,20 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Installs `filter` (seccomp, with `seccompiler::apply_filter`) as the first thing on
+    /// every helper thread pvspin starts that outlives [`build`](Self::build): today the boost
+    /// watchdog `pvspin-boost-wd` of the `nice` and `fifo` directed-yield actuators. The filter
+    /// must allow [`seccomp::baseline_rules`] and
+    /// [`seccomp::rules`]`(`[`seccomp::ThreadKind::BoostWatchdog`]`)` merged with whatever the
+    /// VMM's logger needs. If it cannot be installed the thread stops before doing anything
+    /// else and `build` fails with [`ConfigError::Actuator`] (no step-down to another
+    /// actuator). The short-lived probe thread (`pvspin-probe`) runs and ends inside
+    /// `build`, so it is covered by whatever the thread calling `build` runs under.
+    pub fn helper_thread_filter(mut self, filter: Arc<seccompiler::BpfProgram>) -> Self {
+        self.helper_thread_filter = Some(filter);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -377,7 +393,8 @@ impl PvSpinBuilder {
         let directed_yield = match &self.directed_yield {
             Some(_) if self.kick.is_none() => return Err(ConfigError::DirectedYieldNeedsKick),
             Some(options) => {
-                let mut state = directed::YieldState::new(options, vcpus)?;
+                let start = self.helper_thread_filter.clone().map(seccomp::start_hook);
+                let mut state = directed::YieldState::new(options, vcpus, start.as_ref())?;
                 state.mem = self.steal_time.clone();
                 Some(Arc::new(state))
             }

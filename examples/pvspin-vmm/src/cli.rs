@@ -139,6 +139,27 @@ impl ActuatorArg {
     }
 }
 
+/// What the seccomp filters do with a syscall a thread does not need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SeccompArg {
+    /// Kill the process (SIGSYS).
+    Enforce,
+    /// Allow it and log it in the kernel's audit log.
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl From<SeccompArg> for crate::config::SeccompMode {
+    fn from(arg: SeccompArg) -> Self {
+        match arg {
+            SeccompArg::Enforce => crate::config::SeccompMode::Enforce,
+            SeccompArg::Log => crate::config::SeccompMode::Log,
+            SeccompArg::Off => crate::config::SeccompMode::Off,
+        }
+    }
+}
+
 /// Kick wake paths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KickPathArg {
@@ -253,6 +274,14 @@ pub struct VmArgs {
     /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
     #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
     pub cpuid_leaves: Vec<u32>,
+    /// Seccomp filters on every thread of the run (vCPUs, hogs, pvspin's boost watchdog, the
+    /// VMM thread after setup, the main thread of `run`): what a syscall a thread does not
+    /// need does.
+    #[arg(long, value_enum, default_value_t = SeccompArg::Enforce)]
+    pub seccomp: SeccompArg,
+    /// Test aid: vCPU 0's thread makes a forbidden syscall once its filter is installed.
+    #[arg(long, hide = true)]
+    pub seccomp_violation: bool,
 }
 
 fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
@@ -370,13 +399,35 @@ impl VmArgs {
             wait_after_us: self.wait_after_us,
             wait_after_max_us: self.wait_after_max_us,
             boost_deadline_us: self.boost_deadline_us,
+            seccomp: self.seccomp.into(),
+            seccomp_violation: self.seccomp_violation,
         }
     }
 }
 
 /// Runs the command line `args` (program name first); returns the process exit code:
-/// 0 success, 1 the guest or the host failed, 2 invalid options.
+/// 0 success, 1 the guest or the host failed, 2 invalid options. The calling thread is left
+/// unconfined (the run's own threads get filters per `--seccomp`); see [`main_process`].
 pub fn main_with_args<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args, false)
+}
+
+/// [`main_with_args`] for the process's main thread (the binary): with `--seccomp` on, `run`
+/// also confines the calling thread once the VM's thread has started
+/// ([`vmm::run_and_confine_caller`]). `bench` cannot: it starts a new VM after each run.
+pub fn main_process<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args, true)
+}
+
+fn run_cli<I, T>(args: I, confine_caller: bool) -> i32
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -390,7 +441,11 @@ where
         }
     };
     match cli.command {
-        Command::Run(args) => match vmm::run(&args.vm.config(args.hogs)) {
+        Command::Run(args) => match if confine_caller {
+            vmm::run_and_confine_caller(&args.vm.config(args.hogs))
+        } else {
+            vmm::run(&args.vm.config(args.hogs))
+        } {
             Ok(report) => {
                 for line in &report.plan {
                     print_stdout(&format!("pvspin {line}"));

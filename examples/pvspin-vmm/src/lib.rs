@@ -13,6 +13,7 @@ pub mod config;
 pub mod devices;
 pub mod memory;
 pub mod report;
+pub mod seccomp;
 pub mod vcpu;
 pub mod vmm;
 

@@ -12,7 +12,7 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 use crate::devices::{IoBus, PioAction};
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN`.
-fn kick_signal() -> i32 {
+pub(crate) fn kick_signal() -> i32 {
     SIGRTMIN()
 }
 
