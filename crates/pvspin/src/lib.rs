@@ -16,6 +16,10 @@
 //! 6. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
 //! 7. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
 //!
+//! A VMM that confines its threads with seccomp merges [`seccomp::rules`] for each kind of
+//! thread pvspin runs on into its filters, and gives pvspin the filter of the thread pvspin
+//! starts ([`PvSpinBuilder::helper_thread_filter`]); see the [`seccomp`] module.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! # use kvm_ioctls::{Kvm, VcpuExit};
