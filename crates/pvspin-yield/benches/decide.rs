@@ -9,8 +9,8 @@
 //! `cargo bench -p pvspin-yield -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pvspin_yield::{DirectedYield, PolicyConfig, SpinNotification, StealTimeView};
 use pvspin_track::VcpuBoard;
+use pvspin_yield::{DirectedYield, PolicyConfig, SpinNotification, StealTimeView};
 
 fn worst(n: usize) -> VcpuBoard {
     let b = VcpuBoard::new(n).unwrap();
