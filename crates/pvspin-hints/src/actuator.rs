@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+use crate::boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
 use crate::sched::yield_now;
 
 /// The actuator an embedding VMM should use unless it measured better: see the module docs.
@@ -193,14 +193,27 @@ pub fn by_name_with(
     n: usize,
     deadline: Duration,
 ) -> Result<Box<dyn Actuator>, ActuatorError> {
+    by_name_with_start(name, n, deadline, None)
+}
+
+/// [`by_name_with`], with `start` run first on the helper thread a boost actuator starts (its
+/// deadline watchdog, see [`ThreadStartHook`]). `"yield"` starts no thread.
+pub fn by_name_with_start(
+    name: &str,
+    n: usize,
+    deadline: Duration,
+    start: Option<&ThreadStartHook>,
+) -> Result<Box<dyn Actuator>, ActuatorError> {
+    let boost = |kind, name| -> Result<Box<dyn Actuator>, ActuatorError> {
+        Ok(Box::new(BoostActuator {
+            tracker: BoostTracker::with_thread_start(n, kind, deadline, start.cloned())?,
+            name,
+        }))
+    };
     match name {
         "yield" => Ok(Box::new(YieldOnly)),
-        "nice" => Ok(Box::new(BoostActuator::nice(
-            n,
-            DEFAULT_BOOST_NICE,
-            deadline,
-        )?)),
-        "fifo" => Ok(Box::new(BoostActuator::fifo(n, deadline)?)),
+        "nice" => boost(BoostKind::Nice(DEFAULT_BOOST_NICE), "nice"),
+        "fifo" => boost(BoostKind::Fifo(1), "fifo"),
         other => Err(ActuatorError::UnknownName(other.to_string())),
     }
 }
@@ -217,6 +230,18 @@ pub fn by_name_or_fallback_with(
     n: usize,
     deadline: Duration,
 ) -> Result<Box<dyn Actuator>, ActuatorError> {
+    by_name_or_fallback_with_start(name, n, deadline, None)
+}
+
+/// [`by_name_or_fallback_with`], with `start` run first on the helper thread a boost actuator
+/// starts (see [`ThreadStartHook`]). A failing hook is not a missing privilege: it fails the
+/// call instead of stepping down.
+pub fn by_name_or_fallback_with_start(
+    name: &str,
+    n: usize,
+    deadline: Duration,
+    start: Option<&ThreadStartHook>,
+) -> Result<Box<dyn Actuator>, ActuatorError> {
     let chain: &[&str] = match name {
         "fifo" => &["fifo", "nice", "yield"],
         "nice" => &["nice", "yield"],
@@ -225,13 +250,14 @@ pub fn by_name_or_fallback_with(
     };
     let mut last = None;
     for &c in chain {
-        match by_name_with(c, n, deadline) {
+        match by_name_with_start(c, n, deadline, start) {
             Ok(a) => {
                 if c != name {
                     log::warn!("pvspin-hints: {name} actuator refused, using {c}");
                 }
                 return Ok(a);
             }
+            Err(e @ ActuatorError::Boost(BoostError::ThreadStart { .. })) => return Err(e),
             Err(e) => {
                 log::warn!("pvspin-hints: {c} actuator unavailable: {e}");
                 last = Some(e);

@@ -12,6 +12,13 @@
 //! watchdog thread when the deadline passes, on every error path, by
 //! [`BoostTracker::restore_all`], and on drop. A second boost of an already boosted thread
 //! only extends the deadline.
+//!
+//! Threads: [`BoostTracker::new`] first probes the permission on a short-lived thread named
+//! [`PROBE_THREAD_NAME`] (it exits before `new` returns), then starts the deadline watchdog,
+//! named [`WATCHDOG_THREAD_NAME`], which lives as long as the tracker. A VMM that confines its
+//! threads (seccomp) passes a [`ThreadStartHook`] to [`BoostTracker::with_thread_start`]: the
+//! watchdog runs it before anything else, and a hook that fails stops the watchdog and fails
+//! the constructor, so no helper thread runs unconfined.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -22,6 +29,19 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::sched::{get_nice, get_policy, set_nice, set_policy, SchedPolicy};
+
+/// Name of the deadline watchdog thread a [`BoostTracker`] starts (it lives as long as the
+/// tracker).
+pub const WATCHDOG_THREAD_NAME: &str = "pvspin-boost-wd";
+
+/// Name of the short-lived thread [`probe`] starts and joins before it returns.
+pub const PROBE_THREAD_NAME: &str = "pvspin-probe";
+
+/// Runs first on each long-lived helper thread pvspin-hints starts, on that thread, with the
+/// thread's name (today only [`WATCHDOG_THREAD_NAME`]); e.g. installs the VMM's seccomp filter
+/// for that thread. An error stops the thread before it does anything else and fails the
+/// constructor that started it ([`BoostError::ThreadStart`]).
+pub type ThreadStartHook = Arc<dyn Fn(&str) -> io::Result<()> + Send + Sync>;
 
 /// Longest deadline accepted: a boost is a nudge, not a new scheduling class.
 pub const MAX_DEADLINE: Duration = Duration::from_millis(100);
@@ -61,6 +81,15 @@ pub enum BoostError {
     /// The watchdog thread could not be started.
     #[error("cannot start the boost watchdog: {0}")]
     Watchdog(io::Error),
+    /// A helper thread's [`ThreadStartHook`] failed; the thread stopped before doing anything
+    /// else.
+    #[error("the start hook of helper thread {thread} failed: {err}")]
+    ThreadStart {
+        /// The thread's name.
+        thread: &'static str,
+        /// What the hook returned.
+        err: io::Error,
+    },
 }
 
 /// What [`BoostTracker::boost`] did.
@@ -261,6 +290,19 @@ impl BoostTracker {
     /// Probes the permission with a real call on a throwaway thread and refuses with
     /// [`BoostError::NotPermitted`] when the process lacks it.
     pub fn new(n: usize, kind: BoostKind, deadline: Duration) -> Result<BoostTracker, BoostError> {
+        Self::with_thread_start(n, kind, deadline, None)
+    }
+
+    /// [`new`](Self::new), with `start` run first on the watchdog thread (see
+    /// [`ThreadStartHook`]); returns once the hook has succeeded, or with
+    /// [`BoostError::ThreadStart`] once it failed and the thread has stopped. The probe thread
+    /// does not run the hook: it is started and joined here, while the caller sets up.
+    pub fn with_thread_start(
+        n: usize,
+        kind: BoostKind,
+        deadline: Duration,
+        start: Option<ThreadStartHook>,
+    ) -> Result<BoostTracker, BoostError> {
         if n == 0 {
             return Err(BoostError::Config(
                 "a boost tracker needs at least one vCPU",
@@ -294,10 +336,30 @@ impl BoostTracker {
             stats: BoostStats::default(),
         });
         let w = inner.clone();
+        let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
         let watchdog = std::thread::Builder::new()
-            .name("pvspin-boost-wd".into())
-            .spawn(move || w.watchdog())
+            .name(WATCHDOG_THREAD_NAME.into())
+            .spawn(move || {
+                let started = start.map_or(Ok(()), |hook| hook(WATCHDOG_THREAD_NAME));
+                let ok = started.is_ok();
+                let _ = started_tx.send(started);
+                if ok {
+                    w.watchdog();
+                }
+            })
             .map_err(BoostError::Watchdog)?;
+        let started = started_rx.recv().unwrap_or_else(|_| {
+            Err(io::Error::other(
+                "the thread ended before reporting its start",
+            ))
+        });
+        if let Err(err) = started {
+            let _ = watchdog.join();
+            return Err(BoostError::ThreadStart {
+                thread: WATCHDOG_THREAD_NAME,
+                err,
+            });
+        }
         Ok(BoostTracker {
             inner,
             watchdog: Some(watchdog),
@@ -404,7 +466,7 @@ pub fn probe(kind: BoostKind) -> Result<(), BoostError> {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let (tid_tx, tid_rx) = std::sync::mpsc::channel::<i32>();
     let t = std::thread::Builder::new()
-        .name("pvspin-probe".into())
+        .name(PROBE_THREAD_NAME.into())
         .spawn(move || {
             let _ = tid_tx.send(crate::sched::current_tid());
             // Blocks (never spins) until told to go; bounded in case the sender is lost.

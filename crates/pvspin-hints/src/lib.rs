@@ -12,6 +12,11 @@
 //! vCPU thread calls [`Actuator::on_target_exit`]`(v)` after each return from `KVM_RUN` and
 //! when it is woken by a kick; the VMM calls [`Actuator::restore_all`] at shutdown.
 //!
+//! Helper threads: a boost actuator's [`BoostTracker`] starts one deadline watchdog thread
+//! (`pvspin-boost-wd`) per VM; a [`ThreadStartHook`] given to the `*_with_start` builders runs
+//! first on it (a VMM installs its seccomp filter there). This crate has no seccomp
+//! dependency: `pvspin::seccomp` lists what the thread needs.
+//!
 //! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
 //!
 //! **Not implemented yet:** affinity actuators, and a run-slot scheduler for VMMs that gate
@@ -26,10 +31,11 @@ pub mod page;
 pub mod sched;
 
 pub use actuator::{
-    by_name, by_name_or_fallback, by_name_or_fallback_with, by_name_with, Actuator, ActuatorError,
-    BoostActuator, YieldOnly, YieldReport, DEFAULT_ACTUATOR,
+    by_name, by_name_or_fallback, by_name_or_fallback_with, by_name_or_fallback_with_start,
+    by_name_with, by_name_with_start, Actuator, ActuatorError, BoostActuator, YieldOnly,
+    YieldReport, DEFAULT_ACTUATOR,
 };
-pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker};
+pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
 pub use confine::{Confinement, Verdict};
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
 

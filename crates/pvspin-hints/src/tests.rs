@@ -323,3 +323,53 @@ fn fallback_gives_fifo_when_permitted() {
         assert_eq!(a.name(), "fifo");
     }
 }
+
+#[test]
+fn start_hook_runs_first_on_the_watchdog_thread() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hook: ThreadStartHook = {
+        let seen = seen.clone();
+        Arc::new(move |name: &str| {
+            let own = std::thread::current().name().map(str::to_string);
+            seen.lock().unwrap().push((name.to_string(), own));
+            Ok(())
+        })
+    };
+    let kind = BoostKind::Nice(-3);
+    let d = Duration::from_millis(2);
+    match BoostTracker::with_thread_start(2, kind, d, Some(hook)) {
+        Ok(_) => {}
+        Err(BoostError::NotPermitted { .. }) if !is_root() => {
+            eprintln!("SKIPPED start hook test: not permitted without root");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    }
+    let name = boost::WATCHDOG_THREAD_NAME.to_string();
+    assert_eq!(*seen.lock().unwrap(), [(name.clone(), Some(name))]);
+}
+
+#[test]
+fn failing_start_hook_fails_the_constructor_without_stepping_down() {
+    let hook: ThreadStartHook = Arc::new(|_: &str| Err(std::io::Error::other("no filter")));
+    let d = Duration::from_millis(2);
+    match BoostTracker::with_thread_start(1, BoostKind::Nice(-3), d, Some(hook.clone())) {
+        Err(BoostError::ThreadStart { thread, err }) => {
+            assert_eq!(thread, boost::WATCHDOG_THREAD_NAME);
+            assert_eq!(err.to_string(), "no filter");
+        }
+        Err(BoostError::NotPermitted { .. }) if !is_root() => {
+            eprintln!("SKIPPED start hook test: not permitted without root");
+            return;
+        }
+        other => panic!("expected ThreadStart, got {other:?}"),
+    }
+    // A permission problem steps down to yield; a failing hook does not.
+    assert!(matches!(
+        by_name_or_fallback_with_start("nice", 1, d, Some(&hook)),
+        Err(ActuatorError::Boost(BoostError::ThreadStart { .. }))
+    ));
+    // `yield` starts no thread, so the hook never runs.
+    let a = by_name_or_fallback_with_start("yield", 1, d, Some(&hook)).unwrap();
+    assert_eq!(a.name(), "yield");
+}

@@ -197,14 +197,20 @@ fn confined_actuator<'a>(
 }
 
 impl YieldState {
-    /// Validates `options` for `vcpus` vCPUs and builds the actuator.
-    pub(crate) fn new(options: &DirectedYieldOptions, vcpus: usize) -> Result<Self, ConfigError> {
+    /// Validates `options` for `vcpus` vCPUs and builds the actuator; `start` runs first on
+    /// the helper thread a boost actuator starts.
+    pub(crate) fn new(
+        options: &DirectedYieldOptions,
+        vcpus: usize,
+        start: Option<&pvspin_hints::ThreadStartHook>,
+    ) -> Result<Self, ConfigError> {
         let verdict = pvspin_hints::confine::check(&options.confinement);
         let name = confined_actuator(options, &verdict)?;
+        let deadline = options.boost_deadline;
         let actuator = if options.fallback {
-            pvspin_hints::by_name_or_fallback_with(name, vcpus, options.boost_deadline)
+            pvspin_hints::by_name_or_fallback_with_start(name, vcpus, deadline, start)
         } else {
-            pvspin_hints::by_name_with(name, vcpus, options.boost_deadline)
+            pvspin_hints::by_name_with_start(name, vcpus, deadline, start)
         }
         .map_err(|err| ConfigError::Actuator {
             name: name.to_string(),

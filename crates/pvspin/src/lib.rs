@@ -27,6 +27,10 @@
 //! [`simple`] does the VMM's part of steps 2-3 for a VMM without irqchip, routes or CPUID of
 //! its own.
 //!
+//! A VMM that confines its threads with seccomp merges [`seccomp::rules`] for each kind of
+//! thread pvspin runs on into its filters, and gives pvspin the filter of the thread pvspin
+//! starts ([`PvSpinBuilder::helper_thread_filter`]); see the [`seccomp`] module.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! # use kvm_ioctls::{Kvm, VcpuExit};
@@ -103,6 +107,7 @@ mod hooks;
 pub mod interrupt;
 mod kick;
 mod pio;
+pub mod seccomp;
 pub mod simple;
 mod telemetry;
 
@@ -111,6 +116,7 @@ pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalInterrupter, VcpuThread};
 pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
 pub use pio::DoorbellPio;
+pub use pvspin_hints::confine::cpu_cgroup as confine_cpu_cgroup;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_hints::{Confinement, Verdict};
@@ -307,6 +313,7 @@ pub struct PvSpinBuilder {
     wait: Option<WaitOptions>,
     doorbell_port: Option<u16>,
     cpuid_base: Option<u32>,
+    helper_thread_filter: Option<Arc<seccompiler::BpfProgram>>,
 }
 
 impl PvSpinBuilder {
@@ -416,6 +423,20 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Installs `filter` (seccomp, with `seccompiler::apply_filter`) as the first thing on
+    /// every helper thread pvspin starts that outlives [`build`](Self::build): today the boost
+    /// watchdog `pvspin-boost-wd` of the `nice` and `fifo` directed-yield actuators. The filter
+    /// must allow [`seccomp::baseline_rules`] and
+    /// [`seccomp::rules`]`(`[`seccomp::ThreadKind::BoostWatchdog`]`)` merged with whatever the
+    /// VMM's logger needs. If it cannot be installed the thread stops before doing anything
+    /// else and `build` fails with [`ConfigError::Actuator`] (no step-down to another
+    /// actuator). The short-lived probe thread (`pvspin-probe`) runs and ends inside
+    /// `build`, so it is covered by whatever the thread calling `build` runs under.
+    pub fn helper_thread_filter(mut self, filter: Arc<seccompiler::BpfProgram>) -> Self {
+        self.helper_thread_filter = Some(filter);
+        self
+    }
+
     /// Validates the configuration.
     pub fn build(self) -> Result<PvSpin, ConfigError> {
         let vcpus = self.vcpus.ok_or(ConfigError::MissingVcpus)?;
@@ -471,7 +492,8 @@ impl PvSpinBuilder {
         let directed_yield = match &self.directed_yield {
             Some(_) if self.kick.is_none() => return Err(ConfigError::DirectedYieldNeedsKick),
             Some(options) => {
-                let mut state = directed::YieldState::new(options, vcpus)?;
+                let start = self.helper_thread_filter.clone().map(seccomp::start_hook);
+                let mut state = directed::YieldState::new(options, vcpus, start.as_ref())?;
                 state.mem = self.steal_time.clone();
                 Some(Arc::new(state))
             }

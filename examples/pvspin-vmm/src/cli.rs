@@ -139,6 +139,27 @@ impl ActuatorArg {
     }
 }
 
+/// What the seccomp filters do with a syscall a thread does not need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SeccompArg {
+    /// Kill the process (SIGSYS).
+    Enforce,
+    /// Allow it and log it in the kernel's audit log.
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl From<SeccompArg> for crate::config::SeccompMode {
+    fn from(arg: SeccompArg) -> Self {
+        match arg {
+            SeccompArg::Enforce => crate::config::SeccompMode::Enforce,
+            SeccompArg::Log => crate::config::SeccompMode::Log,
+            SeccompArg::Off => crate::config::SeccompMode::Off,
+        }
+    }
+}
+
 /// Kick wake paths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KickPathArg {
@@ -253,6 +274,32 @@ pub struct VmArgs {
     /// CPUID leaves the `cpuid` workload reports (decimal or 0x-hex, at most 4).
     #[arg(long, value_delimiter = ',', value_parser = parse_u32, default_value = "0x40000000,0x40000001")]
     pub cpuid_leaves: Vec<u32>,
+    /// Seccomp filters on every thread of the run (vCPUs, hogs, pvspin's boost watchdog, the
+    /// VMM thread after setup, the main thread of `run`): what a syscall a thread does not
+    /// need does.
+    #[arg(long, value_enum, default_value_t = SeccompArg::Enforce)]
+    pub seccomp: SeccompArg,
+    /// Test aid: vCPU 0's thread makes a forbidden syscall once its filter is installed.
+    #[arg(long, hide = true)]
+    pub seccomp_violation: bool,
+    /// Directed yield's boosts: only when they stay inside the VM's CPU share (the VMM alone
+    /// in its own cpu cgroup, see --vm-cgroup; otherwise a plain yield), or always (a guest
+    /// can then raise its VM's share over co-tenants).
+    #[arg(long, value_enum, default_value_t = BoostsArg::Confined)]
+    pub boosts: BoostsArg,
+    /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
+    /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
+    #[arg(long)]
+    pub vm_cgroup: bool,
+}
+
+/// Whether directed yield's boosts must be confined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BoostsArg {
+    /// Only inside the VM's own cpu cgroup.
+    Confined,
+    /// Always (pvspin::Confinement::Unconfined).
+    Unconfined,
 }
 
 fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
@@ -370,13 +417,39 @@ impl VmArgs {
             wait_after_us: self.wait_after_us,
             wait_after_max_us: self.wait_after_max_us,
             boost_deadline_us: self.boost_deadline_us,
+            seccomp: self.seccomp.into(),
+            seccomp_violation: self.seccomp_violation,
+            confinement: match self.boosts {
+                BoostsArg::Confined => pvspin::Confinement::Auto,
+                BoostsArg::Unconfined => pvspin::Confinement::Unconfined,
+            },
         }
     }
 }
 
 /// Runs the command line `args` (program name first); returns the process exit code:
-/// 0 success, 1 the guest or the host failed, 2 invalid options.
+/// 0 success, 1 the guest or the host failed, 2 invalid options. The calling thread is left
+/// unconfined (the run's own threads get filters per `--seccomp`); see [`main_process`].
 pub fn main_with_args<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args, false)
+}
+
+/// [`main_with_args`] for the process's main thread (the binary): with `--seccomp` on, `run`
+/// also confines the calling thread once the VM's thread has started
+/// ([`vmm::run_and_confine_caller`]). `bench` cannot: it starts a new VM after each run.
+pub fn main_process<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args, true)
+}
+
+fn run_cli<I, T>(args: I, confine_caller: bool) -> i32
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -389,8 +462,34 @@ where
             return code;
         }
     };
+    let vm_args = match &cli.command {
+        Command::Run(args) => &args.vm,
+        Command::Bench(args) => &args.vm,
+    };
+    let _cgroup = if vm_args.vm_cgroup {
+        if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
+            eprintln!(
+                "pvspin-vmm: rule: run --vm-cgroup needs --seccomp off (leaving the cgroup at \
+                 the end needs file-system calls the confined main thread may not make)"
+            );
+            return 2;
+        }
+        match crate::cgroup::VmCgroup::enter() {
+            Ok(cgroup) => Some(cgroup),
+            Err(err) => {
+                eprintln!("pvspin-vmm: --vm-cgroup: {err}");
+                return 1;
+            }
+        }
+    } else {
+        None
+    };
     match cli.command {
-        Command::Run(args) => match vmm::run(&args.vm.config(args.hogs)) {
+        Command::Run(args) => match if confine_caller {
+            vmm::run_and_confine_caller(&args.vm.config(args.hogs))
+        } else {
+            vmm::run(&args.vm.config(args.hogs))
+        } {
             Ok(report) => {
                 for line in &report.plan {
                     print_stdout(&format!("pvspin {line}"));

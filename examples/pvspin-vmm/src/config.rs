@@ -59,6 +59,26 @@ pub struct RunConfig {
     pub wait_after_max_us: Option<u64>,
     /// Directed yield: longest boost in us (`None`: pvspin's default).
     pub boost_deadline_us: Option<u64>,
+    /// Directed yield: whether boosts must stay inside the VM's CPU share.
+    pub confinement: pvspin::Confinement,
+    /// Seccomp filters on the run's threads (`crate::seccomp`). The command line's default is
+    /// `Enforce`; this struct's is `Off`, so that a library caller opts in.
+    pub seccomp: SeccompMode,
+    /// Test aid: vCPU 0's thread makes a syscall no filter allows (`socket`) right after its
+    /// filter is installed, to show that the filter stops it.
+    pub seccomp_violation: bool,
+}
+
+/// What the run's seccomp filters do with a syscall they do not allow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SeccompMode {
+    /// Kill the process (`SIGSYS`).
+    Enforce,
+    /// Allow it and log it (the kernel's audit log).
+    Log,
+    /// No filters.
+    #[default]
+    Off,
 }
 
 /// How the guest's PV waiters wait.
@@ -132,6 +152,9 @@ impl Default for RunConfig {
             wait_after_us: None,
             wait_after_max_us: None,
             boost_deadline_us: None,
+            confinement: pvspin::Confinement::Auto,
+            seccomp: SeccompMode::Off,
+            seccomp_violation: false,
         }
     }
 }

@@ -8,11 +8,13 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod cgroup;
 pub mod cli;
 pub mod config;
 pub mod devices;
 pub mod memory;
 pub mod report;
+pub mod seccomp;
 pub mod vcpu;
 pub mod vmm;
 

@@ -19,6 +19,7 @@ use crate::config::{ConfigError, PvMode, RunConfig};
 use crate::devices::{ConsoleSink, IoBus};
 use crate::memory::{self, GuestMemory, MemoryError};
 use crate::report::{RunReport, VcpuReport};
+use crate::seccomp::{Filters, VmmThread};
 use crate::vcpu::{SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
 
 /// The guest program, built by this crate's build script.
@@ -258,35 +259,74 @@ impl MutEventSubscriber for ConsoleInput {
 /// Busy host threads: the CPU hogs of the original overcommit experiments.
 struct Hogs {
     stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    threads: Vec<JoinHandle<Option<()>>>,
 }
 
 impl Hogs {
-    fn start(count: u32) -> Result<Self, RunError> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..count)
-            .map(|i| {
-                let stop = stop.clone();
-                std::thread::Builder::new()
-                    .name(format!("hog{i}"))
-                    .spawn(move || {
-                        let mut spins = 0u64;
-                        while !stop.load(Ordering::Relaxed) {
-                            for _ in 0..10_000 {
-                                spins = std::hint::black_box(spins.wrapping_add(1));
-                            }
-                        }
-                    })
-                    .map_err(|err| RunError::Setup(format!("cannot start hog thread: {err}")))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Self { stop, threads })
+    fn start(count: u32, filters: Option<&Filters>) -> Result<Self, RunError> {
+        let mut hogs = Self {
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Vec::new(),
+        };
+        for i in 0..count {
+            let stop = hogs.stop.clone();
+            let filter = filters.map(|f| (f.program(VmmThread::Hog), VmmThread::Hog));
+            let thread = spawn_confined(format!("hog{i}"), filter, move || {
+                let mut spins = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..10_000 {
+                        spins = std::hint::black_box(spins.wrapping_add(1));
+                    }
+                }
+            });
+            match thread {
+                Ok(thread) => hogs.threads.push(thread),
+                Err(err) => {
+                    hogs.stop();
+                    return Err(RunError::Setup(format!("hog thread {i}: {err}")));
+                }
+            }
+        }
+        Ok(hogs)
     }
 
     fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
         for thread in self.threads {
             let _ = thread.join();
+        }
+    }
+}
+
+/// Starts thread `name` running `f`, with `filter` (a seccomp program and whose it is)
+/// installed first, on the thread; returns once the filter is in place. When it cannot be
+/// installed the thread ends without running `f`, and this returns why.
+fn spawn_confined<T: Send + 'static>(
+    name: String,
+    filter: Option<(Arc<seccompiler::BpfProgram>, VmmThread)>,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<JoinHandle<Option<T>>, String> {
+    let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+    let thread = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let started = filter.map_or(Ok(()), |(program, thread)| {
+                crate::seccomp::install(&program, thread)
+            });
+            let ok = started.is_ok();
+            let _ = started_tx.send(started);
+            ok.then(f)
+        })
+        .map_err(|err| format!("cannot start the thread: {err}"))?;
+    match started_rx.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(err)) => {
+            let _ = thread.join();
+            Err(err)
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err("the thread ended before it started".into())
         }
     }
 }
@@ -322,7 +362,51 @@ pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
 }
 
 /// Runs one VM with `config` to its end.
+///
+/// With `config.seccomp` on, the VM runs on a thread of its own, `vmm`, which sets it up,
+/// starts the vCPU and hog threads (each installs its filter first), installs its own filter
+/// and runs the event loop to the end; pvspin's boost watchdog gets its filter from pvspin
+/// (`crate::seccomp`). The calling thread only waits, unconfined; see
+/// [`run_and_confine_caller`].
 pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
+    run_inner(config, false)
+}
+
+/// [`run`] for a thread that has nothing left to set up, such as the binary's main thread:
+/// with `config.seccomp` on, the calling thread installs its own filter
+/// (`crate::seccomp::VmmThread::Main`: wait, print, write the statistics file) as soon as
+/// the `vmm` thread has started, and keeps it.
+pub fn run_and_confine_caller(config: &RunConfig) -> Result<RunReport, RunError> {
+    run_inner(config, true)
+}
+
+fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunError> {
+    let filters = Filters::new(config.seccomp)
+        .map_err(|err| RunError::Setup(format!("building the seccomp filters: {err}")))?;
+    let Some(filters) = filters else {
+        return run_vm(config, None);
+    };
+    let vm_config = config.clone();
+    let vm_filters = filters.clone();
+    let thread = std::thread::Builder::new()
+        .name("vmm".into())
+        .spawn(move || run_vm(&vm_config, Some(&vm_filters)))
+        .map_err(|err| RunError::Setup(format!("cannot start the VMM thread: {err}")))?;
+    let confined = if confine_caller {
+        filters.apply(VmmThread::Main)
+    } else {
+        Ok(())
+    };
+    let result = thread
+        .join()
+        .unwrap_or_else(|_| Err(RunError::Setup("the VMM thread panicked".into())));
+    confined.map_err(RunError::Setup)?;
+    result
+}
+
+/// One VM on the calling thread; with `filters`, every thread of the run is confined (the
+/// calling thread after setup).
+fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, RunError> {
     let kvm = Kvm::new().map_err(setup_err("opening /dev/kvm"))?;
     let kvm_max_vcpus = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX);
     config.validate(kvm_max_vcpus)?;
@@ -340,6 +424,9 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
         .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
+    if let Some(filters) = filters {
+        builder = builder.helper_thread_filter(filters.program(VmmThread::BoostWatchdog));
+    }
     if let Some(placement) = config.placement {
         let mut request = pvspin::PlanRequest::new(placement, config.vcpus);
         request.guest_kernel = config.guest_kernel;
@@ -365,6 +452,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             .directed_yield({
                 let mut options = pvspin::DirectedYieldOptions {
                     actuator: config.actuator.to_string(),
+                    confinement: config.confinement.clone(),
                     ..pvspin::DirectedYieldOptions::default()
                 };
                 if let Some(us) = config.boost_deadline_us {
@@ -477,7 +565,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         events.add_subscriber(Box::new(ConsoleInput { bus: bus.clone() }));
     }
 
-    let hogs = Hogs::start(config.hogs)?;
+    let hogs = Hogs::start(config.hogs, filters)?;
     let stopping = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
     for ((vcpu, hooks), shared) in vcpus.into_iter().zip(shared.iter()) {
@@ -489,27 +577,40 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
             stopping: stopping.clone(),
         };
         let vcpu_control = control.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{}", shared.index))
-            .spawn(move || {
-                runner.run(|vcpu, end| match end {
-                    VcpuEnd::GuestExit(status) => vcpu_control.end(Ending::GuestExit(*status)),
-                    VcpuEnd::Fault(reason) => vcpu_control.end(Ending::Fault {
-                        vcpu,
-                        reason: reason.clone(),
-                    }),
-                    VcpuEnd::Stopped => {}
-                })
-            });
+        let filter = filters.map(|f| (f.program(VmmThread::Vcpu), VmmThread::Vcpu));
+        let violation = config.seccomp_violation && shared.index == 0;
+        let thread = spawn_confined(format!("vcpu{}", shared.index), filter, move || {
+            if violation {
+                crate::seccomp::violate();
+            }
+            runner.run(|vcpu, end| match end {
+                VcpuEnd::GuestExit(status) => vcpu_control.end(Ending::GuestExit(*status)),
+                VcpuEnd::Fault(reason) => vcpu_control.end(Ending::Fault {
+                    vcpu,
+                    reason: reason.clone(),
+                }),
+                VcpuEnd::Stopped => {}
+            })
+        });
         match thread {
             Ok(thread) => threads.push(thread),
             Err(err) => {
                 control.end(Ending::Fault {
                     vcpu: shared.index,
-                    reason: format!("cannot start its thread: {err}"),
+                    reason: format!("its thread: {err}"),
                 });
                 break;
             }
+        }
+    }
+    // Setup is over: from here on this thread only runs the event loop, stops and joins the
+    // threads, and reports.
+    if let Some(filters) = filters {
+        if let Err(err) = filters.apply(VmmThread::Vmm) {
+            control.end(Ending::Fault {
+                vcpu: 0,
+                reason: err,
+            });
         }
     }
 
@@ -534,7 +635,7 @@ pub fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let mut vcpu_fds = Vec::new();
     for thread in threads {
         match thread.join() {
-            Ok(vcpu) => vcpu_fds.push(vcpu),
+            Ok(vcpu) => vcpu_fds.extend(vcpu),
             Err(_) => log::error!("a vCPU thread panicked"),
         }
     }

@@ -1,0 +1,60 @@
+//! `--vm-cgroup`: the VMM process in a cpu cgroup of its own, so that directed yield's nice
+//! boosts stay inside the VM's CPU share (`pvspin_hints::confine`). The VMM's job, not
+//! pvspin's: pvspin only checks.
+
+use std::path::PathBuf;
+
+/// The process's own cpu cgroup, left and removed on drop.
+#[derive(Debug)]
+pub struct VmCgroup {
+    dir: PathBuf,
+    parent: PathBuf,
+}
+
+impl VmCgroup {
+    /// Creates `pvspin-vm-<pid>` under this process's cpu cgroup (v1 `cpu` hierarchy, or v2
+    /// with the cpu controller) and moves the whole process into it. Needs write access to
+    /// the cgroup filesystem.
+    pub fn enter() -> Result<Self, String> {
+        let text = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
+        let (path, v1) =
+            pvspin::confine_cpu_cgroup(&text).ok_or("the process is in no cpu cgroup hierarchy")?;
+        let root = if v1 {
+            ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
+                .iter()
+                .map(|m| PathBuf::from("/sys/fs/cgroup").join(m))
+                .find(|m| m.is_dir())
+                .ok_or("no cgroup v1 cpu hierarchy is mounted")?
+        } else {
+            PathBuf::from("/sys/fs/cgroup")
+        };
+        let parent = root.join(path.trim_start_matches('/'));
+        if !v1 {
+            // v2: the parent must hand the cpu controller to its children.
+            let _ = std::fs::write(parent.join("cgroup.subtree_control"), "+cpu");
+        }
+        let dir = parent.join(format!("pvspin-vm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let me = Self { dir, parent };
+        std::fs::write(me.dir.join("cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| format!("moving the process into {}: {e}", me.dir.display()))?;
+        Ok(me)
+    }
+
+    /// The cgroup's directory.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+}
+
+impl Drop for VmCgroup {
+    fn drop(&mut self) {
+        let pid = std::process::id().to_string();
+        if let Err(e) = std::fs::write(self.parent.join("cgroup.procs"), &pid) {
+            log::warn!("leaving {}: {e}", self.dir.display());
+        } else if let Err(e) = std::fs::remove_dir(&self.dir) {
+            log::warn!("removing {}: {e}", self.dir.display());
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Seccomp filters for every thread of a run: the example's own needs per thread, merged with
+//! the runtime baseline and pvspin's rules for what pvspin does on that thread
+//! (`pvspin::seccomp`).
+//!
+//! | thread | started by | filter installed | pvspin's rules |
+//! |---|---|---|---|
+//! | `vcpuN` | the VMM thread | first thing on the thread, before its first `KVM_RUN` | [`ThreadKind::Vcpu`] |
+//! | `hogN` | the VMM thread | first thing on the thread | none |
+//! | `pvspin-boost-wd` | pvspin, in `build` | first thing on the thread (`PvSpinBuilder::helper_thread_filter`) | [`ThreadKind::BoostWatchdog`] |
+//! | `vmm` (the run's own thread) | [`crate::vmm::run`] | after setup, once every vCPU and hog thread runs | [`ThreadKind::Control`] |
+//! | the binary's main thread (`run` only) | | once the `vmm` thread has started | none |
+//!
+//! The lists were taken from `strace -f` of every workload, kick path and PV mode with the
+//! filters in `--seccomp log` mode: for each thread, the syscalls after its `seccomp(2)` call.
+//! What the threads did before (setup, thread start) needs no rule.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use pvspin::seccomp::{self, RuleMap, SeccompError, ThreadKind};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule,
+};
+
+use crate::config::SeccompMode;
+
+/// The example's own KVM requests after setup, as kvm-ioctls defines them.
+mod nr {
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};
+
+    ioctl_io_nr!(KVM_RUN, kvm_bindings::KVMIO, 0x80);
+    ioctl_ior_nr!(
+        KVM_GET_REGS,
+        kvm_bindings::KVMIO,
+        0x81,
+        kvm_bindings::kvm_regs
+    );
+    ioctl_ior_nr!(
+        KVM_GET_SREGS,
+        kvm_bindings::KVMIO,
+        0x83,
+        kvm_bindings::kvm_sregs
+    );
+}
+use nr::{KVM_GET_REGS, KVM_GET_SREGS, KVM_RUN};
+
+/// The threads of a run, by what they run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmmThread {
+    /// A vCPU thread: `KVM_RUN`, pvspin's hooks, the example's devices.
+    Vcpu,
+    /// A busy host thread (`--hogs`).
+    Hog,
+    /// pvspin's boost watchdog.
+    BoostWatchdog,
+    /// The run's own thread after setup: the event loop, stopping and joining the vCPUs,
+    /// pvspin's telemetry and shutdown, the report.
+    Vmm,
+    /// The binary's main thread while `run` runs the VM and after: waits for the VMM thread,
+    /// prints the report, writes `--stats-file`.
+    Main,
+}
+
+impl VmmThread {
+    /// Every thread kind.
+    pub const ALL: [VmmThread; 5] = [
+        VmmThread::Vcpu,
+        VmmThread::Hog,
+        VmmThread::BoostWatchdog,
+        VmmThread::Vmm,
+        VmmThread::Main,
+    ];
+}
+
+/// A condition on one 32-bit argument.
+fn arg_eq(arg: u8, value: u64) -> SeccompRule {
+    // Fixed tables: argument indexes are below 6 and every rule has one condition.
+    SeccompRule::new(vec![SeccompCondition::new(
+        arg,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        value,
+    )
+    .expect("argument index below 6")])
+    .expect("one condition")
+}
+
+fn allow(nrs: &[i64]) -> RuleMap {
+    nrs.iter().map(|&nr| (nr, Vec::new())).collect()
+}
+
+/// The example's own syscalls on `thread` (without the baseline and pvspin's).
+pub fn own_rules(thread: VmmThread) -> RuleMap {
+    match thread {
+        VmmThread::Vcpu => {
+            let mut map = allow(&[
+                // The end-of-run eventfd, the console echo to stdout, log records.
+                libc::SYS_write,
+                // Parking a finished vCPU (Condvar), shared state.
+                libc::SYS_futex,
+            ]);
+            // KVM_RUN; the registers of a failed or stopped vCPU for its report.
+            map.insert(
+                libc::SYS_ioctl,
+                [KVM_RUN(), KVM_GET_REGS(), KVM_GET_SREGS()]
+                    .into_iter()
+                    .map(|nr| arg_eq(1, nr))
+                    .collect(),
+            );
+            map
+        }
+        VmmThread::Hog | VmmThread::BoostWatchdog => RuleMap::new(),
+        VmmThread::Vmm => {
+            let mut map = allow(&[
+                // The event loop: the end-of-run eventfd, the watchdog timer, stdin.
+                libc::SYS_epoll_wait,
+                libc::SYS_epoll_ctl,
+                libc::SYS_read,
+                libc::SYS_write,
+                // Kicking vCPU threads out of KVM_RUN (pthread_kill).
+                libc::SYS_getpid,
+                libc::SYS_futex,
+                // Dropping the VM, its vCPUs, memory and event loop.
+                libc::SYS_close,
+                libc::SYS_munmap,
+            ]);
+            map.insert(
+                libc::SYS_tgkill,
+                vec![arg_eq(
+                    2,
+                    u64::from(vmm_sys_util::signal::SIGRTMIN() as u32),
+                )],
+            );
+            map
+        }
+        VmmThread::Main => {
+            let mut map = allow(&[libc::SYS_write, libc::SYS_close, libc::SYS_futex]);
+            // `--stats-file`: created write-only, never read.
+            let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC;
+            map.insert(libc::SYS_openat, vec![arg_eq(2, u64::from(flags as u32))]);
+            map
+        }
+    }
+}
+
+/// Everything `thread` may call: the baseline, the example's own needs and pvspin's.
+pub fn thread_rules(thread: VmmThread) -> Result<RuleMap, SeccompError> {
+    let mut map = seccomp::baseline_rules()?;
+    seccomp::merge(&mut map, own_rules(thread));
+    match thread {
+        VmmThread::Vcpu => seccomp::merge_into(&mut map, ThreadKind::Vcpu)?,
+        VmmThread::BoostWatchdog => seccomp::merge_into(&mut map, ThreadKind::BoostWatchdog)?,
+        VmmThread::Vmm => seccomp::merge_into(&mut map, ThreadKind::Control)?,
+        VmmThread::Hog | VmmThread::Main => {}
+    }
+    Ok(map)
+}
+
+/// The compiled filters of one run.
+#[derive(Clone, Debug)]
+pub struct Filters {
+    programs: BTreeMap<u8, Arc<BpfProgram>>,
+}
+
+fn key(thread: VmmThread) -> u8 {
+    thread as u8
+}
+
+impl Filters {
+    /// Compiles every thread's filter for `mode`; `None` when `mode` is `Off`.
+    pub fn new(mode: SeccompMode) -> Result<Option<Filters>, SeccompError> {
+        let mismatch = match mode {
+            SeccompMode::Enforce => SeccompAction::KillProcess,
+            SeccompMode::Log => SeccompAction::Log,
+            SeccompMode::Off => return Ok(None),
+        };
+        let programs = VmmThread::ALL
+            .into_iter()
+            .map(|thread| {
+                let program = seccomp::compile(thread_rules(thread)?, mismatch.clone())?;
+                Ok((key(thread), Arc::new(program)))
+            })
+            .collect::<Result<_, SeccompError>>()?;
+        Ok(Some(Filters { programs }))
+    }
+
+    /// The filter of `thread`.
+    pub fn program(&self, thread: VmmThread) -> Arc<BpfProgram> {
+        self.programs[&key(thread)].clone()
+    }
+
+    /// Installs the filter of `thread` on the calling thread.
+    pub fn apply(&self, thread: VmmThread) -> Result<(), String> {
+        install(&self.programs[&key(thread)], thread)
+    }
+}
+
+/// Installs `program`, the filter of `thread`, on the calling thread.
+pub fn install(program: &BpfProgram, thread: VmmThread) -> Result<(), String> {
+    seccompiler::apply_filter(program)
+        .map_err(|err| format!("installing the {thread:?} seccomp filter: {err}"))
+}
+
+/// Test aid (`--seccomp-violation`): a syscall no thread's filter allows. Under `enforce`
+/// the process dies of `SIGSYS` here; under `log` or `off` it goes on.
+pub fn violate() {
+    eprintln!("pvspin-vmm: seccomp test aid: calling socket(2), which no filter allows");
+    // SAFETY: socket takes no pointers; a descriptor it returns is closed at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    if fd >= 0 {
+        // SAFETY: `fd` was just returned to us and nothing else uses it.
+        unsafe { libc::close(fd) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_thread_filter_compiles_in_every_mode() {
+        for mode in [SeccompMode::Enforce, SeccompMode::Log] {
+            let filters = Filters::new(mode).unwrap().unwrap();
+            for thread in VmmThread::ALL {
+                assert!(!filters.program(thread).is_empty());
+            }
+        }
+        assert!(Filters::new(SeccompMode::Off).unwrap().is_none());
+    }
+
+    #[test]
+    fn vcpu_ioctls_are_the_examples_and_pvspins() {
+        let map = thread_rules(VmmThread::Vcpu).unwrap();
+        assert_eq!(map[&libc::SYS_ioctl].len(), 5);
+        assert_eq!(KVM_RUN(), 0xae80);
+        // The VMM's unconditional write stays unconditional after the baseline's stderr rule.
+        assert!(map[&libc::SYS_write].is_empty());
+        for thread in VmmThread::ALL {
+            let map = thread_rules(thread).unwrap();
+            assert!(!map.contains_key(&libc::SYS_socket), "{thread:?}");
+            assert!(!map.contains_key(&libc::SYS_execve), "{thread:?}");
+        }
+    }
+}
