@@ -9,10 +9,10 @@
 use std::cell::Cell;
 
 use libfuzzer_sys::fuzz_target;
+use pvspin_track::{VcpuSnapshot, VcpuState};
 use pvspin_yield::{
     BoostOutcome, Decision, DirectedYield, PolicyConfig, Reason, SpinNotification, VcpuView,
 };
-use pvspin_track::{VcpuSnapshot, VcpuState};
 
 struct View(Vec<Cell<u32>>);
 
