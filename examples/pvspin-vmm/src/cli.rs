@@ -25,6 +25,45 @@ pub enum Command {
     Run(RunArgs),
     /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
     Bench(BenchArgs),
+    /// A co-tenant for benchmarks: busy threads for a fixed time, then one JSON line with the
+    /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
+    #[command(hide = true)]
+    Cotenant(CotenantArgs),
+}
+
+/// Options of `cotenant`.
+#[derive(Clone, Debug, Args)]
+pub struct CotenantArgs {
+    /// Busy threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: u32,
+    /// How long they run, in ms.
+    #[arg(long, default_value_t = 3000)]
+    pub ms: u64,
+}
+
+/// Runs `threads` busy threads for `ms` and returns the work units they did per second.
+pub fn cotenant(args: &CotenantArgs) -> f64 {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let start = std::time::Instant::now();
+    let threads: Vec<_> = (0..args.threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut units = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for _ in 0..10_000 {
+                        units = std::hint::black_box(units.wrapping_add(1));
+                    }
+                }
+                units
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(args.ms));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let units: u64 = threads.into_iter().filter_map(|t| t.join().ok()).sum();
+    units as f64 / start.elapsed().as_secs_f64()
 }
 
 /// Guest workloads.
@@ -46,6 +85,11 @@ pub enum WorkloadArg {
     /// handoff; --cs-work units plus a random 0..=--ncs-work before each kick, a random
     /// 0..=--ncs-work before each wait; reports kick-to-wake latency.
     Pingpong,
+    /// Every vCPU computes --iterations x (--cs-work + --ncs-work) units without exiting.
+    Burn,
+    /// A hostile guest (needs --pv kick+yield): vCPU 0 computes without exiting, the others
+    /// keep naming it in SPIN notifications and scribble on their hint pages.
+    Abuse,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -58,6 +102,8 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Hypercall => Workload::Hypercall,
             WorkloadArg::Cpuid => Workload::Cpuid,
             WorkloadArg::Pingpong => Workload::PingPong,
+            WorkloadArg::Burn => Workload::Burn,
+            WorkloadArg::Abuse => Workload::Abuse,
         }
     }
 }
@@ -465,6 +511,10 @@ where
     let vm_args = match &cli.command {
         Command::Run(args) => &args.vm,
         Command::Bench(args) => &args.vm,
+        Command::Cotenant(args) => {
+            print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
+            return 0;
+        }
     };
     let _cgroup = if vm_args.vm_cgroup {
         if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
@@ -485,6 +535,7 @@ where
         None
     };
     match cli.command {
+        Command::Cotenant(_) => 0,
         Command::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {

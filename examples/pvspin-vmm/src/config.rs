@@ -223,8 +223,11 @@ pub enum ConfigError {
     /// Ping-pong measures kicks, so it needs PV and a partner.
     #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
     PingPongNeedsPv,
+    /// The hostile workload acts through spin notifications.
+    #[error("--workload abuse needs --pv kick+yield and at least 2 vCPUs")]
+    AbuseNeedsNotifications,
     /// User mode cannot halt.
-    #[error("--cs-mode user needs --workload lock or pingpong, and not --wait hlt (hlt is privileged: user-mode waiters wait with the doorbell's WAIT)")]
+    #[error("--cs-mode user needs --workload lock, pingpong, burn or abuse, and not --wait hlt (hlt is privileged: user-mode waiters wait with the doorbell's WAIT)")]
     UserModeCannotHalt,
     /// Budget overrides that contradict each other.
     #[error(
@@ -306,9 +309,14 @@ impl RunConfig {
         {
             return Err(ConfigError::PingPongNeedsPv);
         }
+        if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
+            return Err(ConfigError::AbuseNeedsNotifications);
+        }
         if self.user_mode
-            && (!matches!(self.workload, Workload::Lock | Workload::PingPong)
-                || self.wait == WaitMode::Hlt)
+            && (!matches!(
+                self.workload,
+                Workload::Lock | Workload::PingPong | Workload::Burn | Workload::Abuse
+            ) || self.wait == WaitMode::Hlt)
         {
             return Err(ConfigError::UserModeCannotHalt);
         }

@@ -756,6 +756,8 @@ pub fn workload_name(workload: Workload) -> &'static str {
         Workload::Hypercall => "hypercall",
         Workload::Cpuid => "cpuid",
         Workload::PingPong => "pingpong",
+        Workload::Burn => "burn",
+        Workload::Abuse => "abuse",
     }
 }
 

@@ -42,6 +42,8 @@ static TAS_COUNTER: SpinMutex<TasLock, u64> = SpinMutex::new(0);
 static PV_TICKET_COUNTER: SpinMutex<StaticPvTicketLock<pv::GuestPv>, u64> = SpinMutex::new(0);
 static PV_QUEUED_COUNTER: SpinMutex<StaticPvQueuedLock<pv::GuestPv>, u64> = SpinMutex::new(0);
 static BACKOFF_COUNTER: SpinMutex<BackoffTicketLock, u64> = SpinMutex::new(0);
+/// Rounds done by every vCPU (burn and abuse workloads).
+static ROUNDS: AtomicU64 = AtomicU64::new(0);
 static PV_BACKOFF_COUNTER: SpinMutex<StaticPvBackoffTicketLock<pv::GuestPv>, u64> =
     SpinMutex::new(0);
 
@@ -143,6 +145,33 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             start_barrier(&boot);
             pingpong::run(vcpu, &boot, || heartbeat(vcpu));
             finish(vcpu, &boot, params, Some((&pingpong::handoffs, boot.iterations)))
+        }
+        Some(Workload::Burn) | Some(Workload::Abuse) => {
+            let abuse = boot.workload == Workload::Abuse as u32;
+            if abuse {
+                if let Err(code) = setup_pv(vcpu, &boot) {
+                    outl(EXIT_PORT, code);
+                    halt_forever();
+                }
+            }
+            if boot.user_mode != 0 {
+                pv::USER_MODE.store(true, Ordering::Relaxed);
+                arch::enter_user_mode();
+            }
+            start_barrier(&boot);
+            for round in 0..boot.iterations {
+                work(boot.cs_work);
+                // vCPU 0 computes without exiting; the others keep naming it.
+                if abuse && vcpu != 0 {
+                    pv::abuse(vcpu, 0, round);
+                }
+                work(boot.ncs_work);
+                ROUNDS.fetch_add(1, Ordering::Relaxed);
+                heartbeat(vcpu);
+            }
+            let expected = u64::from(boot.vcpus) * boot.iterations;
+            let total = || ROUNDS.load(Ordering::Relaxed);
+            finish(vcpu, &boot, params, Some((&total, expected)))
         }
         Some(Workload::Hypercall) => {
             if vcpu == boot.vcpus - 1 {

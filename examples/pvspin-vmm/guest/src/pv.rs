@@ -279,6 +279,27 @@ impl PvPlatform for Platform {
     }
 }
 
+/// The hostile workload's round: vCPU `vcpu` claims on its hint page to be inside a critical
+/// section and waiting for `target` with a huge wait behind it, then sends a SPIN
+/// notification naming `target` (which is running, not holding anything).
+pub fn abuse(vcpu: u32, target: u32, round: u64) {
+    if let Some(p) = HINT_PAGES.get(vcpu as usize) {
+        p.store32(hint::CS_DEPTH, 1);
+        p.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
+        p.store32(hint::WAITING_FOR, target);
+        if let Some(a) = p.u64_at(hint::LAST_WAIT_TSC) {
+            a.store(u64::MAX - round, Ordering::Relaxed);
+        }
+    }
+    let notify = SpinNotify {
+        waiting_for: u16::try_from(target).ok(),
+        next_owner: true,
+        spun_bucket: u8::MAX,
+        lock_hash: round as u16,
+    };
+    outl(DOORBELL.load(Ordering::Relaxed) + SPIN_OFFSET, notify.encode());
+}
+
 /// A wait as the ABI's `SpinNotify` value.
 fn encode(wait: &SpinWait) -> u32 {
     SpinNotify {

@@ -94,6 +94,14 @@ pub enum Workload {
     /// both on halted vCPUs and on vCPUs about to halt. Measures kick-to-wake latency with the
     /// guest TSC. Needs PV on.
     PingPong = 7,
+    /// Every vCPU computes `iterations` x (`cs_work` + `ncs_work`) units without a single exit:
+    /// a guest that only uses its CPU (the co-tenant baseline of the confinement benchmark).
+    Burn = 8,
+    /// A hostile guest: every vCPU, `iterations` times, computes `cs_work` units; vCPU 0 does
+    /// nothing else (it never exits), and every other vCPU then scribbles on its hint page
+    /// (critical section, waiting for vCPU 0, huge wait reports) and sends a SPIN
+    /// notification naming vCPU 0, which is running and holds nothing. Needs PV kick+yield.
+    Abuse = 9,
 }
 
 impl Workload {
@@ -107,6 +115,8 @@ impl Workload {
             5 => Self::Hypercall,
             6 => Self::Cpuid,
             7 => Self::PingPong,
+            8 => Self::Burn,
+            9 => Self::Abuse,
             _ => return None,
         })
     }
@@ -299,6 +309,8 @@ mod tests {
             Workload::Hypercall,
             Workload::Cpuid,
             Workload::PingPong,
+            Workload::Burn,
+            Workload::Abuse,
         ] {
             assert_eq!(Workload::from_u32(w as u32), Some(w));
         }
