@@ -187,6 +187,10 @@ pub struct BenchOptions {
     pub runs: u32,
     /// Variants; empty: the one the VM options describe.
     pub variants: Vec<Variant>,
+    /// VMs per run, each its own process running the same case at once (1: in this process).
+    pub vms: u32,
+    /// In a child process of a multi-VM run: which case, and which VM of it.
+    pub child: Option<(usize, u32)>,
 }
 
 /// One variant's results at one hog count.
@@ -201,6 +205,21 @@ pub struct CaseResult {
     pub seconds: Vec<f64>,
     /// Runs stopped by the bound.
     pub timed_out: u32,
+    /// Multi-VM runs: per VM, its guest seconds in each run.
+    pub per_vm_seconds: Vec<Vec<f64>>,
+    /// Multi-VM runs: per VM, the host CPU seconds its process used in each run.
+    pub per_vm_cpu: Vec<Vec<f64>>,
+}
+
+/// The median of `values` (0 for none).
+fn median_of(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
 }
 
 impl CaseResult {
@@ -222,13 +241,7 @@ impl CaseResult {
 
     /// Median of the runs.
     pub fn median(&self) -> f64 {
-        let mut sorted = self.seconds.clone();
-        sorted.sort_by(f64::total_cmp);
-        match sorted.len() {
-            0 => 0.0,
-            n if n % 2 == 1 => sorted[n / 2],
-            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-        }
+        median_of(&self.seconds)
     }
 }
 
@@ -239,6 +252,8 @@ pub struct BenchTable {
     pub title: String,
     /// vCPUs per VM.
     pub vcpus: u32,
+    /// VMs per run.
+    pub vms: u32,
     /// Host CPUs.
     pub host_cpus: usize,
     /// Per hog count, per variant (the first variant is the baseline).
@@ -259,7 +274,8 @@ impl fmt::Display for BenchTable {
                 baseline = Some((case.hogs, case.median()));
             }
             let base = baseline.map_or(case.median(), |(_, median)| median);
-            let load = f64::from(self.vcpus + case.hogs) / self.host_cpus.max(1) as f64;
+            let load =
+                f64::from(self.vcpus * self.vms.max(1) + case.hogs) / self.host_cpus.max(1) as f64;
             let change = if base > 0.0 {
                 format!("{:+.1}%", (case.median() / base - 1.0) * 100.0)
             } else {
@@ -292,9 +308,104 @@ impl fmt::Display for BenchTable {
                     String::new()
                 }
             )?;
+            let total_cpu: f64 = case.per_vm_cpu.iter().map(|c| median_of(c)).sum();
+            for (i, (secs, cpu)) in case.per_vm_seconds.iter().zip(&case.per_vm_cpu).enumerate() {
+                let share = if total_cpu > 0.0 {
+                    median_of(cpu) / total_cpu
+                } else {
+                    0.0
+                };
+                writeln!(
+                    f,
+                    "    VM {i}: guest seconds median {:.4}, host CPU seconds median {:.3} ({:.0}% of the VMs' CPU time)",
+                    median_of(secs),
+                    median_of(cpu),
+                    share * 100.0
+                )?;
+            }
         }
         Ok(())
     }
+}
+
+/// One run of case `k` as `vms` VMs at once, each a child process of this one running the same
+/// command line with `--child-case k --child-vm i`. The run's time is the slowest VM's.
+fn run_vms(k: usize, case: &mut CaseResult, vms: u32, timeout_ms: u64) -> Result<(), RunError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| RunError::Setup(format!("finding this executable: {e}")))?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut children = Vec::new();
+    for i in 0..vms {
+        let child = std::process::Command::new(&exe)
+            .args(&args)
+            .args(["--child-case", &k.to_string(), "--child-vm", &i.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| RunError::Setup(format!("starting VM {i}: {e}")))?;
+        children.push(child);
+    }
+    case.per_vm_seconds.resize(vms as usize, Vec::new());
+    case.per_vm_cpu.resize(vms as usize, Vec::new());
+    let mut slowest: f64 = 0.0;
+    let mut stopped = false;
+    for (i, mut child) in children.into_iter().enumerate() {
+        let mut out = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
+        }
+        let (status, cpu) = wait_with_rusage(child.id())?;
+        let report = out
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok());
+        let seconds = match (status, report) {
+            (0, Some(report)) => report["guest_seconds"].as_f64().unwrap_or(0.0),
+            _ => {
+                // A VM stopped by its bound (or failed): record the bound, as single-VM runs do.
+                eprintln!(
+                    "pvspin-vmm bench: {} VM {i} ended with status {status}",
+                    case.variant.name()
+                );
+                stopped = true;
+                timeout_ms as f64 / 1000.0
+            }
+        };
+        crate::cli::print_stdout(&format!(
+            "{{\"vm\":{i},\"guest_seconds\":{seconds},\"cpu_seconds\":{cpu}}}"
+        ));
+        case.per_vm_seconds[i].push(seconds);
+        case.per_vm_cpu[i].push(cpu);
+        slowest = slowest.max(seconds);
+    }
+    case.seconds.push(slowest);
+    if stopped {
+        case.timed_out += 1;
+    }
+    Ok(())
+}
+
+/// Waits for child `pid`; returns its exit status (or 128 + signal) and the CPU seconds it used.
+fn wait_with_rusage(pid: u32) -> Result<(i32, f64), RunError> {
+    let mut status = 0;
+    // SAFETY: rusage is plain data, written by the kernel.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = libc::pid_t::try_from(pid).map_err(|_| RunError::Setup("bad pid".into()))?;
+    // SAFETY: waits for our own child; both out-pointers are valid for the call.
+    let ret = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if ret != pid {
+        return Err(RunError::Setup(format!(
+            "waiting for VM process {pid}: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Ok((code, secs(usage.ru_utime) + secs(usage.ru_stime)))
 }
 
 /// Runs every case `runs` times, interleaved, printing each run's JSON line as it finishes.
@@ -324,6 +435,8 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
                 variant,
                 seconds: Vec::new(),
                 timed_out: 0,
+                per_vm_seconds: Vec::new(),
+                per_vm_cpu: Vec::new(),
             })
         })
         .collect();
@@ -331,8 +444,28 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
     for case in &cases {
         case.variant.config(&base, case.hogs).validate(u32::MAX)?;
     }
+    if let Some((k, vm_index)) = options.child {
+        let case = cases
+            .get(k)
+            .ok_or(RunError::Refused(format!("no case {k}")))?;
+        // The case's hogs belong to the first VM only.
+        let hogs = if vm_index == 0 { case.hogs } else { 0 };
+        let report = vmm::run(&case.variant.config(&base, hogs))?;
+        crate::cli::print_stdout(&report.to_json());
+        return Ok(BenchTable {
+            title: String::new(),
+            vcpus: vm.vcpus,
+            vms: 1,
+            host_cpus: 0,
+            cases: Vec::new(),
+        });
+    }
     for _ in 0..options.runs {
-        for case in &mut cases {
+        for (k, case) in cases.iter_mut().enumerate() {
+            if options.vms > 1 {
+                run_vms(k, case, options.vms, vm.timeout_ms)?;
+                continue;
+            }
             match vmm::run(&case.variant.config(&base, case.hogs)) {
                 Ok(report) => {
                     crate::cli::print_stdout(&report.to_json());
@@ -354,7 +487,12 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
     }
     Ok(BenchTable {
         title: format!(
-            "lock workload on {} vCPUs ({} mode), {} acquisitions each, cs {} ncs {}, {} runs per case, interleaved",
+            "{}lock workload on {} vCPUs ({} mode), {} acquisitions each, cs {} ncs {}, {} runs per case, interleaved",
+            if options.vms > 1 {
+                format!("{} VMs at once, separate processes, each: ", options.vms)
+            } else {
+                String::new()
+            },
             vm.vcpus,
             if base.user_mode { "user" } else { "kernel" },
             vm.iterations,
@@ -363,6 +501,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             options.runs
         ),
         vcpus: vm.vcpus,
+        vms: options.vms.max(1),
         host_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cases,
     })
@@ -378,6 +517,8 @@ mod tests {
             variant: Variant::parse(variant).unwrap(),
             seconds: seconds.to_vec(),
             timed_out: 0,
+            per_vm_seconds: Vec::new(),
+            per_vm_cpu: Vec::new(),
         }
     }
 
@@ -418,6 +559,7 @@ mod tests {
         let table = BenchTable {
             title: "t".into(),
             vcpus: 2,
+            vms: 1,
             host_cpus: 2,
             cases: vec![
                 case(0, "ticket:off", &[1.0]),
@@ -434,5 +576,24 @@ mod tests {
         // T/T1x: each variant against its own 0-hog median.
         assert!(text.contains("T/T1x   3.00"), "{text}");
         assert!(text.contains("T/T1x   0.60"), "{text}");
+    }
+
+    #[test]
+    fn multi_vm_cases_count_every_vm_and_show_each_share() {
+        let mut c = case(0, "ticket:kick", &[2.0]);
+        c.per_vm_seconds = vec![vec![2.0], vec![1.5]];
+        c.per_vm_cpu = vec![vec![3.0], vec![1.0]];
+        let table = BenchTable {
+            title: "t".into(),
+            vcpus: 2,
+            vms: 2,
+            host_cpus: 2,
+            cases: vec![c],
+        };
+        let text = table.to_string();
+        assert!(text.contains("case 2x (0 hogs)"), "{text}");
+        assert!(text.contains("VM 0: guest seconds median 2.0000"), "{text}");
+        assert!(text.contains("(75% of the VMs' CPU time)"), "{text}");
+        assert!(text.contains("(25% of the VMs' CPU time)"), "{text}");
     }
 }

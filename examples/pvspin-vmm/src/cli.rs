@@ -420,6 +420,16 @@ pub struct BenchArgs {
     /// the one --lock/--pv/--kick-path describe.
     #[arg(long, value_delimiter = ',', value_parser = crate::bench::Variant::parse)]
     pub variants: Vec<crate::bench::Variant>,
+    /// VMs per run: each its own process, all running the same case at once (co-tenants and
+    /// host-wide overcommit measured, not assumed); a case's hogs run in the first VM.
+    #[arg(long, default_value_t = 1)]
+    pub vms: u32,
+    /// Internal: this process is VM `--child-vm` of a multi-VM run of case `--child-case`.
+    #[arg(long, hide = true, requires = "child_vm")]
+    pub child_case: Option<usize>,
+    /// Internal: see `--child-case`.
+    #[arg(long, hide = true)]
+    pub child_vm: Option<u32>,
 }
 
 impl VmArgs {
@@ -558,8 +568,11 @@ where
                 hogs: args.hogs.clone(),
                 runs: args.runs,
                 variants: args.variants.clone(),
+                vms: args.vms.max(1),
+                child: args.child_case.zip(args.child_vm),
             };
             match bench::run(&args.vm, &options) {
+                Ok(_) if options.child.is_some() => 0,
                 Ok(table) => {
                     print_stdout(&table.to_string());
                     0
