@@ -64,13 +64,14 @@ def main():
             print(f"run {run + 1} {name}: co-tenant {units / 1e9:.3f} G units/s, "
                   f"VM {vm_cpus:.2f} CPUs", file=sys.stderr)
     print(f"| case | co-tenant, G units/s (median of {RUNS}) | against the spin-only guest "
-          f"| VM's CPUs (median) |")
+          f"of the same run (median of the {RUNS} ratios, min-max) | VM's CPUs (median) |")
     print("|---|---|---|---|")
     for name, _, base in CASES:
         units = statistics.median(results[name][0])
-        ratio = units / statistics.median(results[base][0])
+        ratios = [a / b for a, b in zip(results[name][0], results[base][0])]
         cpus = statistics.median(results[name][1])
-        print(f"| {name} | {units / 1e9:.3f} | {ratio:.2f} | {cpus:.2f} |")
+        print(f"| {name} | {units / 1e9:.3f} | {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) | {cpus:.2f} |")
 
 
 if __name__ == "__main__":
