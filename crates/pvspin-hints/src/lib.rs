@@ -19,25 +19,38 @@
 //!
 //! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
 //!
-//! **Not implemented yet:** affinity actuators, and a run-slot scheduler for VMMs that gate
-//! their vCPU threads. The side-by-side measurement of the three
+//! [`slots`] is the run-slot policy: at most S vCPUs run guest code at once, the lock holder
+//! and kicked vCPUs first, the others parked on the VMM's own waits; [`confine`] says whether
+//! priority boosts stay inside the VM's CPU share.
+//!
+//! **Not implemented yet:** affinity actuators. The side-by-side measurement of the three
 //! actuators needs the example VMM and its guests.
 #![deny(missing_docs)]
 
+#[cfg(not(loom))]
 pub mod actuator;
+#[cfg(not(loom))]
 pub mod boost;
 pub mod confine;
+#[cfg(not(loom))]
 pub mod page;
+#[cfg(not(loom))]
 pub mod sched;
+pub mod slots;
+mod sync;
 
+#[cfg(not(loom))]
 pub use actuator::{
     by_name, by_name_or_fallback, by_name_or_fallback_with, by_name_or_fallback_with_start,
     by_name_with, by_name_with_start, Actuator, ActuatorError, BoostActuator, YieldOnly,
     YieldReport, DEFAULT_ACTUATOR,
 };
+#[cfg(not(loom))]
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
 pub use confine::{Confinement, Verdict};
+#[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
+pub use slots::{EnterOutcome, RunSlots, SlotConfig, SlotError, SlotSignals, SlotStats};
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests;

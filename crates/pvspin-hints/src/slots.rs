@@ -1,0 +1,1002 @@
+//! Run slots: at most S of a VM's vCPUs run guest code at once; the others wait on the VMM's
+//! own futex-style waits instead of spinning in the host's run queue.
+//!
+//! The host scheduler time-slices a VM's vCPU threads among themselves when the VM has more
+//! vCPUs than CPUs, and it cannot tell the lock holder from its spinners. Run slots make that
+//! choice in the VMM, where the lock state is known: S slots (the CPUs the VM is entitled to:
+//! [`entitled_cpus`]), handed out by this policy:
+//!
+//! 1. a vCPU just kicked or named as the one others wait for ([`RunSlots::prioritize`]) goes
+//!    to the head of the queue;
+//! 2. a vCPU whose quantum is over keeps its slot for at most one extension of
+//!    `cs_extension` while its guest says it is inside a critical section
+//!    ([`SlotSignals::in_critical_section`]: the hint page's `CS_DEPTH`);
+//! 3. otherwise round robin with a quantum: a waiter whose turn is due asks the overdue holder
+//!    to leave ([`SlotSignals::preempt`]: the VMM's interrupter forces it out of `KVM_RUN`),
+//!    and the holder hands its slot over at its next exit ([`RunSlots::exited`]).
+//!
+//! A vCPU that blocks anyway (a halt or a WAIT parked in the VMM) gives its slot up
+//! ([`RunSlots::leave`]). Slots pass directly from the leaving vCPU to the head of the queue,
+//! so exactly one waiter wakes per hand-over.
+//!
+//! **The bound.** A waiter is overtaken by prioritized vCPUs at most `vcpus` times (then it
+//! ages, and later priorities queue behind it), so it has at most `2 * vcpus - 1` vCPUs ahead
+//! of it; each slot passes at least once per `quantum + cs_extension + preempt_latency`, where
+//! `preempt_latency` is how long a forced exit takes (the interrupter's signal, a host
+//! reschedule). So a vCPU waits at most
+//! `ceil((2 * vcpus - 1) / slots) * (quantum + cs_extension + preempt_latency)`
+//! ([`SlotConfig::wait_bound`]); the tests check it with a controlled clock.
+//!
+//! Pure policy over two small traits ([`SlotSignals`] for the guest's state and forced exits,
+//! [`SlotClock`] for time); the waits are `Mutex` + `Condvar`, so a loom model checks the
+//! hand-over (`RUSTFLAGS="--cfg loom" cargo test -p pvspin-hints --release --lib loom`).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+
+/// Errors in the slot configuration.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SlotError {
+    /// Rule: 1 <= slots <= vcpus.
+    #[error("rule: run slots must be between 1 and the vCPU count ({vcpus}), got {slots}")]
+    Slots {
+        /// Slots asked for.
+        slots: usize,
+        /// vCPUs.
+        vcpus: usize,
+    },
+    /// Rule: a quantum of at least 100 us (shorter ones cost more in forced exits than they
+    /// share), at most 1 s.
+    #[error("rule: the run-slot quantum must be between 100 us and 1 s, got {0:?}")]
+    Quantum(Duration),
+    /// Rule: the critical-section extension is at most the quantum.
+    #[error("rule: the critical-section extension ({extension:?}) must not exceed the quantum ({quantum:?})")]
+    Extension {
+        /// The extension.
+        extension: Duration,
+        /// The quantum.
+        quantum: Duration,
+    },
+}
+
+/// How run slots are handed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotConfig {
+    /// vCPUs that may run guest code at once.
+    pub slots: usize,
+    /// How long a vCPU keeps its slot while others wait.
+    pub quantum: Duration,
+    /// How much longer it keeps it, once per quantum, while inside a critical section.
+    pub cs_extension: Duration,
+    /// The forced-exit latency the wait bound assumes ([`SlotConfig::wait_bound`]), and how
+    /// often a waiter repeats a preemption request that has not taken effect.
+    pub preempt_latency: Duration,
+}
+
+impl SlotConfig {
+    /// `slots` slots with a 2 ms quantum (a few host time slices' worth of lock hold time,
+    /// like the boost deadline), a 500 us extension and a 1 ms preemption latency.
+    pub fn new(slots: usize) -> Self {
+        Self {
+            slots,
+            quantum: Duration::from_millis(2),
+            cs_extension: Duration::from_micros(500),
+            preempt_latency: Duration::from_millis(1),
+        }
+    }
+
+    /// Checks the rules for `vcpus` vCPUs.
+    pub fn validate(&self, vcpus: usize) -> Result<(), SlotError> {
+        if self.slots == 0 || self.slots > vcpus {
+            return Err(SlotError::Slots {
+                slots: self.slots,
+                vcpus,
+            });
+        }
+        if self.quantum < Duration::from_micros(100) || self.quantum > Duration::from_secs(1) {
+            return Err(SlotError::Quantum(self.quantum));
+        }
+        if self.cs_extension > self.quantum {
+            return Err(SlotError::Extension {
+                extension: self.cs_extension,
+                quantum: self.quantum,
+            });
+        }
+        Ok(())
+    }
+
+    /// The longest a vCPU waits for a slot with `vcpus` vCPUs (see the module docs).
+    pub fn wait_bound(&self, vcpus: usize) -> Duration {
+        let ahead = (2 * vcpus).saturating_sub(1) as u32;
+        let rounds = ahead.div_ceil(self.slots.max(1) as u32);
+        (self.quantum + self.cs_extension + self.preempt_latency) * rounds.max(1)
+    }
+}
+
+/// What the policy asks about vCPUs, and how it forces one out of `KVM_RUN`.
+pub trait SlotSignals: Send + Sync {
+    /// Whether vCPU `v`'s guest says it is inside a critical section.
+    fn in_critical_section(&self, v: usize) -> bool;
+    /// Makes vCPU `v` leave `KVM_RUN` soon (it then calls [`RunSlots::exited`]). Called
+    /// without the policy's lock held; must not block.
+    fn preempt(&self, v: usize);
+}
+
+/// Monotonic time in nanoseconds.
+pub trait SlotClock: Send + Sync {
+    /// Now.
+    fn now_ns(&self) -> u64;
+}
+
+/// The real clock.
+#[derive(Debug)]
+pub struct MonotonicClock(std::time::Instant);
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self(std::time::Instant::now())
+    }
+}
+
+impl SlotClock for MonotonicClock {
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// How [`RunSlots::enter`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnterOutcome {
+    /// The vCPU holds a slot; `waited_ns` is how long it waited for it.
+    Granted {
+        /// Time spent waiting.
+        waited_ns: u64,
+    },
+    /// The slots shut down: run without one (the VMM is stopping).
+    Shutdown,
+}
+
+/// One step of [`RunSlots::enter`].
+enum Step {
+    Done(EnterOutcome),
+    Preempt(usize),
+    WaitNs(u64),
+}
+
+/// Counters, summed over the VM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotStats {
+    /// Slots granted (immediately or after a wait).
+    pub grants: u64,
+    /// Grants that had to wait.
+    pub waits: u64,
+    /// Grants to a vCPU that was prioritized (kicked or named) while it waited.
+    pub prioritized_grants: u64,
+    /// Preemption requests sent to overdue holders.
+    pub preemptions: u64,
+    /// Quantum extensions granted for critical sections.
+    pub extensions: u64,
+    /// The longest wait seen, ns.
+    pub max_wait_ns: u64,
+    /// The most vCPUs that held slots at once (never above the slot count).
+    pub max_held: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Per vCPU: when its current quantum began, if it holds a slot.
+    granted_at: Vec<Option<u64>>,
+    /// Per vCPU: its quantum was extended for a critical section.
+    extended: Vec<bool>,
+    /// Per vCPU: a preemption was requested at this time (0: none).
+    preempt_sent: Vec<u64>,
+    /// Per vCPU: prioritized while it waited (or before it asked).
+    prioritized: Vec<bool>,
+    /// Per vCPU: how often it was overtaken while waiting.
+    overtaken: Vec<usize>,
+    /// Per vCPU: when it joined the queue, while it is in it or granted from it.
+    queued_since: Vec<Option<u64>>,
+    held: usize,
+    queue: VecDeque<usize>,
+    shutdown: bool,
+}
+
+impl State {
+    fn queued(&self, v: usize) -> bool {
+        self.queue.contains(&v)
+    }
+
+    /// Puts `v` in the queue: prioritized vCPUs go ahead of every waiter that has not aged.
+    fn enqueue(&mut self, v: usize, limit: usize) {
+        if self.queued(v) {
+            return;
+        }
+        if self.prioritized[v] {
+            let pos = self
+                .queue
+                .iter()
+                .rposition(|&w| self.overtaken[w] >= limit || self.prioritized[w])
+                .map_or(0, |p| p + 1);
+            for &w in self.queue.iter().skip(pos) {
+                self.overtaken[w] += 1;
+            }
+            self.queue.insert(pos, v);
+        } else {
+            self.queue.push_back(v);
+        }
+    }
+
+    /// The deadline of holder `h`'s quantum, with its extension if it was granted one.
+    fn deadline(&self, h: usize, cfg: &SlotConfig) -> Option<u64> {
+        let start = self.granted_at[h]?;
+        let mut end = start.saturating_add(duration_ns(cfg.quantum));
+        if self.extended[h] {
+            end = end.saturating_add(duration_ns(cfg.cs_extension));
+        }
+        Some(end)
+    }
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The run slots of one VM. Every method is called from the vCPU's own thread except
+/// [`prioritize`](Self::prioritize) and [`shutdown`](Self::shutdown), which any thread may
+/// call.
+pub struct RunSlots {
+    cfg: SlotConfig,
+    state: Mutex<State>,
+    wakeups: Vec<Condvar>,
+    clock: Box<dyn SlotClock>,
+    grants: AtomicU64,
+    waits: AtomicU64,
+    prioritized_grants: AtomicU64,
+    preemptions: AtomicU64,
+    extensions: AtomicU64,
+    max_wait_ns: AtomicU64,
+    max_held: AtomicU64,
+}
+
+impl std::fmt::Debug for RunSlots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunSlots")
+            .field("cfg", &self.cfg)
+            .field("vcpus", &self.wakeups.len())
+            .finish()
+    }
+}
+
+impl RunSlots {
+    /// Slots for `vcpus` vCPUs, on the real clock.
+    pub fn new(vcpus: usize, cfg: SlotConfig) -> Result<Self, SlotError> {
+        Self::with_clock(vcpus, cfg, Box::new(MonotonicClock::default()))
+    }
+
+    /// Slots for `vcpus` vCPUs on `clock`.
+    pub fn with_clock(
+        vcpus: usize,
+        cfg: SlotConfig,
+        clock: Box<dyn SlotClock>,
+    ) -> Result<Self, SlotError> {
+        cfg.validate(vcpus)?;
+        Ok(Self {
+            cfg,
+            state: Mutex::new(State {
+                granted_at: vec![None; vcpus],
+                extended: vec![false; vcpus],
+                preempt_sent: vec![0; vcpus],
+                prioritized: vec![false; vcpus],
+                overtaken: vec![0; vcpus],
+                queued_since: vec![None; vcpus],
+                held: 0,
+                queue: VecDeque::with_capacity(vcpus),
+                shutdown: false,
+            }),
+            wakeups: (0..vcpus).map(|_| Condvar::new()).collect(),
+            clock,
+            grants: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            prioritized_grants: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            extensions: AtomicU64::new(0),
+            max_wait_ns: AtomicU64::new(0),
+            max_held: AtomicU64::new(0),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> SlotConfig {
+        self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Gives `v` a slot (the caller holds the lock and checked that one is free).
+    fn grant(&self, st: &mut State, v: usize, now: u64) {
+        st.granted_at[v] = Some(now);
+        st.extended[v] = false;
+        st.preempt_sent[v] = 0;
+        st.held += 1;
+        if std::mem::take(&mut st.prioritized[v]) {
+            self.prioritized_grants.fetch_add(1, Ordering::Relaxed);
+        }
+        st.overtaken[v] = 0;
+        self.grants.fetch_add(1, Ordering::Relaxed);
+        self.max_held.fetch_max(st.held as u64, Ordering::Relaxed);
+    }
+
+    /// `v` gives its slot up; the head of the queue gets it and is woken.
+    fn release(&self, st: &mut State, v: usize, now: u64) {
+        if st.granted_at[v].take().is_none() {
+            return;
+        }
+        st.held -= 1;
+        st.preempt_sent[v] = 0;
+        if let Some(w) = st.queue.pop_front() {
+            self.grant(st, w, now);
+            self.wakeups[w].notify_one();
+        }
+    }
+
+    /// Before `KVM_RUN`, on vCPU `v`'s thread: returns once `v` holds a slot (at once when it
+    /// kept its slot or one is free), else waits, asking overdue holders to leave. Bounded by
+    /// [`SlotConfig::wait_bound`] when preemptions take effect within `preempt_latency`.
+    pub fn enter(&self, v: usize, signals: &dyn SlotSignals) -> EnterOutcome {
+        let start = self.clock.now_ns();
+        let mut st = self.lock();
+        loop {
+            match self.step(&mut st, v, start) {
+                Step::Done(outcome) => return outcome,
+                Step::Preempt(h) => {
+                    drop(st);
+                    signals.preempt(h);
+                    st = self.lock();
+                }
+                Step::WaitNs(ns) => st = self.wait(st, v, ns),
+            }
+        }
+    }
+
+    /// [`enter`](Self::enter) without blocking: `Some` when `v` holds a slot now (or the
+    /// slots shut down), `None` when it is queued (asking an overdue holder to leave if one
+    /// is due). `since_ns` is when `v` began to ask (the clock's time), for the wait it
+    /// reports. For VMMs that poll, and for the policy's simulation tests.
+    pub fn try_enter(
+        &self,
+        v: usize,
+        since_ns: u64,
+        signals: &dyn SlotSignals,
+    ) -> Option<EnterOutcome> {
+        let mut st = self.lock();
+        loop {
+            match self.step(&mut st, v, since_ns) {
+                Step::Done(outcome) => return Some(outcome),
+                Step::Preempt(h) => {
+                    drop(st);
+                    signals.preempt(h);
+                    st = self.lock();
+                }
+                Step::WaitNs(_) => return None,
+            }
+        }
+    }
+
+    /// The clock's time now (what [`try_enter`](Self::try_enter)'s `since_ns` is measured on).
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    /// One decision for `v`, which asks for a slot since `start`.
+    fn step(&self, st: &mut State, v: usize, start: u64) -> Step {
+        let now = self.clock.now_ns();
+        if v >= st.granted_at.len() {
+            return Step::Done(EnterOutcome::Shutdown);
+        }
+        if st.granted_at[v].is_some() {
+            let waited = now.saturating_sub(start);
+            if st.queued_since[v].take().is_some() {
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                self.max_wait_ns.fetch_max(waited, Ordering::Relaxed);
+            }
+            return Step::Done(EnterOutcome::Granted { waited_ns: waited });
+        }
+        if st.shutdown {
+            st.queue.retain(|&w| w != v);
+            st.queued_since[v] = None;
+            return Step::Done(EnterOutcome::Shutdown);
+        }
+        if st.held < self.cfg.slots && st.queue.is_empty() {
+            self.grant(st, v, now);
+            return Step::Done(EnterOutcome::Granted { waited_ns: 0 });
+        }
+        if !st.queued(v) {
+            let limit = st.granted_at.len();
+            st.enqueue(v, limit);
+            st.queued_since[v] = Some(start);
+        }
+        // A free slot with a queue: the head takes it (a wake-up can race a hand-over).
+        if st.held < self.cfg.slots {
+            if let Some(w) = st.queue.pop_front() {
+                self.grant(st, w, now);
+                if w != v {
+                    self.wakeups[w].notify_one();
+                }
+                return self.step(st, v, start);
+            }
+        }
+        // The holder whose turn ended first: ask it to leave, again once per
+        // preempt_latency while it has not.
+        let latency = duration_ns(self.cfg.preempt_latency);
+        let mut wake_at = now.saturating_add(latency);
+        for h in 0..st.granted_at.len() {
+            let Some(end) = st.deadline(h, &self.cfg) else {
+                continue;
+            };
+            if end > now {
+                wake_at = wake_at.min(end);
+                continue;
+            }
+            let sent = st.preempt_sent[h];
+            if sent == 0 || now >= sent.saturating_add(latency) {
+                st.preempt_sent[h] = now.max(1);
+                self.preemptions.fetch_add(1, Ordering::Relaxed);
+                return Step::Preempt(h);
+            }
+            wake_at = wake_at.min(sent.saturating_add(latency));
+        }
+        Step::WaitNs(wake_at.saturating_sub(now))
+    }
+
+    #[cfg(not(loom))]
+    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, ns: u64) -> MutexGuard<'a, State> {
+        self.wakeups[v]
+            .wait_timeout(st, Duration::from_nanos(ns.max(1_000)))
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0)
+    }
+
+    /// Loom has no timeouts: the model checks the hand-over, which needs none.
+    #[cfg(loom)]
+    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, _ns: u64) -> MutexGuard<'a, State> {
+        self.wakeups[v].wait(st).unwrap()
+    }
+
+    /// After `KVM_RUN` returns, on vCPU `v`'s thread: when others wait and `v`'s quantum is
+    /// over (or a preemption was asked), `v` gives its slot up, unless its guest is inside a
+    /// critical section and this quantum was not extended yet. Returns whether `v` still
+    /// holds a slot.
+    pub fn exited(&self, v: usize, signals: &dyn SlotSignals) -> bool {
+        let now = self.clock.now_ns();
+        let mut st = self.lock();
+        let Some(start) = st.granted_at.get(v).copied().flatten() else {
+            return false;
+        };
+        if st.queue.is_empty() {
+            // Nobody waits: a fresh quantum, so a waiter that comes later finds it young.
+            st.granted_at[v] = Some(now);
+            st.extended[v] = false;
+            return true;
+        }
+        let over = now >= start.saturating_add(duration_ns(self.cfg.quantum));
+        if !over && st.preempt_sent[v] == 0 {
+            return true;
+        }
+        if !st.extended[v] && signals.in_critical_section(v) {
+            let end = st.deadline(v, &self.cfg).unwrap_or(now);
+            if now < end.saturating_add(duration_ns(self.cfg.cs_extension)) {
+                st.extended[v] = true;
+                st.preempt_sent[v] = 0;
+                self.extensions.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+        }
+        self.release(&mut st, v, now);
+        false
+    }
+
+    /// vCPU `v` blocks anyway (a halt or a WAIT parked in the VMM): gives its slot up, or
+    /// leaves the queue.
+    pub fn leave(&self, v: usize) {
+        let now = self.clock.now_ns();
+        let mut st = self.lock();
+        if v >= st.granted_at.len() {
+            return;
+        }
+        st.queue.retain(|&w| w != v);
+        st.queued_since[v] = None;
+        self.release(&mut st, v, now);
+    }
+
+    /// vCPU `v` was just kicked, or named as the vCPU others wait for: it goes ahead of
+    /// waiters that have not aged, now if it waits, or when it next asks.
+    pub fn prioritize(&self, v: usize) {
+        let mut st = self.lock();
+        if v >= st.granted_at.len() || st.granted_at[v].is_some() || st.prioritized[v] {
+            return;
+        }
+        st.prioritized[v] = true;
+        if st.queued(v) {
+            st.queue.retain(|&w| w != v);
+            let limit = st.granted_at.len();
+            st.enqueue(v, limit);
+        }
+    }
+
+    /// The VM is stopping: every waiter returns [`EnterOutcome::Shutdown`] now and later.
+    pub fn shutdown(&self) {
+        let mut st = self.lock();
+        st.shutdown = true;
+        drop(st);
+        for cv in &self.wakeups {
+            cv.notify_all();
+        }
+    }
+
+    /// Whether `v` holds a slot now.
+    pub fn holds(&self, v: usize) -> bool {
+        self.lock().granted_at.get(v).is_some_and(Option::is_some)
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> SlotStats {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SlotStats {
+            grants: ld(&self.grants),
+            waits: ld(&self.waits),
+            prioritized_grants: ld(&self.prioritized_grants),
+            preemptions: ld(&self.preemptions),
+            extensions: ld(&self.extensions),
+            max_wait_ns: ld(&self.max_wait_ns),
+            max_held: ld(&self.max_held),
+        }
+    }
+}
+
+/// The CPUs this process may use: the fewer of its affinity mask's CPUs and its cpu
+/// cgroup's quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, rounded up),
+/// at least 1: the default slot count.
+#[cfg(not(loom))]
+pub fn entitled_cpus() -> usize {
+    let affinity = affinity_cpus().unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    });
+    let quota = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|text| crate::confine::cpu_cgroup(&text))
+        .and_then(|(path, v1)| {
+            cgroup_quota_cpus(std::path::Path::new("/sys/fs/cgroup"), &path, v1)
+        });
+    quota.map_or(affinity, |q| q.min(affinity)).max(1)
+}
+
+#[cfg(not(loom))]
+fn affinity_cpus() -> Option<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; the size matches the set passed.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    // SAFETY: `set` was filled by the kernel.
+    (r == 0).then(|| unsafe { libc::CPU_COUNT(&set) } as usize)
+}
+
+/// CPUs allowed by a v2 `cpu.max` text (`"max 100000"`: unlimited), rounded up.
+pub fn parse_cpu_max(text: &str) -> Option<usize> {
+    let mut it = text.split_whitespace();
+    let quota = it.next()?;
+    let period: u64 = it.next().map_or(Some(100_000), |p| p.parse().ok())?;
+    if quota == "max" || period == 0 {
+        return None;
+    }
+    let quota: u64 = quota.parse().ok()?;
+    usize::try_from(quota.div_ceil(period)).ok()
+}
+
+/// CPUs allowed by v1 `cpu.cfs_quota_us` and `cpu.cfs_period_us` texts (quota -1:
+/// unlimited), rounded up.
+pub fn parse_cfs_quota(quota: &str, period: &str) -> Option<usize> {
+    let quota: i64 = quota.trim().parse().ok()?;
+    let period: u64 = period.trim().parse().ok()?;
+    if quota <= 0 || period == 0 {
+        return None;
+    }
+    usize::try_from((quota as u64).div_ceil(period)).ok()
+}
+
+/// The quota of the cpu cgroup at `path` under the cgroup filesystem `root`, if limited.
+#[cfg(not(loom))]
+fn cgroup_quota_cpus(root: &std::path::Path, path: &str, v1: bool) -> Option<usize> {
+    let rel = path.trim_start_matches('/');
+    if v1 {
+        let dir = ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
+            .iter()
+            .map(|m| root.join(m))
+            .find(|m| m.is_dir())?
+            .join(rel);
+        let quota = std::fs::read_to_string(dir.join("cpu.cfs_quota_us")).ok()?;
+        let period = std::fs::read_to_string(dir.join("cpu.cfs_period_us")).ok()?;
+        parse_cfs_quota(&quota, &period)
+    } else {
+        parse_cpu_max(&std::fs::read_to_string(root.join(rel).join("cpu.max")).ok()?)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64 as StdAtomicU64};
+    use std::sync::{Arc, Mutex as StdMutex};
+
+    #[derive(Debug, Default)]
+    struct ManualClock(Arc<StdAtomicU64>);
+
+    impl SlotClock for ManualClock {
+        fn now_ns(&self) -> u64 {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// Records preemption requests; critical sections as set by the test.
+    #[derive(Debug, Default)]
+    struct Signals {
+        preempted: StdMutex<Vec<usize>>,
+        in_cs: StdMutex<Vec<bool>>,
+    }
+
+    impl SlotSignals for Signals {
+        fn in_critical_section(&self, v: usize) -> bool {
+            self.in_cs.lock().unwrap().get(v).copied().unwrap_or(false)
+        }
+        fn preempt(&self, v: usize) {
+            self.preempted.lock().unwrap().push(v);
+        }
+    }
+
+    fn slots(n: usize, s: usize) -> (RunSlots, Arc<StdAtomicU64>) {
+        let now = Arc::new(StdAtomicU64::new(1));
+        let clock = ManualClock(now.clone());
+        let cfg = SlotConfig::new(s);
+        (RunSlots::with_clock(n, cfg, Box::new(clock)).unwrap(), now)
+    }
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn configuration_rules_are_named() {
+        assert_eq!(
+            SlotConfig::new(0).validate(4),
+            Err(SlotError::Slots { slots: 0, vcpus: 4 })
+        );
+        assert!(SlotConfig::new(5).validate(4).is_err());
+        let short = SlotConfig {
+            quantum: Duration::from_micros(10),
+            ..SlotConfig::new(1)
+        };
+        assert!(short
+            .validate(4)
+            .unwrap_err()
+            .to_string()
+            .starts_with("rule:"));
+        let long_ext = SlotConfig {
+            cs_extension: Duration::from_millis(5),
+            ..SlotConfig::new(1)
+        };
+        assert!(matches!(
+            long_ext.validate(4),
+            Err(SlotError::Extension { .. })
+        ));
+        // 4 vCPUs, 1 slot: 7 ahead at most, 3.5 ms per turn.
+        assert_eq!(
+            SlotConfig::new(1).wait_bound(4),
+            Duration::from_micros(3500) * 7
+        );
+        assert_eq!(
+            SlotConfig::new(2).wait_bound(4),
+            Duration::from_micros(3500) * 4
+        );
+    }
+
+    #[test]
+    fn free_slots_are_granted_and_held_across_exits_while_nobody_waits() {
+        let (s, now) = slots(3, 2);
+        let sig = Signals::default();
+        assert_eq!(s.enter(0, &sig), EnterOutcome::Granted { waited_ns: 0 });
+        assert_eq!(s.enter(1, &sig), EnterOutcome::Granted { waited_ns: 0 });
+        now.fetch_add(10 * MS, std::sync::atomic::Ordering::SeqCst);
+        assert!(s.exited(0, &sig), "nobody waits: keep the slot");
+        assert_eq!(s.try_enter(2, s.now_ns(), &sig), None, "both slots held");
+        assert_eq!(s.stats().max_held, 2);
+    }
+
+    #[test]
+    fn an_overdue_holder_is_preempted_and_hands_its_slot_to_the_waiter() {
+        let (s, now) = slots(2, 1);
+        let sig = Signals::default();
+        s.enter(0, &sig);
+        let since = s.now_ns();
+        assert_eq!(s.try_enter(1, since, &sig), None);
+        assert!(
+            sig.preempted.lock().unwrap().is_empty(),
+            "vCPU 0's quantum is young"
+        );
+        // Before the quantum ends an exit keeps the slot even with a waiter.
+        now.fetch_add(MS, std::sync::atomic::Ordering::SeqCst);
+        assert!(s.exited(0, &sig));
+        now.fetch_add(2 * MS, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(s.try_enter(1, since, &sig), None);
+        assert_eq!(*sig.preempted.lock().unwrap(), vec![0]);
+        assert!(!s.exited(0, &sig), "over its quantum: hands over");
+        assert!(s.holds(1));
+        assert_eq!(
+            s.try_enter(1, since, &sig),
+            Some(EnterOutcome::Granted { waited_ns: 3 * MS })
+        );
+        assert_eq!(s.stats().waits, 1);
+        assert_eq!(s.stats().max_wait_ns, 3 * MS);
+    }
+
+    #[test]
+    fn a_critical_section_extends_the_quantum_once() {
+        let (s, now) = slots(2, 1);
+        let sig = Signals::default();
+        *sig.in_cs.lock().unwrap() = vec![true, false];
+        s.enter(0, &sig);
+        let since = s.now_ns();
+        assert_eq!(s.try_enter(1, since, &sig), None);
+        now.fetch_add(2 * MS + 1, std::sync::atomic::Ordering::SeqCst);
+        assert!(s.exited(0, &sig), "inside a critical section: extended");
+        assert_eq!(s.stats().extensions, 1);
+        // Still inside at the extension's end: no second extension.
+        now.fetch_add(MS, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(s.try_enter(1, since, &sig), None);
+        assert!(!s.exited(0, &sig));
+        assert!(s.holds(1));
+    }
+
+    #[test]
+    fn a_kicked_vcpu_goes_first_but_cannot_starve_an_aged_waiter() {
+        let n = 4;
+        let (s, _now) = slots(n, 1);
+        let sig = Signals::default();
+        s.enter(0, &sig);
+        let t = s.now_ns();
+        assert_eq!(s.try_enter(1, t, &sig), None);
+        // Kicked vCPUs keep arriving; each overtakes vCPU 1 until it has aged.
+        let mut overtakes = 0;
+        for k in 0..3 * n {
+            let kicked = 2 + k % 2;
+            s.prioritize(kicked);
+            assert_eq!(s.try_enter(kicked, t, &sig), None);
+            s.leave(s.holder_for_tests().unwrap());
+            let holder = s.holder_for_tests().unwrap();
+            if holder == 1 {
+                assert!(overtakes >= 1, "a kicked vCPU goes first");
+                assert!(overtakes <= n, "overtaken {overtakes} times");
+                assert!(s.stats().prioritized_grants >= 1);
+                return;
+            }
+            assert_eq!(holder, kicked);
+            overtakes += 1;
+        }
+        panic!("vCPU 1 was overtaken {overtakes} times");
+    }
+
+    impl RunSlots {
+        fn holder_for_tests(&self) -> Option<usize> {
+            self.lock().granted_at.iter().position(Option::is_some)
+        }
+    }
+
+    /// A tiny xorshift generator: seeded, no dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Sim {
+        Running,
+        Waiting(u64),
+        Blocked,
+    }
+
+    /// Random schedules: vCPUs run, exit, block, get kicked, enter critical sections; the
+    /// clock advances in steps below the preemption latency; a preempted vCPU exits at the
+    /// next step. Every run checks: never more holders than slots, every wait within the
+    /// bound, every grant of a prioritized vCPU counted.
+    #[test]
+    fn random_schedules_respect_the_slot_count_and_the_wait_bound() {
+        for seed in 1..=200u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let n = 2 + rng.below(7) as usize;
+            let s_count = 1 + rng.below(n as u64) as usize;
+            let (s, now) = slots(n, s_count);
+            let sig = Signals::default();
+            *sig.in_cs.lock().unwrap() = vec![false; n];
+            let bound = duration_ns(s.config().wait_bound(n));
+            let mut state = vec![Sim::Blocked; n];
+            for _ in 0..3000 {
+                now.fetch_add(
+                    10_000 + rng.below(490_000),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                let t = s.now_ns();
+                let preempted: Vec<usize> = std::mem::take(&mut *sig.preempted.lock().unwrap());
+                for (v, sim) in state.iter_mut().enumerate() {
+                    sig.in_cs.lock().unwrap()[v] = rng.below(4) == 0;
+                    match *sim {
+                        Sim::Running => {
+                            if preempted.contains(&v) || rng.below(3) == 0 {
+                                if !s.exited(v, &sig) {
+                                    *sim = Sim::Waiting(t);
+                                } else if rng.below(8) == 0 {
+                                    s.leave(v);
+                                    *sim = Sim::Blocked;
+                                }
+                            }
+                        }
+                        Sim::Blocked => {
+                            if rng.below(4) == 0 {
+                                if rng.below(2) == 0 {
+                                    s.prioritize(v);
+                                }
+                                *sim = Sim::Waiting(t);
+                            }
+                        }
+                        Sim::Waiting(since) => {
+                            if let Some(EnterOutcome::Granted { waited_ns }) =
+                                s.try_enter(v, since, &sig)
+                            {
+                                assert!(
+                                    waited_ns <= bound,
+                                    "seed {seed}: vCPU {v} waited {waited_ns} ns > {bound}"
+                                );
+                                *sim = Sim::Running;
+                            } else {
+                                assert!(t - since <= bound, "seed {seed}: vCPU {v} still waits");
+                            }
+                        }
+                    }
+                }
+                let holders = (0..n).filter(|&v| s.holds(v)).count();
+                assert!(
+                    holders <= s_count,
+                    "seed {seed}: {holders} holders > {s_count}"
+                );
+                for (v, sim) in state.iter().enumerate() {
+                    // A waiter may hold a slot handed over before it looked again.
+                    match sim {
+                        Sim::Running => assert!(s.holds(v), "seed {seed} vCPU {v}"),
+                        Sim::Blocked => assert!(!s.holds(v), "seed {seed} vCPU {v}"),
+                        Sim::Waiting(_) => {}
+                    }
+                }
+            }
+            assert!(s.stats().max_held as usize <= s_count);
+        }
+    }
+
+    /// Real threads: a vCPU parked in `enter` is woken by the hand-over a kick causes, and
+    /// shutdown releases every waiter.
+    #[test]
+    fn parked_threads_are_woken_by_hand_over_and_by_shutdown() {
+        let s = Arc::new(RunSlots::new(3, SlotConfig::new(1)).unwrap());
+        #[derive(Debug)]
+        struct NoPreempt;
+        impl SlotSignals for NoPreempt {
+            fn in_critical_section(&self, _: usize) -> bool {
+                true
+            }
+            fn preempt(&self, _: usize) {}
+        }
+        s.enter(0, &NoPreempt);
+        let got = Arc::new(AtomicBool::new(false));
+        let (s1, g1) = (s.clone(), got.clone());
+        let t1 = std::thread::spawn(move || {
+            let out = s1.enter(1, &NoPreempt);
+            g1.store(true, std::sync::atomic::Ordering::SeqCst);
+            out
+        });
+        while !s.lock().queue.contains(&1) {
+            std::thread::yield_now();
+        }
+        assert!(!got.load(std::sync::atomic::Ordering::SeqCst));
+        s.prioritize(1); // kicked
+        s.leave(0); // the holder halts
+        assert!(matches!(t1.join().unwrap(), EnterOutcome::Granted { .. }));
+        let s2 = s.clone();
+        let t2 = std::thread::spawn(move || s2.enter(2, &NoPreempt));
+        while !s.lock().queue.contains(&2) {
+            std::thread::yield_now();
+        }
+        s.shutdown();
+        assert_eq!(t2.join().unwrap(), EnterOutcome::Shutdown);
+        assert_eq!(s.enter(0, &NoPreempt), EnterOutcome::Shutdown);
+    }
+
+    #[test]
+    fn quotas_parse() {
+        assert_eq!(parse_cpu_max("max 100000\n"), None);
+        assert_eq!(parse_cpu_max("150000 100000\n"), Some(2));
+        assert_eq!(parse_cpu_max("100000 100000"), Some(1));
+        assert_eq!(parse_cpu_max("garbage"), None);
+        assert_eq!(parse_cfs_quota("-1\n", "100000\n"), None);
+        assert_eq!(parse_cfs_quota("250000", "100000"), Some(3));
+        assert!(entitled_cpus() >= 1);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    #[derive(Debug)]
+    struct NoSignals;
+    impl SlotSignals for NoSignals {
+        fn in_critical_section(&self, _: usize) -> bool {
+            false
+        }
+        fn preempt(&self, _: usize) {}
+    }
+
+    #[derive(Debug)]
+    struct Zero;
+    impl SlotClock for Zero {
+        fn now_ns(&self) -> u64 {
+            0
+        }
+    }
+
+    /// One slot, two vCPUs: the holder leaves while the other enters; the other always gets
+    /// the slot (no lost wake-up) and never both hold it.
+    #[test]
+    fn loom_hand_over_loses_no_wake_up() {
+        loom::model(|| {
+            let s = Arc::new(RunSlots::with_clock(2, SlotConfig::new(1), Box::new(Zero)).unwrap());
+            assert!(matches!(
+                s.enter(0, &NoSignals),
+                EnterOutcome::Granted { .. }
+            ));
+            let s1 = s.clone();
+            let t = loom::thread::spawn(move || {
+                let out = s1.enter(1, &NoSignals);
+                assert!(!s1.holds(0));
+                out
+            });
+            s.leave(0);
+            assert!(matches!(t.join().unwrap(), EnterOutcome::Granted { .. }));
+            assert!(s.holds(1));
+        });
+    }
+
+    /// A prioritization racing the hand-over and a shutdown racing a waiter: the waiter
+    /// returns either way.
+    #[test]
+    fn loom_shutdown_releases_a_waiter() {
+        loom::model(|| {
+            let s = Arc::new(RunSlots::with_clock(2, SlotConfig::new(1), Box::new(Zero)).unwrap());
+            s.enter(0, &NoSignals);
+            let s1 = s.clone();
+            let t = loom::thread::spawn(move || s1.enter(1, &NoSignals));
+            s.prioritize(1);
+            s.shutdown();
+            let _ = t.join().unwrap();
+        });
+    }
+}
