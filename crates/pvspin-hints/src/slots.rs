@@ -73,6 +73,11 @@ pub struct SlotConfig {
     /// The forced-exit latency the wait bound assumes ([`SlotConfig::wait_bound`]), and how
     /// often a waiter repeats a preemption request that has not taken effect.
     pub preempt_latency: Duration,
+    /// A prioritized (kicked or named) vCPU at the head of the queue does not wait for a
+    /// quantum to end: it asks a holder that is outside any critical section and has run at
+    /// least this long to leave now. Each waiter is overtaken a bounded number of times, so
+    /// this does not change the wait bound.
+    pub priority_preempt_after: Duration,
 }
 
 impl SlotConfig {
@@ -84,6 +89,7 @@ impl SlotConfig {
             quantum: Duration::from_millis(2),
             cs_extension: Duration::from_micros(500),
             preempt_latency: Duration::from_millis(1),
+            priority_preempt_after: Duration::from_micros(50),
         }
     }
 
@@ -178,6 +184,8 @@ pub struct SlotStats {
     pub preemptions: u64,
     /// Quantum extensions granted for critical sections.
     pub extensions: u64,
+    /// Slots a kicker handed to the vCPU it kicked.
+    pub hand_overs: u64,
     /// The longest wait seen, ns.
     pub max_wait_ns: u64,
     /// The most vCPUs that held slots at once (never above the slot count).
@@ -198,6 +206,11 @@ struct State {
     overtaken: Vec<usize>,
     /// Per vCPU: when it joined the queue, while it is in it or granted from it.
     queued_since: Vec<Option<u64>>,
+    /// Per vCPU: since when a slot is kept for it (a kicker handed its slot over before the
+    /// kicked vCPU asked for one).
+    reserved_for: Vec<Option<u64>>,
+    /// Slots kept for kicked vCPUs: `held + reserved <= slots`.
+    reserved: usize,
     held: usize,
     queue: VecDeque<usize>,
     shutdown: bool,
@@ -225,6 +238,22 @@ impl State {
             self.queue.insert(pos, v);
         } else {
             self.queue.push_back(v);
+        }
+    }
+
+    /// Whether a waiter has aged (been overtaken `limit` times): it must not be overtaken
+    /// again.
+    fn aged_waiter(&self, limit: usize) -> bool {
+        self.queue.iter().any(|&w| self.overtaken[w] >= limit)
+    }
+
+    /// Cancels the slot kept for `v`; returns whether there was one.
+    fn cancel_reservation(&mut self, v: usize) -> bool {
+        if self.reserved_for[v].take().is_some() {
+            self.reserved -= 1;
+            true
+        } else {
+            false
         }
     }
 
@@ -256,6 +285,7 @@ pub struct RunSlots {
     prioritized_grants: AtomicU64,
     preemptions: AtomicU64,
     extensions: AtomicU64,
+    hand_overs: AtomicU64,
     max_wait_ns: AtomicU64,
     max_held: AtomicU64,
 }
@@ -291,6 +321,8 @@ impl RunSlots {
                 prioritized: vec![false; vcpus],
                 overtaken: vec![0; vcpus],
                 queued_since: vec![None; vcpus],
+                reserved_for: vec![None; vcpus],
+                reserved: 0,
                 held: 0,
                 queue: VecDeque::with_capacity(vcpus),
                 shutdown: false,
@@ -302,6 +334,7 @@ impl RunSlots {
             prioritized_grants: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             extensions: AtomicU64::new(0),
+            hand_overs: AtomicU64::new(0),
             max_wait_ns: AtomicU64::new(0),
             max_held: AtomicU64::new(0),
         })
@@ -339,10 +372,47 @@ impl RunSlots {
         }
         st.held -= 1;
         st.preempt_sent[v] = 0;
-        if let Some(w) = st.queue.pop_front() {
-            self.grant(st, w, now);
-            self.wakeups[w].notify_one();
+        if st.held + st.reserved < self.cfg.slots {
+            if let Some(w) = st.queue.pop_front() {
+                self.grant(st, w, now);
+                self.wakeups[w].notify_one();
+            }
         }
+    }
+
+    /// vCPU `from` kicked `to` (the lock's next owner): `from` gives its slot to `to`, now if
+    /// `to` waits for one, else kept for `to` for one preemption latency. Not when `to` holds
+    /// a slot already or a waiter has aged (then `to` is only prioritized). Returns whether
+    /// `from` gave its slot up (it waits in its next [`enter`](Self::enter)).
+    pub fn hand_over(&self, from: usize, to: usize) -> bool {
+        let now = self.clock.now_ns();
+        let mut st = self.lock();
+        let n = st.granted_at.len();
+        if from >= n || to >= n || from == to || st.granted_at[to].is_some() {
+            return false;
+        }
+        if st.granted_at[from].is_none() || st.aged_waiter(n) || st.reserved_for[to].is_some() {
+            drop(st);
+            self.prioritize(to);
+            return false;
+        }
+        st.granted_at[from] = None;
+        st.held -= 1;
+        st.preempt_sent[from] = 0;
+        self.hand_overs.fetch_add(1, Ordering::Relaxed);
+        if st.queued(to) {
+            let ahead: Vec<usize> = st.queue.iter().copied().take_while(|&w| w != to).collect();
+            for w in ahead {
+                st.overtaken[w] += 1;
+            }
+            st.queue.retain(|&w| w != to);
+            self.grant(&mut st, to, now);
+            self.wakeups[to].notify_one();
+        } else {
+            st.reserved_for[to] = Some(now);
+            st.reserved += 1;
+        }
+        true
     }
 
     /// Before `KVM_RUN`, on vCPU `v`'s thread: returns once `v` holds a slot (at once when it
@@ -352,7 +422,7 @@ impl RunSlots {
         let start = self.clock.now_ns();
         let mut st = self.lock();
         loop {
-            match self.step(&mut st, v, start) {
+            match self.step(&mut st, v, start, signals) {
                 Step::Done(outcome) => return outcome,
                 Step::Preempt(h) => {
                     drop(st);
@@ -376,7 +446,7 @@ impl RunSlots {
     ) -> Option<EnterOutcome> {
         let mut st = self.lock();
         loop {
-            match self.step(&mut st, v, since_ns) {
+            match self.step(&mut st, v, since_ns, signals) {
                 Step::Done(outcome) => return Some(outcome),
                 Step::Preempt(h) => {
                     drop(st);
@@ -394,7 +464,7 @@ impl RunSlots {
     }
 
     /// One decision for `v`, which asks for a slot since `start`.
-    fn step(&self, st: &mut State, v: usize, start: u64) -> Step {
+    fn step(&self, st: &mut State, v: usize, start: u64, signals: &dyn SlotSignals) -> Step {
         let now = self.clock.now_ns();
         if v >= st.granted_at.len() {
             return Step::Done(EnterOutcome::Shutdown);
@@ -410,9 +480,23 @@ impl RunSlots {
         if st.shutdown {
             st.queue.retain(|&w| w != v);
             st.queued_since[v] = None;
+            st.cancel_reservation(v);
             return Step::Done(EnterOutcome::Shutdown);
         }
-        if st.held < self.cfg.slots && st.queue.is_empty() {
+        if st.cancel_reservation(v) {
+            // A kicker kept its slot for this vCPU.
+            st.queue.retain(|&w| w != v);
+            self.grant(st, v, now);
+            return self.step(st, v, start, signals);
+        }
+        // Slots kept for kicked vCPUs that did not come within a preemption latency go back.
+        let latency = duration_ns(self.cfg.preempt_latency);
+        for w in 0..st.reserved_for.len() {
+            if st.reserved_for[w].is_some_and(|t| now >= t.saturating_add(latency)) {
+                st.cancel_reservation(w);
+            }
+        }
+        if st.held + st.reserved < self.cfg.slots && st.queue.is_empty() {
             self.grant(st, v, now);
             return Step::Done(EnterOutcome::Granted { waited_ns: 0 });
         }
@@ -422,18 +506,35 @@ impl RunSlots {
             st.queued_since[v] = Some(start);
         }
         // A free slot with a queue: the head takes it (a wake-up can race a hand-over).
-        if st.held < self.cfg.slots {
+        if st.held + st.reserved < self.cfg.slots {
             if let Some(w) = st.queue.pop_front() {
                 self.grant(st, w, now);
                 if w != v {
                     self.wakeups[w].notify_one();
                 }
-                return self.step(st, v, start);
+                return self.step(st, v, start, signals);
+            }
+        }
+        // A prioritized vCPU at the head: the holder that has run longest outside a critical
+        // section leaves now, once it ran priority_preempt_after.
+        if st.prioritized[v] && st.queue.front() == Some(&v) {
+            let min_run = duration_ns(self.cfg.priority_preempt_after);
+            let candidate = (0..st.granted_at.len())
+                .filter_map(|h| st.granted_at[h].map(|g| (g, h)))
+                .filter(|&(g, h)| {
+                    st.preempt_sent[h] == 0
+                        && now.saturating_sub(g) >= min_run
+                        && !signals.in_critical_section(h)
+                })
+                .min();
+            if let Some((_, h)) = candidate {
+                st.preempt_sent[h] = now.max(1);
+                self.preemptions.fetch_add(1, Ordering::Relaxed);
+                return Step::Preempt(h);
             }
         }
         // The holder whose turn ended first: ask it to leave, again once per
         // preempt_latency while it has not.
-        let latency = duration_ns(self.cfg.preempt_latency);
         let mut wake_at = now.saturating_add(latency);
         for h in 0..st.granted_at.len() {
             let Some(end) = st.deadline(h, &self.cfg) else {
@@ -511,6 +612,13 @@ impl RunSlots {
         }
         st.queue.retain(|&w| w != v);
         st.queued_since[v] = None;
+        if st.cancel_reservation(v) {
+            // The kicked vCPU blocks again: its kept slot goes to the queue.
+            if let Some(w) = st.queue.pop_front() {
+                self.grant(&mut st, w, now);
+                self.wakeups[w].notify_one();
+            }
+        }
         self.release(&mut st, v, now);
     }
 
@@ -553,6 +661,7 @@ impl RunSlots {
             prioritized_grants: ld(&self.prioritized_grants),
             preemptions: ld(&self.preemptions),
             extensions: ld(&self.extensions),
+            hand_overs: ld(&self.hand_overs),
             max_wait_ns: ld(&self.max_wait_ns),
             max_held: ld(&self.max_held),
         }
@@ -840,6 +949,12 @@ mod tests {
                 for (v, sim) in state.iter_mut().enumerate() {
                     sig.in_cs.lock().unwrap()[v] = rng.below(4) == 0;
                     match *sim {
+                        Sim::Running if rng.below(6) == 0 => {
+                            let to = rng.below(n as u64) as usize;
+                            if s.hand_over(v, to) {
+                                *sim = Sim::Waiting(t);
+                            }
+                        }
                         Sim::Running => {
                             if preempted.contains(&v) || rng.below(3) == 0 {
                                 if !s.exited(v, &sig) {
@@ -874,6 +989,11 @@ mod tests {
                     }
                 }
                 let holders = (0..n).filter(|&v| s.holds(v)).count();
+                let kept = s.lock().reserved;
+                assert!(
+                    holders + kept <= s_count,
+                    "seed {seed}: {holders} + {kept} kept > {s_count}"
+                );
                 assert!(
                     holders <= s_count,
                     "seed {seed}: {holders} holders > {s_count}"

@@ -13,6 +13,7 @@ use crate::counters::{ExitKind, SharedCounters};
 use crate::directed::YieldState;
 use crate::hints::{HintState, WaitOptions};
 use crate::kick::KickState;
+use crate::slots::SlotState;
 
 /// Whether pvspin consumed an exit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub struct VcpuHooks {
     wait: Option<WaitOptions>,
     /// The first `before_run` checked the VM's setup.
     checked_setup: bool,
+    /// Run slots, when enabled.
+    slots: Option<Arc<SlotState>>,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -71,12 +74,14 @@ impl VcpuHooks {
                 kick: kick_for_doorbell,
                 dy: dy_for_doorbell,
                 hints: None,
+                slots: None,
                 pending_spin: AtomicU64::new(0),
                 pending_wait: AtomicU64::new(0),
             }),
             hints: None,
             wait: None,
             checked_setup: false,
+            slots: None,
             run_started: None,
             last_exit: None,
         }
@@ -93,6 +98,15 @@ impl VcpuHooks {
         });
         self.hints = hints;
         self.wait = wait;
+        self
+    }
+
+    pub(crate) fn with_slots(mut self, slots: Option<Arc<SlotState>>) -> Self {
+        self.doorbell = Arc::new(VcpuDoorbell {
+            slots: slots.clone(),
+            ..VcpuDoorbell::clone_of(&self.doorbell)
+        });
+        self.slots = slots;
         self
     }
 
@@ -132,6 +146,10 @@ impl VcpuHooks {
                     *current = Some(self.doorbell.clone());
                 }
             });
+        }
+        if let Some(slots) = &self.slots {
+            // Blocks (bounded) until this vCPU may run guest code.
+            slots.enter(self.index);
         }
         if let Some(dy) = &self.dy {
             if !self.tid_recorded {
@@ -189,6 +207,9 @@ impl VcpuHooks {
         if let Some(page) = page {
             page.set_not_running(true);
         }
+        if let Some(slots) = &self.slots {
+            slots.slots.leave(self.index);
+        }
         if let Some(dy) = &self.dy {
             dy.board.on_halt(self.index);
         }
@@ -221,6 +242,9 @@ impl VcpuHooks {
     /// Acts on a notification of this vCPU: a SPIN, or the one a WAIT carries (`parking`:
     /// the thread parks next, so it is not yielded).
     fn notify(&self, n: SpinNotify, parking: bool) {
+        if let (Some(slots), Some(target)) = (&self.slots, n.waiting_for) {
+            slots.slots.prioritize(usize::from(target));
+        }
         let Some(dy) = &self.dy else {
             return;
         };
@@ -262,6 +286,9 @@ impl VcpuHooks {
     }
 
     fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
+        if let Some(slots) = &self.slots {
+            slots.exited(self.index);
+        }
         self.after_run_spin(cpl);
         if let Some(n) = take_pending(&self.doorbell.pending_wait) {
             self.wait(n, vcpu);
@@ -367,6 +394,7 @@ pub(crate) struct VcpuDoorbell {
     kick: Option<Arc<KickState>>,
     dy: Option<Arc<YieldState>>,
     hints: Option<Arc<HintState>>,
+    slots: Option<Arc<SlotState>>,
     /// A SPIN that arrived with this exit, handled in `after_run` once the CPL is known.
     pending_spin: AtomicU64,
     /// A WAIT that arrived with this exit, carried out in `after_run`.
@@ -381,6 +409,7 @@ impl VcpuDoorbell {
             kick: other.kick.clone(),
             dy: other.dy.clone(),
             hints: other.hints.clone(),
+            slots: other.slots.clone(),
             pending_spin: AtomicU64::new(0),
             pending_wait: AtomicU64::new(0),
         }
@@ -421,6 +450,10 @@ impl VcpuDoorbell {
             PioOutcome::NotMine => ExitOutcome::NotHandled,
             PioOutcome::Handled(Handled::Kicked { target, .. }) => {
                 kick.note_kick(target);
+                if let Some(slots) = &self.slots {
+                    // Lock hand-over is slot hand-over: the kicked vCPU is the next owner.
+                    slots.slots.hand_over(self.index, target as usize);
+                }
                 if let Some(dy) = &self.dy {
                     dy.board.kick(target as usize);
                 }

@@ -109,6 +109,7 @@ mod kick;
 mod pio;
 pub mod seccomp;
 pub mod simple;
+mod slots;
 mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
@@ -117,6 +118,7 @@ pub use interrupt::{SignalInterrupter, VcpuThread};
 pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine::cpu_cgroup as confine_cpu_cgroup;
+pub use pvspin_hints::slots::{entitled_cpus, SlotConfig, SlotStats};
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_hints::{Confinement, Verdict};
@@ -206,6 +208,9 @@ pub enum ConfigError {
     /// The hint-page budgets broke a rule.
     #[error("hint pages: {0}")]
     HintPages(String),
+    /// The run-slot configuration broke a rule.
+    #[error("run slots: {0}")]
+    RunSlots(String),
     /// An ordering or combination rule of the embedding API, named.
     #[error("rule: {0}")]
     Rule(&'static str),
@@ -313,6 +318,7 @@ pub struct PvSpinBuilder {
     wait: Option<WaitOptions>,
     doorbell_port: Option<u16>,
     cpuid_base: Option<u32>,
+    run_slots: Option<SlotConfig>,
     helper_thread_filter: Option<Arc<seccompiler::BpfProgram>>,
 }
 
@@ -416,6 +422,21 @@ impl PvSpinBuilder {
         self
     }
 
+    /// Run slots (the scheduling issue's lock-aware scheduling inside the VM's share): at
+    /// most `config.slots` vCPUs run guest code at once (`entitled_cpus()` is what the
+    /// process may use: its affinity and cpu-cgroup quota); the others wait in
+    /// [`VcpuHooks::before_run`] on pvspin's own waits, their hint pages saying
+    /// `NOT_RUNNING`. A kicked vCPU, or one a waiter names, goes first; a vCPU inside a
+    /// critical section (its hint page's `CS_DEPTH`) keeps its slot once past its quantum;
+    /// otherwise round robin, an overdue vCPU forced out through the [`VcpuInterrupter`].
+    /// Needs the userspace kick path, where pvspin sees every halt and kick (on the MSI paths
+    /// halts stay inside KVM, holding their slot). See `pvspin_hints::slots` for the bound on
+    /// a vCPU's wait.
+    pub fn run_slots(mut self, config: SlotConfig) -> Self {
+        self.run_slots = Some(config);
+        self
+    }
+
     /// Where pvspin's CPUID leaves go (default `pvspin_abi::cpuid::DEFAULT_BASE`,
     /// 0x40000100): a 0x100-aligned hypervisor base above KVM's 0x40000000, where guests scan.
     pub fn cpuid_base(mut self, base: u32) -> Self {
@@ -515,12 +536,26 @@ impl PvSpinBuilder {
             )?)),
             None => None,
         };
+        let run_slots = match self.run_slots {
+            None => None,
+            Some(_) if self.kick.map(|k| k.path) != Some(KickPath::Userspace) => {
+                return Err(ConfigError::Rule(
+                    "run slots need the userspace kick path (PvSpinBuilder::kick): pvspin must \
+                     see every halt and kick, and on the MSI paths halts stay inside KVM",
+                ))
+            }
+            Some(cfg) => Some(Arc::new(
+                slots::SlotState::new(vcpus, cfg, hints.clone(), interrupter.clone())
+                    .map_err(|e| ConfigError::RunSlots(e.to_string()))?,
+            )),
+        };
         let lapic_in_kernel = match (self.kick, &paravirt) {
             (Some(kick), _) => Some(kick.needs_lapic()),
             (None, Some(request)) => request.lapic_in_kernel,
             (None, None) => None,
         };
         Ok(PvSpin {
+            run_slots,
             doorbell_port,
             cpuid_base,
             lapic_in_kernel,
@@ -565,6 +600,8 @@ pub struct VmSetup {
 /// pvspin for one VM: the composed parts and the hooks' shared state.
 #[derive(Debug)]
 pub struct PvSpin {
+    /// Run slots, when enabled.
+    run_slots: Option<Arc<slots::SlotState>>,
     doorbell_port: u16,
     cpuid_base: u32,
     /// Whether the VM has an in-kernel LAPIC, when the configuration says (kick path, plan).
@@ -677,8 +714,11 @@ impl PvSpin {
                 park_timeout: options.park_bound,
                 ..pvspin_kick::KickConfig::default()
             };
-            let state = kick::KickState::configure_vm(options, cfg, vm)?;
-            let _ = self.kick.set(Arc::new(state));
+            let state = Arc::new(kick::KickState::configure_vm(options, cfg, vm)?);
+            if let Some(slots) = &self.run_slots {
+                slots.set_kick(state.clone());
+            }
+            let _ = self.kick.set(state);
         }
         let _ = self
             .plan
@@ -788,6 +828,9 @@ impl PvSpin {
     /// for good. Call before interrupting the vCPU threads to join them.
     /// Also ends every priority boost directed yield applied.
     pub fn shutdown(&self) {
+        if let Some(slots) = &self.run_slots {
+            slots.slots.shutdown();
+        }
         if let Some(kick) = self.kick.get() {
             kick.device.shutdown();
         }
@@ -820,6 +863,11 @@ impl PvSpin {
     /// What the directed-yield handler did so far, if it is enabled.
     pub fn directed_yield_stats(&self) -> Option<DirectedYieldStats> {
         self.directed_yield.as_ref().map(|dy| dy.stats())
+    }
+
+    /// What the run slots did, if they are enabled.
+    pub fn slot_stats(&self) -> Option<SlotStats> {
+        self.run_slots.as_ref().map(|s| s.stats())
     }
 
     /// Hint-page and WAIT counters, if hint pages are enabled.
@@ -948,7 +996,8 @@ impl PvSpin {
             self.kick.get().cloned(),
             self.directed_yield.clone(),
         )
-        .with_hints(self.hints.clone(), self.wait);
+        .with_hints(self.hints.clone(), self.wait)
+        .with_slots(self.run_slots.clone());
         Ok((hooks, applied))
     }
 

@@ -26,6 +26,8 @@ pub struct Variant {
     pub wait: Option<crate::config::WaitMode>,
     /// Budget unit (`None`: the run's `--budgets`).
     pub budgets: Option<crate::config::BudgetMode>,
+    /// Run slots (`/slots`; `None`: the run's `--sched`).
+    pub slots: Option<bool>,
 }
 
 impl Variant {
@@ -46,16 +48,17 @@ impl Variant {
             }
             None => (text.to_string(), None),
         };
-        let (mut wait, mut budgets) = (None, None);
+        let (mut wait, mut budgets, mut slots) = (None, None, None);
         for opt in options.iter().flat_map(|o| o.split('/')) {
             match opt {
                 "spins" => budgets = Some(crate::config::BudgetMode::Spins),
                 "time" => budgets = Some(crate::config::BudgetMode::Time),
                 "hlt" => wait = Some(crate::config::WaitMode::Hlt),
                 "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
+                "slots" => slots = Some(true),
                 other => {
                     return Err(format!(
-                        "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell)"
+                        "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots)"
                     ))
                 }
             }
@@ -109,8 +112,10 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(format!("{text:?}: unexpected {extra:?}"));
         }
-        if pv == PvMode::Off && (wait.is_some() || budgets.is_some()) {
-            return Err(format!("{text:?}: wait and budget options need a PV mode"));
+        if pv == PvMode::Off && (wait.is_some() || budgets.is_some() || slots.is_some()) {
+            return Err(format!(
+                "{text:?}: wait, budget and slot options need a PV mode"
+            ));
         }
         Ok(Self {
             lock,
@@ -119,6 +124,7 @@ impl Variant {
             actuator,
             wait,
             budgets,
+            slots,
         })
     }
 
@@ -133,6 +139,9 @@ impl Variant {
             Some(crate::config::WaitMode::Hlt) => s.push_str("/hlt"),
             Some(crate::config::WaitMode::Doorbell) => s.push_str("/doorbell"),
             Some(crate::config::WaitMode::Auto) | None => {}
+        }
+        if self.slots == Some(true) {
+            s.push_str("/slots");
         }
         s
     }
@@ -172,6 +181,10 @@ impl Variant {
             actuator: self.actuator,
             wait: self.wait.unwrap_or(base.wait),
             budgets: self.budgets.unwrap_or(base.budgets),
+            run_slots: match self.slots {
+                Some(true) => Some(base.run_slots.unwrap_or(0)),
+                _ => base.run_slots,
+            },
             hogs,
             ..base.clone()
         }
@@ -422,6 +435,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             actuator: base.actuator,
             wait: None,
             budgets: None,
+            slots: None,
         }]
     } else {
         options.variants.clone()

@@ -333,10 +333,27 @@ pub struct VmArgs {
     /// can then raise its VM's share over co-tenants).
     #[arg(long, value_enum, default_value_t = BoostsArg::Confined)]
     pub boosts: BoostsArg,
+    /// Who decides which vCPUs run: the host scheduler alone (`default`), or pvspin's run
+    /// slots (`slots`: at most --slots vCPUs in guest code at once, lock holders and kicked
+    /// vCPUs first; needs --kick-path userspace).
+    #[arg(long, value_enum, default_value_t = SchedArg::Default)]
+    pub sched: SchedArg,
+    /// With --sched slots: how many (0: the CPUs this process may use).
+    #[arg(long, default_value_t = 0)]
+    pub slots: u32,
     /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
     pub vm_cgroup: bool,
+}
+
+/// Who decides which vCPUs run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SchedArg {
+    /// The host scheduler.
+    Default,
+    /// pvspin's run slots.
+    Slots,
 }
 
 /// Whether directed yield's boosts must be confined.
@@ -475,6 +492,7 @@ impl VmArgs {
             boost_deadline_us: self.boost_deadline_us,
             seccomp: self.seccomp.into(),
             seccomp_violation: self.seccomp_violation,
+            run_slots: (self.sched == SchedArg::Slots).then_some(self.slots),
             confinement: match self.boosts {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,

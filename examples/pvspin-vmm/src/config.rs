@@ -61,6 +61,9 @@ pub struct RunConfig {
     pub boost_deadline_us: Option<u64>,
     /// Directed yield: whether boosts must stay inside the VM's CPU share.
     pub confinement: pvspin::Confinement,
+    /// Run slots (`--sched slots`): how many (`Some(0)`: the CPUs the process is entitled to,
+    /// at most the vCPU count); `None`: the host scheduler alone decides.
+    pub run_slots: Option<u32>,
     /// Seccomp filters on the run's threads (`crate::seccomp`). The command line's default is
     /// `Enforce`; this struct's is `Off`, so that a library caller opts in.
     pub seccomp: SeccompMode,
@@ -153,6 +156,7 @@ impl Default for RunConfig {
             wait_after_max_us: None,
             boost_deadline_us: None,
             confinement: pvspin::Confinement::Auto,
+            run_slots: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
         }
@@ -223,6 +227,9 @@ pub enum ConfigError {
     /// Ping-pong measures kicks, so it needs PV and a partner.
     #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
     PingPongNeedsPv,
+    /// Run slots see halts and kicks on the userspace path only.
+    #[error("--sched slots needs --pv kick or kick+yield with --kick-path userspace")]
+    SlotsNeedUserspaceKicks,
     /// The hostile workload acts through spin notifications.
     #[error("--workload abuse needs --pv kick+yield and at least 2 vCPUs")]
     AbuseNeedsNotifications,
@@ -309,6 +316,11 @@ impl RunConfig {
         {
             return Err(ConfigError::PingPongNeedsPv);
         }
+        if self.run_slots.is_some()
+            && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
+        {
+            return Err(ConfigError::SlotsNeedUserspaceKicks);
+        }
         if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
             return Err(ConfigError::AbuseNeedsNotifications);
         }
@@ -363,6 +375,9 @@ impl RunConfig {
         }
         if self.budgets == BudgetMode::Spins {
             flags |= pvspin_vmm_proto::PV_FLAG_SPIN_BUDGETS;
+        }
+        if self.run_slots.is_some() {
+            flags |= pvspin_vmm_proto::PV_FLAG_CS_DEPTH;
         }
         flags
     }

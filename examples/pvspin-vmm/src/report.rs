@@ -124,6 +124,8 @@ pub struct RunReport {
     pub kick_to_wake: Option<LatencySummary>,
     /// What directed yield did (`--pv kick+yield`).
     pub directed_yield: Option<YieldSummary>,
+    /// What the run slots did (`--sched slots`).
+    pub run_slots: Option<SlotSummary>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -192,6 +194,7 @@ impl RunReport {
             host_kicks: None,
             kick_to_wake: None,
             directed_yield: None,
+            run_slots: None,
             cpuid: params
                 .cpuid_leaves
                 .iter()
@@ -274,6 +277,29 @@ impl RunReport {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
     }
+}
+
+/// The run slots over a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct SlotSummary {
+    /// Slots.
+    pub slots: usize,
+    /// Grants.
+    pub grants: u64,
+    /// Grants that had to wait.
+    pub waits: u64,
+    /// Grants to kicked or named vCPUs that waited.
+    pub prioritized_grants: u64,
+    /// Slots kickers handed to the vCPU they kicked.
+    pub hand_overs: u64,
+    /// Forced exits asked of holders.
+    pub preemptions: u64,
+    /// Critical-section extensions.
+    pub extensions: u64,
+    /// The longest wait, us.
+    pub max_wait_us: f64,
+    /// The most vCPUs that held slots at once.
+    pub max_held: u64,
 }
 
 /// Directed yield's decisions over a run.

@@ -462,6 +462,11 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             })
             .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
     }
+    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
+    let slot_count = config_slots(config);
+    if config.run_slots.is_some() {
+        builder = builder.run_slots(pvspin::SlotConfig::new(slot_count));
+    }
     let pvspin = builder
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
@@ -643,6 +648,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     let telemetry = pvspin.telemetry();
     let kick_stats = pvspin.kick_stats();
     let yield_stats = pvspin.directed_yield_stats();
+    let slot_stats = pvspin.slot_stats();
     let actuator = pvspin.actuator_name().map(str::to_string);
     if let Some(stats) = yield_stats {
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
@@ -720,7 +726,27 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         boosted: stats.boosted,
         descheduled: stats.descheduled,
     });
+    report.run_slots = slot_stats.map(|stats| crate::report::SlotSummary {
+        slots: slot_count,
+        grants: stats.grants,
+        waits: stats.waits,
+        prioritized_grants: stats.prioritized_grants,
+        hand_overs: stats.hand_overs,
+        preemptions: stats.preemptions,
+        extensions: stats.extensions,
+        max_wait_us: stats.max_wait_ns as f64 / 1000.0,
+        max_held: stats.max_held,
+    });
     Ok(report)
+}
+
+/// The slot count `--sched slots --slots N` means (0: the CPUs this process may use).
+fn config_slots(config: &RunConfig) -> usize {
+    match config.run_slots {
+        Some(0) => pvspin::entitled_cpus().min(config.vcpus as usize),
+        Some(n) => n as usize,
+        None => 0,
+    }
 }
 
 /// Sorts pvspin's setup errors: refusals of the configuration (exit code 2) from failures.

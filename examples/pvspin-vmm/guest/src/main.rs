@@ -22,7 +22,8 @@ use pvspin_guest::{
     StaticPvTicketLock, TasLock, TicketLock,
 };
 use pvspin_vmm_proto::{
-    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_SPIN_BUDGETS,
+    status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_CS_DEPTH,
+    PV_FLAG_SPIN_BUDGETS,
     PV_FLAG_WAIT_DOORBELL, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
@@ -274,14 +275,21 @@ fn lock_workload<L: RawSpinLock + Sync>(
 ) -> ! {
     start_barrier(boot);
     let acquisitions = slot_field(&slot(vcpu).acquisitions);
+    let mark_cs = boot.pv_flags & PV_FLAG_CS_DEPTH != 0;
     for _ in 0..boot.iterations {
         {
             let mut value = counter.lock();
+            if mark_cs {
+                pv::critical_section(vcpu, true);
+            }
             // A plain read-modify-write with work in between: without mutual exclusion,
             // updates are lost and the final check fails.
             let seen = black_box(*value);
             work(boot.cs_work);
             *value = seen + 1;
+            if mark_cs {
+                pv::critical_section(vcpu, false);
+            }
         }
         acquisitions.fetch_add(1, Ordering::Relaxed);
         heartbeat(vcpu);

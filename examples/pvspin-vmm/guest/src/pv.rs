@@ -279,6 +279,14 @@ impl PvPlatform for Platform {
     }
 }
 
+/// Marks `vcpu`'s hint page inside (`true`) or outside a critical section (`CS_DEPTH`), for
+/// the host's run slots: one relaxed store on the page's guest line.
+pub fn critical_section(vcpu: u32, inside: bool) {
+    if let Some(p) = page(vcpu) {
+        p.store32(hint::CS_DEPTH, u32::from(inside));
+    }
+}
+
 /// The hostile workload's round: vCPU `vcpu` claims on its hint page to be inside a critical
 /// section and waiting for `target` with a huge wait behind it, then sends a SPIN
 /// notification naming `target` (which is running, not holding anything).

@@ -181,6 +181,9 @@ pub const PV_FLAG_WAIT_HLT: u32 = 1 << 1;
 /// [`BootParams::pv_flags`]: ABI 0.2 budgets: spin counts (`spin_threshold`, the SPIN
 /// register's window) instead of the hint page's time budgets.
 pub const PV_FLAG_SPIN_BUDGETS: u32 = 1 << 2;
+/// [`BootParams::pv_flags`]: lock holders mark their critical sections in their hint page
+/// (`CS_DEPTH`), for the host's run slots.
+pub const PV_FLAG_CS_DEPTH: u32 = 1 << 3;
 
 /// The most vCPUs the guest's PV lock domain has per-vCPU state for.
 pub const MAX_PV_VCPUS: u32 = 16;

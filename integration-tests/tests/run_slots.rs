@@ -1,0 +1,106 @@
+//! Run slots on real guests: never more vCPUs in guest code than slots, kicked vCPUs get the
+//! slot of their kicker, every lock count exact, in guest user mode (native speed) and
+//! kernel mode, and a configuration the slots cannot serve is refused naming the rule.
+
+use std::time::Duration;
+
+use pvspin::KickPath;
+use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
+use pvspin_vmm::config::PvMode;
+use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+fn slots_config(vcpus: u32, slots: u32, lock: LockKind, user_mode: bool) -> RunConfig {
+    RunConfig {
+        vcpus,
+        workload: Workload::Lock,
+        lock,
+        pv: PvMode::Kick,
+        kick_path: KickPath::Userspace,
+        run_slots: Some(slots),
+        user_mode,
+        iterations: if user_mode { 20_000 } else { 300 },
+        cs_work: if user_mode { 5000 } else { 40 },
+        ncs_work: if user_mode { 5000 } else { 40 },
+        echo_console: false,
+        timeout_ms: 60_000,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn slots_are_never_exceeded_and_kicked_vcpus_get_one() {
+    if kvm_or_skip("slots_are_never_exceeded_and_kicked_vcpus_get_one").is_none() {
+        return;
+    }
+    with_watchdog(
+        "slots_are_never_exceeded_and_kicked_vcpus_get_one",
+        Duration::from_secs(240),
+        || {
+            for (vcpus, slots, lock, user_mode) in [
+                (4, 1, LockKind::Ticket, true),
+                (4, 2, LockKind::Ticket, true),
+                (6, 2, LockKind::Queued, true),
+                (3, 1, LockKind::Ticket, false),
+            ] {
+                let name = format!("{vcpus} vCPUs, {slots} slots, {lock:?}, user {user_mode}");
+                let report = run(&slots_config(vcpus, slots, lock, user_mode))
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(report.counter, report.expected, "{name}");
+                let stats = report.run_slots.expect("slot stats");
+                assert_eq!(stats.slots, slots as usize, "{name}");
+                assert!(stats.max_held <= u64::from(slots), "{name}: {stats:?}");
+                assert!(stats.max_held >= 1, "{name}: {stats:?}");
+                // Kicks happened, and kicked vCPUs got slots from their kickers or first in
+                // line.
+                assert!(report.pv_kicks > 0, "{name}: no kicks");
+                assert!(
+                    stats.hand_overs + stats.prioritized_grants > 0,
+                    "{name}: {stats:?}"
+                );
+            }
+        },
+    );
+}
+
+#[test]
+fn slots_need_the_userspace_kick_path() {
+    let config = RunConfig {
+        kick_path: KickPath::InKernel,
+        ..slots_config(4, 2, LockKind::Ticket, true)
+    };
+    assert!(matches!(
+        run(&config),
+        Err(RunError::Config(ConfigError::SlotsNeedUserspaceKicks))
+    ));
+    // The library refuses it too, naming the rule.
+    #[derive(Debug)]
+    struct NoInterrupter;
+    impl pvspin::VcpuInterrupter for NoInterrupter {
+        fn interrupt(&self, _: usize) {}
+    }
+    let err = pvspin::PvSpin::builder()
+        .vcpus(4)
+        .interrupter(std::sync::Arc::new(NoInterrupter))
+        .kick(pvspin::KickOptions::new(KickPath::InKernel))
+        .run_slots(pvspin::SlotConfig::new(2))
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("run slots need the userspace kick path"),
+        "{err}"
+    );
+    let err = pvspin::PvSpin::builder()
+        .vcpus(4)
+        .interrupter(std::sync::Arc::new(NoInterrupter))
+        .kick(pvspin::KickOptions::new(KickPath::Userspace))
+        .run_slots(pvspin::SlotConfig::new(5))
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rule: run slots must be between 1"),
+        "{err}"
+    );
+}
