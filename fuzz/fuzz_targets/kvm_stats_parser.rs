@@ -1,5 +1,6 @@
 //! Fuzzes the pure `KVM_GET_STATS_FD` parser (`pvspin_kvm::stats::parse`) and everything that
-//! consumes its output: lookups, deltas, histogram bounds, JSON and Prometheus rendering.
+//! consumes its output: lookups, deltas, histogram bounds, and pvspin's telemetry renderings
+//! (`pvspin::VmTelemetry`: JSON and Prometheus).
 //!
 //! Input: two bytes choosing where the descriptor block ends, then the 24 header bytes, the
 //! descriptor block and the data block.
@@ -7,7 +8,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use pvspin_kvm::stats::{parse, HEADER_SIZE};
-use pvspin_kvm::telemetry::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
+use pvspin::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
 
 fuzz_target!(|input: &[u8]| {
     if input.len() < 2 {
@@ -42,8 +43,10 @@ fuzz_target!(|input: &[u8]| {
         vcpus: vec![VcpuTelemetry {
             vcpu: 0,
             pvspin: PvspinVcpuCounters::default(),
+            budgets: None,
             kvm: Some(snap),
         }],
+        ..VmTelemetry::default()
     };
     let _ = t.to_json();
     let _ = t.to_prometheus();

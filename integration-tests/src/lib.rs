@@ -1,15 +1,58 @@
 //! Shared fixtures for pvspin's real-KVM tests (the tests themselves are in `tests/`).
 #![deny(missing_docs)]
 
+/// The environment variable naming the directory where gated tests record whether they ran
+/// (`.ci/run` sets it, then `.ci/test-tally` prints and checks the tally).
+pub const TALLY_DIR_ENV: &str = "PVSPIN_TEST_TALLY_DIR";
+
+/// The gate of the real-KVM tests in the tally.
+pub const KVM_GATE: &str = "kvm";
+
+/// Records in the tally that `test`, gated on `gate` (what it needs: `kvm`, a capability, a
+/// tool), ran (`skipped: None`) or was skipped for `reason`. A no-op unless
+/// [`TALLY_DIR_ENV`] is set. Format (also written by `pvspin-hints`'s capability-gated
+/// tests, read by `.ci/test-tally`): one file per gate and test, `<gate>--<test>`, holding
+/// `ran` or `skipped<TAB><reason>`. Panics if the tally cannot be written: a run whose tally
+/// is incomplete must not look complete.
+pub fn record(gate: &str, test: &str, skipped: Option<&str>) {
+    let Some(dir) = std::env::var_os(TALLY_DIR_ENV) else {
+        return;
+    };
+    let name: String = format!("{gate}--{test}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_-.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let line = match skipped {
+        None => "ran\n".to_owned(),
+        Some(reason) => format!("skipped\t{}\n", reason.replace('\n', " ")),
+    };
+    let path = std::path::Path::new(&dir).join(name);
+    if let Err(err) = std::fs::write(&path, line) {
+        panic!("{test}: writing the test tally {}: {err}", path.display());
+    }
+}
+
 /// Opens `/dev/kvm` for a real-KVM test. A test cannot pass by skipping: when `/dev/kvm`
 /// cannot be opened the test fails, unless `PVSPIN_SKIP_KVM_TESTS=1` says this machine has no
-/// KVM on purpose; then it prints a `SKIPPED` line naming the test and returns `None` (and
-/// `.ci/run` reports how many were skipped).
+/// KVM on purpose; then it prints a `SKIPPED` line naming the test and returns `None`. Either
+/// way the outcome goes to the tally ([`record`]), where `.ci/run` counts it and fails when a
+/// test skipped on a machine whose `/dev/kvm` is usable.
 pub fn kvm_or_skip(test: &str) -> Option<kvm_ioctls::Kvm> {
     match kvm_ioctls::Kvm::new() {
-        Ok(kvm) => Some(kvm),
+        Ok(kvm) => {
+            record(KVM_GATE, test, None);
+            Some(kvm)
+        }
         Err(err) if std::env::var("PVSPIN_SKIP_KVM_TESTS").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED {test}: /dev/kvm cannot be opened ({err})");
+            let reason = format!("/dev/kvm cannot be opened ({err})");
+            eprintln!("SKIPPED {test}: {reason}");
+            record(KVM_GATE, test, Some(&reason));
             None
         }
         Err(err) => panic!(
@@ -20,10 +63,37 @@ pub fn kvm_or_skip(test: &str) -> Option<kvm_ioctls::Kvm> {
 }
 
 /// Opens `/dev/kvm`, or fails the test naming it: for tests that must not pass by skipping.
+/// Records in the tally that the test ran.
 pub fn kvm_required(test: &str) -> kvm_ioctls::Kvm {
     match kvm_ioctls::Kvm::new() {
-        Ok(kvm) => kvm,
+        Ok(kvm) => {
+            record(KVM_GATE, test, None);
+            kvm
+        }
         Err(err) => panic!("{test} needs /dev/kvm, which cannot be opened ({err})"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tally_has_one_file_per_gate_and_test() {
+        let dir = std::env::temp_dir().join(format!("pvspin-tally-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // The variable is process-wide: this crate's only unit test sets it.
+        std::env::set_var(TALLY_DIR_ENV, &dir);
+        record("kvm", "a_test", None);
+        record("cap_sys_nice", "b/test", Some("no CAP_SYS_NICE\nhere"));
+        std::env::remove_var(TALLY_DIR_ENV);
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        assert_eq!(read("kvm--a_test"), "ran\n");
+        assert_eq!(
+            read("cap_sys_nice--b_test"),
+            "skipped\tno CAP_SYS_NICE here\n"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 

@@ -5,13 +5,13 @@
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use pvspin::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
 use pvspin_integration_tests::{kvm_or_skip, TestVm};
 use pvspin_kvm::plan::{
     apply_vcpu, apply_vm, kvm_leaf, ExitFlags, GuestKernel, HostCaps, Placement, Plan, PlanError,
     PlanRequest, PvFeatures,
 };
 use pvspin_kvm::stats::{StatKind, StatsFd};
-use pvspin_kvm::telemetry::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
 
 const MEM_SIZE: usize = 0x10000;
 const CODE_AT: u64 = 0x1000;
@@ -318,8 +318,10 @@ fn stats_move_with_the_guest() {
         vcpus: vec![VcpuTelemetry {
             vcpu: 0,
             pvspin: PvspinVcpuCounters::default(),
+            budgets: None,
             kvm: Some(delta),
         }],
+        ..VmTelemetry::default()
     };
     let prom = t.to_prometheus();
     assert!(
@@ -329,7 +331,10 @@ fn stats_move_with_the_guest() {
     assert!(prom.contains("# TYPE kvm_vcpu_halt_exits_total counter\n"));
     let json: serde_json::Value = serde_json::from_str(&t.to_json()).expect("JSON");
     assert_eq!(json["vcpus"][0]["kvm"]["halt_exits"]["value"], HLTS as u64);
-    assert_eq!(json["vcpus"][0]["pvspin"]["yields_attempted"], 0);
+    assert_eq!(json["vcpus"][0]["pvspin"]["runs"], 0);
+    // No kick device in this snapshot: no kick counters at all, not a 0.
+    assert!(json["vcpus"][0]["pvspin"].get("kicks").is_none());
+    assert!(!prom.contains("pvspin_kicks_total"), "{prom}");
 }
 
 /// In-kernel halt: with an irqchip, `cli; hlt` blocks inside KVM until a REMRD MSI (the kick

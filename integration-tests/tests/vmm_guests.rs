@@ -301,9 +301,16 @@ fn guest_image_has_no_sse_instructions() {
         .output();
     let _ = std::fs::remove_file(&path);
     let Ok(output) = output else {
-        eprintln!("SKIPPED guest_image_has_no_sse_instructions: objdump is not installed");
+        let reason = "objdump is not installed";
+        eprintln!("SKIPPED guest_image_has_no_sse_instructions: {reason}");
+        pvspin_integration_tests::record(
+            "objdump",
+            "guest_image_has_no_sse_instructions",
+            Some(reason),
+        );
         return;
     };
+    pvspin_integration_tests::record("objdump", "guest_image_has_no_sse_instructions", None);
     assert!(output.status.success());
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(

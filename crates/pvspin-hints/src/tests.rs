@@ -63,9 +63,80 @@ impl Drop for Target {
     }
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+/// `CAP_SYS_NICE` (`linux/capability.h`): what nice and SCHED_FIFO boosts of another thread
+/// need (or `RLIMIT_NICE` / `RLIMIT_RTPRIO` that allow them).
+const CAP_SYS_NICE: u32 = 23;
+
+/// Whether the calling thread's effective capability set holds `CAP_SYS_NICE` (`capget(2)`;
+/// libc has the syscall number but not the wrapper).
+fn has_cap_sys_nice() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget reads the header and, for version 3, writes two `Data` (the kernel's
+    // `__user_cap_data_struct`, same layout); both live across the call.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    assert_eq!(r, 0, "capget: {}", std::io::Error::last_os_error());
+    data[(CAP_SYS_NICE / 32) as usize].effective & (1 << (CAP_SYS_NICE % 32)) != 0
+}
+
+/// The gate of these tests in the test tally.
+const GATE: &str = "cap_sys_nice";
+
+/// Records in the test tally that `test` ran or was skipped (the format of
+/// `pvspin_integration_tests::record`: one file `<gate>--<test>` under
+/// `$PVSPIN_TEST_TALLY_DIR` holding `ran` or `skipped<TAB><reason>`; `.ci/run` prints the
+/// counts). A no-op without the variable.
+fn tally(test: &str, skipped: Option<&str>) {
+    let Some(dir) = std::env::var_os("PVSPIN_TEST_TALLY_DIR") else {
+        return;
+    };
+    let name: String = format!("{GATE}--{test}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_-.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let line = match skipped {
+        None => "ran\n".to_owned(),
+        Some(reason) => format!("skipped\t{}\n", reason.replace('\n', " ")),
+    };
+    let path = std::path::Path::new(&dir).join(name);
+    if let Err(err) = std::fs::write(&path, line) {
+        panic!("{test}: writing the test tally {}: {err}", path.display());
+    }
+}
+
+/// Skips `test` (printed and counted in the tally) when this process may not apply `what`
+/// because it lacks `CAP_SYS_NICE`; with the capability a refusal is a failure.
+fn skip_without_cap(test: &str, what: &str, err: &dyn std::fmt::Display) {
+    if has_cap_sys_nice() {
+        panic!("{test}: {what} refused although the process has CAP_SYS_NICE: {err}");
+    }
+    let reason = format!(
+        "{what}: this process lacks CAP_SYS_NICE and no rlimit allows them instead ({err})"
+    );
+    eprintln!("SKIPPED {test}: {reason}");
+    tally(test, Some(&reason));
 }
 
 fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -79,14 +150,18 @@ fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
-fn tracker(kind: BoostKind, deadline: Duration) -> Option<Arc<BoostTracker>> {
+/// A tracker for `test`, or `None` (skipped, counted) when the process may not boost.
+fn tracker(test: &str, kind: BoostKind, deadline: Duration) -> Option<Arc<BoostTracker>> {
     match BoostTracker::new(2, kind, deadline) {
-        Ok(t) => Some(Arc::new(t)),
-        Err(BoostError::NotPermitted { .. }) if !is_root() => {
-            eprintln!("SKIPPED boost test: not permitted without root");
+        Ok(t) => {
+            tally(test, None);
+            Some(Arc::new(t))
+        }
+        Err(e @ BoostError::NotPermitted { .. }) => {
+            skip_without_cap(test, &format!("{kind:?} boosts"), &e);
             None
         }
-        Err(e) => panic!("{e}"),
+        Err(e) => panic!("{test}: {e}"),
     }
 }
 
@@ -123,7 +198,11 @@ fn config_rules() {
 
 #[test]
 fn nice_boost_applies_and_target_exit_restores() {
-    let Some(t) = tracker(BoostKind::Nice(-7), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "nice_boost_applies_and_target_exit_restores",
+        BoostKind::Nice(-7),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     let target = Target::spawn(restorer(&t));
@@ -146,7 +225,11 @@ fn nice_boost_applies_and_target_exit_restores() {
 
 #[test]
 fn fifo_boost_applies_and_restores_policy_and_nice() {
-    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "fifo_boost_applies_and_restores_policy_and_nice",
+        BoostKind::Fifo(1),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     let target = Target::spawn(restorer(&t));
@@ -163,7 +246,11 @@ fn fifo_boost_applies_and_restores_policy_and_nice() {
 
 #[test]
 fn deadline_restores_without_the_target() {
-    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(3)) else {
+    let Some(t) = tracker(
+        "deadline_restores_without_the_target",
+        BoostKind::Fifo(1),
+        Duration::from_millis(3),
+    ) else {
         return;
     };
     let target = Target::spawn(restorer(&t));
@@ -187,7 +274,11 @@ fn deadline_holds_against_a_busy_fifo_target() {
     // more CPUs the scheduler may run the watchdog elsewhere, so this bounds the restore
     // time either way rather than proving the priority). The target's own loop is bounded
     // by wall time, so nothing can stay real-time past the test.
-    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(3)) else {
+    let Some(t) = tracker(
+        "deadline_holds_against_a_busy_fifo_target",
+        BoostKind::Fifo(1),
+        Duration::from_millis(3),
+    ) else {
         return;
     };
     let (tid_tx, tid_rx) = channel();
@@ -230,7 +321,11 @@ fn pin_to_cpu(cpu: usize) {
 
 #[test]
 fn drop_restores() {
-    let Some(t) = tracker(BoostKind::Fifo(1), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "drop_restores",
+        BoostKind::Fifo(1),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     let target = Target::spawn(Arc::new(|_| false));
@@ -242,7 +337,11 @@ fn drop_restores() {
 
 #[test]
 fn restore_all_and_errors_leave_nothing_boosted() {
-    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "restore_all_and_errors_leave_nothing_boosted",
+        BoostKind::Nice(-5),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     assert!(matches!(t.boost(5, 1), Err(BoostError::NoSuchVcpu(5))));
@@ -261,7 +360,11 @@ fn restore_all_and_errors_leave_nothing_boosted() {
 
 #[test]
 fn new_thread_for_a_vcpu_restores_the_old_one() {
-    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "new_thread_for_a_vcpu_restores_the_old_one",
+        BoostKind::Nice(-5),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     let a = Target::spawn(Arc::new(|_| false));
@@ -274,7 +377,11 @@ fn new_thread_for_a_vcpu_restores_the_old_one() {
 
 #[test]
 fn already_higher_is_left_alone() {
-    let Some(t) = tracker(BoostKind::Nice(-5), Duration::from_millis(100)) else {
+    let Some(t) = tracker(
+        "already_higher_is_left_alone",
+        BoostKind::Nice(-5),
+        Duration::from_millis(100),
+    ) else {
         return;
     };
     let a = Target::spawn(Arc::new(|_| false));
@@ -287,10 +394,16 @@ fn already_higher_is_left_alone() {
 #[test]
 fn actuators_by_name_boost_and_restore() {
     for name in ["yield", "nice", "fifo"] {
+        let test = format!("actuators_by_name_boost_and_restore/{name}");
         let act: Arc<dyn Actuator> = match by_name(name, 2) {
-            Ok(a) => Arc::from(a),
-            Err(e) if !is_root() => {
-                eprintln!("SKIPPED {name}: {e}");
+            Ok(a) => {
+                if name != "yield" {
+                    tally(&test, None);
+                }
+                Arc::from(a)
+            }
+            Err(e) if name != "yield" => {
+                skip_without_cap(&test, &format!("the {name} actuator"), &e);
                 continue;
             }
             Err(e) => panic!("{name}: {e}"),
@@ -318,9 +431,20 @@ fn actuators_by_name_boost_and_restore() {
 
 #[test]
 fn fallback_gives_fifo_when_permitted() {
+    let test = "fallback_gives_fifo_when_permitted";
     let a = by_name_or_fallback("fifo", 1).unwrap();
-    if is_root() {
+    if has_cap_sys_nice() {
         assert_eq!(a.name(), "fifo");
+        tally(test, None);
+    } else if a.name() == "fifo" {
+        // Permitted by RLIMIT_RTPRIO instead.
+        tally(test, None);
+    } else {
+        skip_without_cap(
+            test,
+            "the fifo actuator",
+            &format!("fell back to {}", a.name()),
+        );
     }
 }
 
@@ -337,10 +461,11 @@ fn start_hook_runs_first_on_the_watchdog_thread() {
     };
     let kind = BoostKind::Nice(-3);
     let d = Duration::from_millis(2);
+    let test = "start_hook_runs_first_on_the_watchdog_thread";
     match BoostTracker::with_thread_start(2, kind, d, Some(hook)) {
-        Ok(_) => {}
-        Err(BoostError::NotPermitted { .. }) if !is_root() => {
-            eprintln!("SKIPPED start hook test: not permitted without root");
+        Ok(_) => tally(test, None),
+        Err(e @ BoostError::NotPermitted { .. }) => {
+            skip_without_cap(test, "nice boosts", &e);
             return;
         }
         Err(e) => panic!("{e}"),
@@ -355,11 +480,19 @@ fn failing_start_hook_fails_the_constructor_without_stepping_down() {
     let d = Duration::from_millis(2);
     match BoostTracker::with_thread_start(1, BoostKind::Nice(-3), d, Some(hook.clone())) {
         Err(BoostError::ThreadStart { thread, err }) => {
+            tally(
+                "failing_start_hook_fails_the_constructor_without_stepping_down",
+                None,
+            );
             assert_eq!(thread, boost::WATCHDOG_THREAD_NAME);
             assert_eq!(err.to_string(), "no filter");
         }
-        Err(BoostError::NotPermitted { .. }) if !is_root() => {
-            eprintln!("SKIPPED start hook test: not permitted without root");
+        Err(e @ BoostError::NotPermitted { .. }) => {
+            skip_without_cap(
+                "failing_start_hook_fails_the_constructor_without_stepping_down",
+                "nice boosts",
+                &e,
+            );
             return;
         }
         other => panic!("expected ThreadStart, got {other:?}"),
@@ -372,4 +505,16 @@ fn failing_start_hook_fails_the_constructor_without_stepping_down() {
     // `yield` starts no thread, so the hook never runs.
     let a = by_name_or_fallback_with_start("yield", 1, d, Some(&hook)).unwrap();
     assert_eq!(a.name(), "yield");
+}
+
+#[test]
+fn capget_reports_this_process() {
+    // The effective set is what the kernel checks; /proc says the same.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
+        .unwrap();
+    assert_eq!(has_cap_sys_nice(), eff & (1 << CAP_SYS_NICE) != 0);
 }

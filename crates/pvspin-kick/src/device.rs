@@ -32,6 +32,21 @@ pub enum KickPath {
     Userspace,
 }
 
+impl KickPath {
+    /// Every path.
+    pub const ALL: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
+
+    /// A short stable name, for logs and telemetry labels (`in_kernel`, `signal_msi`,
+    /// `userspace`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KickPath::InKernel => "in_kernel",
+            KickPath::SignalMsi => "signal_msi",
+            KickPath::Userspace => "userspace",
+        }
+    }
+}
+
 /// Something that can send a REMRD ("remote read", KVM's `pv_unhalted` wake) MSI to an APIC
 /// ID. `pvspin::VmMsiSink` implements it over a VM fd; tests use fakes.
 pub trait RemrdSink: Send + Sync {
@@ -807,6 +822,12 @@ mod tests {
             d.handle_pio_write(P + SPIN_OFFSET, &le(0xffff)),
             r(Reject::NotEnabled)
         );
+        // A SPIN naming a vCPU that does not exist, with notifications off: "not enabled",
+        // not "no such vCPU" (the adoption issue's report).
+        assert_eq!(
+            d.handle_pio_write(P + SPIN_OFFSET, &le(0x1ffe)),
+            r(Reject::NotEnabled)
+        );
         assert_eq!(
             d.handle_pio_write(P + SHARED_PAGE_OFFSET, &le(7)),
             r(Reject::NotEnabled)
@@ -821,9 +842,9 @@ mod tests {
         assert_eq!(s.rejected(Reject::NoSuchVcpu), 2);
         assert_eq!(s.rejected(Reject::WrongWidth), 2);
         assert_eq!(s.rejected(Reject::UnusedOffset), 2);
-        assert_eq!(s.rejected(Reject::NotEnabled), 4);
+        assert_eq!(s.rejected(Reject::NotEnabled), 5);
         assert_eq!(s.rejected(Reject::Read), 1);
-        assert_eq!(s.accesses, 11);
+        assert_eq!(s.accesses, 12);
         assert_eq!(s.kicks + s.forwarded + s.rejected_total(), s.accesses);
     }
 

@@ -1,14 +1,15 @@
-//! pvspin's KVM setup and telemetry.
+//! pvspin's KVM setup, and a reader for KVM's binary statistics.
 //!
 //! For stock guests (Linux with its own PV spinlocks) and pvspin-aware guests alike: a
 //! placement-driven plan for the paravirtual CPUID leaf, exit disabling, halt polling and
-//! quirks, validated before it is applied ([`plan`]); a reader for KVM's binary statistics
-//! (`KVM_GET_STATS_FD`, [`stats`]); and the telemetry snapshot that merges pvspin's own
-//! counters with KVM's, rendered as JSON or Prometheus text ([`telemetry`]).
+//! quirks, validated before it is applied ([`plan`]); and a reader for KVM's binary statistics
+//! (`KVM_GET_STATS_FD`, [`stats`]). pvspin's own counters, and the telemetry snapshot that
+//! merges them with KVM's stats (JSON, Prometheus), are the `pvspin` crate's
+//! (`pvspin::PvSpin::telemetry`, `pvspin::telemetry`).
 //!
 //! **Implemented:** [`quirks`], [`plan`], [`guest`] (what stock Linux guests do with the plan's
-//! CPUID, per kernel line: `docs/stock-guests.md`), [`stats`], [`telemetry`], and [`irqchip`]: the setup
-//! the in-kernel and signal-msi kick paths need (in-kernel irqchip, MP state of the APs, LAPIC
+//! CPUID, per kernel line: `docs/stock-guests.md`), [`stats`], and [`irqchip`]: the setup the
+//! in-kernel and signal-msi kick paths need (in-kernel irqchip, MP state of the APs, LAPIC
 //! refresh, ioeventfd + irqfd routes to REMRD MSIs).
 //!
 //! # The order KVM requires
@@ -17,7 +18,6 @@
 //! use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 //! use pvspin_kvm::plan::{apply_vcpu, apply_vm, HostCaps, Placement, Plan, PlanRequest};
 //! use pvspin_kvm::stats::StatsFd;
-//! use pvspin_kvm::telemetry::{VcpuCounterCell, VcpuTelemetry, VmTelemetry};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let kvm = kvm_ioctls::Kvm::new()?;
@@ -33,20 +33,17 @@
 //! let vcpu = vm.create_vcpu(0)?;
 //! let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)?;
 //! println!("{}", apply_vcpu(&plan, &vcpu, &mut cpuid)?);
-//! // 4. Telemetry: stats fds opened once, read before and after the run.
+//! // 4. KVM's statistics: stats fds opened once, read before and after the run.
 //! let stats = StatsFd::for_vcpu(&vcpu)?;
-//! let counters = VcpuCounterCell::new(); // shared with the vCPU and device threads
 //! let before = stats.read()?;
 //! // ... run the guest ...
-//! let t = VmTelemetry {
-//!     kvm_vm: Some(StatsFd::for_vm(&vm)?.read()?),
-//!     vcpus: vec![VcpuTelemetry {
-//!         vcpu: 0,
-//!         pvspin: counters.snapshot(),
-//!         kvm: Some(stats.read()?.delta(&before)?),
-//!     }],
-//! };
-//! print!("{}", t.to_prometheus());
+//! let delta = stats.read()?.delta(&before)?;
+//! println!(
+//!     "halt exits +{:?}, halt wake-ups +{:?}",
+//!     delta.value("halt_exits"),
+//!     delta.value("halt_wakeup")
+//! );
+//! println!("{}", serde_json::to_string(&StatsFd::for_vm(&vm)?.read()?)?);
 //! # Ok(())
 //! # }
 //! ```
@@ -57,4 +54,3 @@ pub mod irqchip;
 pub mod plan;
 pub mod quirks;
 pub mod stats;
-pub mod telemetry;

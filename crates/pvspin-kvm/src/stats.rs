@@ -691,12 +691,12 @@ fn read_at(file: &File, buf: &mut [u8], at: u64, what: &'static str) -> Result<(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     /// Builds a stats image: (header, descriptors, data). Each stat: (name, flags, exponent,
     /// values, bucket_size); offsets are assigned in order.
-    pub(crate) fn image(
+    fn image(
         name_size: u32,
         stats: &[(&str, u32, i16, &[u64], u32)],
     ) -> (Vec<u8>, Vec<u8>, Vec<u8>) {

@@ -79,8 +79,9 @@ impl Default for DirectedYieldOptions {
     }
 }
 
-/// What the directed-yield handler did, summed over all vCPUs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the directed-yield handler did, summed over all vCPUs (part of
+/// [`crate::PvSpin::telemetry`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DirectedYieldStats {
     /// SPIN notifications handled (valid ones; bad writes are the kick device's rejects).
     pub notifications: u64,
@@ -106,6 +107,10 @@ pub struct DirectedYieldStats {
     /// off (`pvspin_yield::trial`).
     pub trial_skipped: u64,
     /// The boost trial, when `boost_running_hint` is on.
+    #[serde(
+        serialize_with = "crate::telemetry::serialize_trial",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub trial: Option<TrialStats>,
 }
 

@@ -43,8 +43,8 @@ impl Default for WaitOptions {
     }
 }
 
-/// Counters of hint pages and WAIT, over all vCPUs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Counters of hint pages and WAIT, over all vCPUs (part of [`crate::PvSpin::telemetry`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HintStats {
     /// SHARED_PAGE registrations accepted (unregistrations included).
     pub registrations: u64,
@@ -54,10 +54,14 @@ pub struct HintStats {
     pub wait_reports: u64,
     /// WAIT commands handled.
     pub waits: u64,
-    /// WAITs that ended at once because a kick was already pending (userspace path).
-    pub waits_kick_pending: u64,
-    /// WAITs that ended by their timeout (userspace path).
-    pub waits_timed_out: u64,
+    /// WAITs that ended at once because a kick was already pending: userspace path only
+    /// (`None` on the others, where KVM's halt takes a pending kick unseen).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waits_kick_pending: Option<u64>,
+    /// WAITs that ended by their timeout: userspace path only (`None` on the others, where
+    /// a WAIT has no timeout).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waits_timed_out: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -182,7 +186,9 @@ impl HintState {
         }
     }
 
-    pub(crate) fn stats(&self) -> HintStats {
+    /// The counters; `userspace`: the VM's kick path is the userspace one (the only one
+    /// that sees how a WAIT ends).
+    pub(crate) fn stats(&self, userspace: bool) -> HintStats {
         let c = &self.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         HintStats {
@@ -190,8 +196,16 @@ impl HintState {
             bad_registrations: ld(&c.bad_registrations),
             wait_reports: ld(&c.wait_reports),
             waits: ld(&c.waits),
-            waits_kick_pending: ld(&c.waits_kick_pending),
-            waits_timed_out: ld(&c.waits_timed_out),
+            waits_kick_pending: userspace.then(|| ld(&c.waits_kick_pending)),
+            waits_timed_out: userspace.then(|| ld(&c.waits_timed_out)),
+        }
+    }
+
+    /// vCPU `v`'s budgets now.
+    pub(crate) fn budgets(&self, v: usize) -> crate::telemetry::Budgets {
+        crate::telemetry::Budgets {
+            wait_after_ns: self.budgets.wait_after_ns(v),
+            notify_after_ns: self.notify.then(|| self.budgets.notify_after_ns(v)),
         }
     }
 }

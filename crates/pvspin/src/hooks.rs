@@ -7,13 +7,12 @@ use std::time::Instant;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use pvspin_abi::doorbell::SpinNotify;
 use pvspin_kick::{Command, Handled, KickDevice, KickError, KickPath, ParkOutcome, PioOutcome};
-use pvspin_kvm::telemetry::VcpuCounterCell;
 
-use crate::counters::{ExitKind, SharedCounters};
 use crate::directed::YieldState;
 use crate::hints::{HintState, WaitOptions};
 use crate::kick::KickState;
 use crate::slots::SlotState;
+use crate::telemetry::{ExitKind, VcpuCounterCell};
 
 /// Whether pvspin consumed an exit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,8 +27,8 @@ pub enum ExitOutcome {
 #[derive(Debug)]
 pub struct VcpuHooks {
     index: usize,
-    counters: Arc<SharedCounters>,
-    /// Every vCPU's telemetry cell: a kick is counted on its target.
+    /// Every vCPU's telemetry cell: this vCPU's runs and exits are counted on its own, a
+    /// kick on its target.
     cells: Arc<[Arc<VcpuCounterCell>]>,
     kick: Option<Arc<KickState>>,
     /// Directed yield, when enabled (it needs `kick`).
@@ -54,7 +53,6 @@ pub struct VcpuHooks {
 impl VcpuHooks {
     pub(crate) fn new(
         index: usize,
-        counters: Arc<SharedCounters>,
         cells: Arc<[Arc<VcpuCounterCell>]>,
         kick: Option<Arc<KickState>>,
         dy: Option<Arc<YieldState>>,
@@ -63,7 +61,6 @@ impl VcpuHooks {
             (cells.clone(), kick.clone(), dy.clone());
         Self {
             index,
-            counters,
             cells,
             kick,
             dy,
@@ -172,7 +169,9 @@ impl VcpuHooks {
         let ns = self.run_started.take().map_or(0, |start| {
             u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
         });
-        self.counters.record_run(kind, ns);
+        if let Some(cell) = self.cells.get(self.index) {
+            cell.record_run(kind, ns);
+        }
         self.last_exit = Some(kind);
         if let Some(hints) = &self.hints {
             if let (Some(ns), Some(dy)) = (hints.on_exit(self.index), &self.dy) {
@@ -458,7 +457,7 @@ impl VcpuDoorbell {
                     dy.board.kick(target as usize);
                 }
                 if let Some(cell) = self.cells.get(target as usize) {
-                    cell.record_kick(kick.telemetry_path());
+                    cell.record_kick();
                 }
                 ExitOutcome::Handled
             }
@@ -515,12 +514,13 @@ pub(crate) fn classify(exit: &Result<VcpuExit<'_>, kvm_ioctls::Error>) -> ExitKi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::Shape;
 
     #[test]
     fn classifies_and_counts_hand_built_exits() {
-        let counters = Arc::new(SharedCounters::default());
-        let cells: Arc<[Arc<VcpuCounterCell>]> = Arc::new([]);
-        let mut hooks = VcpuHooks::new(3, counters.clone(), cells, None, None);
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..4).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let mut hooks = VcpuHooks::new(3, cells.clone(), None, None);
         let mut data = [0u8; 4];
         let mut exits: Vec<Result<VcpuExit<'_>, kvm_ioctls::Error>> = vec![
             Ok(VcpuExit::IoOut(0x3f8, b"a")),
@@ -540,14 +540,17 @@ mod tests {
         let mut read = Ok(VcpuExit::IoIn(0x3fd, &mut data));
         hooks.handle_exit(&mut read);
         assert_eq!(hooks.last_exit(), Some(ExitKind::Io));
-        let snapshot = counters.snapshot();
+        let snapshot = cells[3].snapshot(Shape::default(), None);
         assert_eq!(snapshot.runs, 8);
-        assert_eq!(snapshot.exits_of(ExitKind::Io), 2);
-        assert_eq!(snapshot.exits_of(ExitKind::Hlt), 1);
-        assert_eq!(snapshot.exits_of(ExitKind::Mmio), 1);
-        assert_eq!(snapshot.exits_of(ExitKind::Failure), 2);
-        assert_eq!(snapshot.exits_of(ExitKind::Interrupted), 1);
-        assert_eq!(snapshot.exits_of(ExitKind::Other), 1);
+        let exits = snapshot.exits;
+        assert_eq!(exits.get(ExitKind::Io), 2);
+        assert_eq!(exits.get(ExitKind::Hlt), 1);
+        assert_eq!(exits.get(ExitKind::Mmio), 1);
+        assert_eq!(exits.get(ExitKind::Failure), 2);
+        assert_eq!(exits.get(ExitKind::Interrupted), 1);
+        assert_eq!(exits.get(ExitKind::Other), 1);
+        assert_eq!(exits.total(), 8);
+        assert_eq!(cells[0].snapshot(Shape::default(), None).runs, 0);
         assert_eq!(hooks.index(), 3);
     }
 }
@@ -556,6 +559,7 @@ mod tests {
 mod directed_tests {
     use super::*;
     use crate::directed::DirectedYieldOptions;
+    use crate::telemetry::Shape;
     use pvspin_abi::cpuid::FEATURE_SPIN_NOTIFY;
     use pvspin_abi::doorbell::{DEFAULT_PORT, SPIN_OFFSET};
     use pvspin_hints::{Actuator, YieldReport};
@@ -614,6 +618,17 @@ mod directed_tests {
         rec: Recorder,
     }
 
+    const SHAPE: Shape = Shape {
+        kick_path: Some(KickPath::Userspace),
+        directed_yield: true,
+    };
+
+    fn yields(cell: &VcpuCounterCell) -> crate::telemetry::VcpuYieldCounts {
+        cell.snapshot(SHAPE, None)
+            .directed_yield
+            .expect("directed yield is on")
+    }
+
     fn vm(n: usize, deschedule: bool) -> Vm {
         vm_with(n, deschedule, &DirectedYieldOptions::default())
     }
@@ -628,15 +643,7 @@ mod directed_tests {
         let cells: Arc<[Arc<VcpuCounterCell>]> =
             (0..n).map(|_| Arc::new(VcpuCounterCell::new())).collect();
         let hooks = (0..n)
-            .map(|i| {
-                VcpuHooks::new(
-                    i,
-                    Arc::default(),
-                    cells.clone(),
-                    Some(kick.clone()),
-                    Some(dy.clone()),
-                )
-            })
+            .map(|i| VcpuHooks::new(i, cells.clone(), Some(kick.clone()), Some(dy.clone())))
             .collect();
         Vm {
             hooks,
@@ -693,7 +700,7 @@ mod directed_tests {
         assert_eq!(spin(&mut vm, 0, notify(Some(1)), 0), ExitOutcome::Handled);
         let calls = vm.rec.calls.lock().unwrap().clone();
         assert_eq!(calls, ["exit 0", "yield_to 1 tid 4242"]);
-        let s = vm.cells[0].snapshot();
+        let s = yields(&vm.cells[0]);
         assert_eq!(
             (
                 s.spin_notifications,
@@ -743,7 +750,7 @@ mod directed_tests {
             (1, 1, 0)
         );
         // Not descheduled: counted as attempted, not successful.
-        let s = vm.cells[0].snapshot();
+        let s = yields(&vm.cells[0]);
         assert_eq!((s.yields_attempted, s.yields_successful), (1, 0));
     }
 
@@ -875,10 +882,10 @@ mod directed_tests {
         h.after_run_with_cpl(Some(0));
         // Names itself: reaches the policy, which counts and ignores the hint.
         spin(&mut vm, 0, notify(Some(0)), 0);
-        let s = vm.cells[0].snapshot();
+        let s = vm.cells[0].snapshot(SHAPE, None);
         assert_eq!(s.rejected_guest_inputs.get("no_such_vcpu"), Some(&1));
         assert_eq!(s.rejected_guest_inputs.get("wrong_width"), Some(&1));
-        assert_eq!(s.spin_notifications, 1);
+        assert_eq!(s.directed_yield.unwrap().spin_notifications, 1);
         let st = vm.dy.stats();
         assert_eq!((st.notifications, st.hint_self), (1, 1));
         assert!(!vm
@@ -917,6 +924,7 @@ mod directed_tests {
 mod hint_tests {
     use super::*;
     use crate::hints::{HintOptions, HintState};
+    use crate::telemetry::Shape;
     use pvspin_abi::cpuid::{FEATURE_SHARED_PAGE, FEATURE_WAIT};
     use pvspin_abi::doorbell::{DEFAULT_PORT, SHARED_PAGE_OFFSET, WAIT_OFFSET};
     use pvspin_abi::hint;
@@ -949,7 +957,7 @@ mod hint_tests {
         };
         let hooks = (0..2)
             .map(|i| {
-                VcpuHooks::new(i, Arc::default(), cells.clone(), Some(kick.clone()), None)
+                VcpuHooks::new(i, cells.clone(), Some(kick.clone()), None)
                     .with_hints(Some(hints.clone()), Some(wait))
             })
             .collect();
@@ -995,14 +1003,14 @@ mod hint_tests {
         // A frame that is not guest RAM: counted and ignored.
         out(&mut vm, 1, SHARED_PAGE_OFFSET, 4096);
         assert!(vm.hints.pages.get(1).is_none());
-        let s = vm.hints.stats();
+        let s = vm.hints.stats(true);
         assert_eq!(
             (s.registrations, s.bad_registrations, s.wait_reports),
             (1, 1, 1)
         );
         assert_eq!(
             vm.cells[1]
-                .snapshot()
+                .snapshot(Shape::default(), None)
                 .rejected_guest_inputs
                 .get("bad_hint_page"),
             Some(&1)
@@ -1021,10 +1029,18 @@ mod hint_tests {
         // No kick now: the bounded park ends by its 20 ms timeout.
         out(&mut vm, 1, WAIT_OFFSET, 0x1fff);
         assert!(start.elapsed() >= Duration::from_millis(20));
-        let s = vm.hints.stats();
+        let s = vm.hints.stats(true);
         assert_eq!(
             (s.waits, s.waits_kick_pending, s.waits_timed_out),
-            (2, 1, 1)
+            (2, Some(1), Some(1))
+        );
+        assert_eq!(
+            (
+                vm.hints.stats(false).waits_kick_pending,
+                vm.hints.stats(false).waits_timed_out
+            ),
+            (None, None),
+            "only the userspace path sees how a WAIT ends"
         );
         assert!(
             !vm.hints.pages.get(1).unwrap().not_running(),
@@ -1046,7 +1062,7 @@ mod pio_tests {
         let kick = Arc::new(KickState::userspace_for_tests(2, 0));
         let cells: Arc<[Arc<VcpuCounterCell>]> =
             (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
-        let mut hooks = VcpuHooks::new(0, Arc::default(), cells.clone(), Some(kick.clone()), None);
+        let mut hooks = VcpuHooks::new(0, cells.clone(), Some(kick.clone()), None);
         let pio = DoorbellPio::new(DEFAULT_PORT, PORT_COUNT);
         let kick_offset = u64::from(KICK_OFFSET);
         // Before any `before_run` on this thread, nobody is attributed.
@@ -1059,7 +1075,7 @@ mod pio_tests {
         assert!(pio.write(kick_offset, &7u32.to_le_bytes()));
         assert_eq!(
             cells[0]
-                .snapshot()
+                .snapshot(crate::telemetry::Shape::default(), None)
                 .rejected_guest_inputs
                 .values()
                 .sum::<u64>(),

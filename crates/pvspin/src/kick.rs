@@ -12,7 +12,6 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use pvspin_abi::doorbell::KICK_OFFSET;
 use pvspin_kick::{KickConfig, KickDevice, KickPath, RemrdSink, SinkError};
 use pvspin_kvm::irqchip;
-use pvspin_kvm::telemetry::KickPath as TelemetryPath;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 use vmm_sys_util::ioctl_iow_nr;
@@ -330,15 +329,6 @@ impl KickState {
         );
         crate::cpuid::add_pvspin_entries(cpuid, self.device.cpuid_info(), base)?;
         Ok(())
-    }
-
-    /// Telemetry's name of this device's path.
-    pub(crate) fn telemetry_path(&self) -> TelemetryPath {
-        match self.device.path() {
-            KickPath::InKernel => TelemetryPath::InKernel,
-            KickPath::SignalMsi => TelemetryPath::SignalMsi,
-            KickPath::Userspace => TelemetryPath::Userspace,
-        }
     }
 
     pub(crate) fn now_ns(&self) -> u64 {

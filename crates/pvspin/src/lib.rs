@@ -22,7 +22,9 @@
 //!    port I/O through a bus registers [`PvSpin::doorbell_pio`] there instead), then
 //!    [`VcpuHooks::after_run`] with the vCPU (where a spin notification is acted on).
 //! 5. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
-//! 6. Any time: [`PvSpin::telemetry`], pvspin's counters merged with KVM's statistics.
+//! 6. Any time: [`PvSpin::telemetry`], the one snapshot of everything pvspin and KVM count
+//!    ([`telemetry`]: per-vCPU counters, the kick device, directed yield, hint pages, budgets
+//!    and KVM's binary statistics, as JSON or Prometheus text).
 //!
 //! [`simple`] does the VMM's part of steps 2-3 for a VMM without irqchip, routes or CPUID of
 //! its own.
@@ -67,8 +69,8 @@
 //! quirk off (a stray hypercall faults instead of livelocking a host CPU); with
 //! [`PvSpinBuilder::paravirt`] it applies a placement-driven plan of KVM's paravirt features
 //! for stock guests; the hooks keep per-vCPU counters of runs, exits by kind and time spent in
-//! `KVM_RUN` ([`VcpuCounters`]); [`PvSpin::telemetry`] merges pvspin's counters with KVM's
-//! binary statistics.
+//! `KVM_RUN` ([`PvspinVcpuCounters`]); [`PvSpin::telemetry`] merges pvspin's counters with
+//! KVM's binary statistics.
 //! With [`PvSpinBuilder::kick`], the kick doorbell and its three wake paths (`pvspin-kick`).
 //! With [`PvSpinBuilder::directed_yield`] (needs the kick), spin notifications: the hooks keep
 //! a `pvspin_track::VcpuBoard` (state per vCPU, CPL at each exit from the sync registers, halts,
@@ -99,7 +101,6 @@
 //! release), which is why boosting can cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
 
-mod counters;
 pub mod cpuid;
 mod directed;
 mod hints;
@@ -110,7 +111,7 @@ mod pio;
 pub mod seccomp;
 pub mod simple;
 mod slots;
-mod telemetry;
+pub mod telemetry;
 
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
 pub use hints::{HintOptions, HintStats, WaitOptions};
@@ -122,7 +123,7 @@ pub use pvspin_hints::slots::{entitled_cpus, SlotConfig, SlotStats};
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_hints::{Confinement, Verdict};
-pub use pvspin_kick::{KickPath, KickStats};
+pub use pvspin_kick::{KickPath, KickStats, Reject};
 pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
 pub use pvspin_yield::{PolicyConfig, WindowConfig};
@@ -130,19 +131,28 @@ pub use pvspin_yield::{PolicyConfig, WindowConfig};
 use std::fmt::Debug;
 use std::sync::Arc;
 
-pub use counters::{ExitKind, VcpuCounters};
 pub use hooks::{ExitOutcome, VcpuHooks};
 use kvm_bindings::CpuId;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+pub use pvspin_kvm::irqchip::IrqchipError;
 pub use pvspin_kvm::plan::{
-    AppliedVcpu, AppliedVm, GuestKernel, Placement, Plan, PlanError, PlanRequest,
+    AppliedVcpu, AppliedVm, CpuidEdit, ExitFlags, GuestKernel, HaltPoll, Placement, Plan,
+    PlanError, PlanRequest, PvFeatures,
 };
-use pvspin_kvm::quirks::{self, QuirkError};
-pub use pvspin_kvm::telemetry::{TelemetryFormat, VcpuCounterCell, VmTelemetry};
+use pvspin_kvm::quirks;
+pub use pvspin_kvm::quirks::QuirkError;
+pub use pvspin_kvm::stats::{Descriptor, Snapshot, Stat, StatKind, StatUnit};
+pub use pvspin_track::CplError;
+pub use pvspin_yield::TrialStats;
 use std::sync::OnceLock;
 
-use crate::counters::SharedCounters;
-use crate::telemetry::StatsFds;
+use crate::telemetry::collect::StatsFds;
+pub use crate::telemetry::{
+    Budgets, ExitCounts, ExitKind, KickCounts, KickDeviceTelemetry, LatencyHistogram,
+    PvspinVcpuCounters, TelemetryError, TelemetryFormat, VcpuTelemetry, VcpuYieldCounts,
+    VmTelemetry,
+};
+use crate::telemetry::{Shape, VcpuCounterCell};
 
 /// The most vCPUs pvspin manages in one VM (KVM's own `KVM_MAX_VCPUS` on x86 is 1024 or 4096).
 pub const MAX_VCPUS: usize = 4096;
@@ -261,7 +271,7 @@ pub enum Error {
     Plan(#[from] PlanError),
     /// The host cannot report the CPL at exits through sync registers (directed yield).
     #[error("directed yield: {0}")]
-    SyncRegs(#[from] pvspin_track::CplError),
+    SyncRegs(#[from] CplError),
     /// `KVM_SET_CPUID2` failed.
     #[error("KVM_SET_CPUID2 on vCPU {index}: {source}")]
     SetCpuid {
@@ -288,7 +298,7 @@ pub enum Error {
     Kick(String),
     /// A KVM call on the vCPU's irqchip failed.
     #[error("vCPU irqchip setup: {0}")]
-    Irqchip(#[from] pvspin_kvm::irqchip::IrqchipError),
+    Irqchip(#[from] IrqchipError),
     /// pvspin's CPUID leaves could not be added.
     #[error("CPUID: {0}")]
     Cpuid(#[from] cpuid::CpuidError),
@@ -575,7 +585,6 @@ impl PvSpinBuilder {
             cells: (0..vcpus)
                 .map(|_| Arc::new(VcpuCounterCell::new()))
                 .collect(),
-            counters: (0..vcpus).map(|_| Arc::default()).collect(),
             configured: (0..vcpus)
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
@@ -626,8 +635,8 @@ pub struct PvSpin {
     /// Set by `configure_vm`: `Some(plan)` with a paravirt request, `None` without.
     plan: OnceLock<Option<Plan>>,
     stats: StatsFds,
+    /// Per vCPU, pvspin's counters.
     cells: Arc<[Arc<VcpuCounterCell>]>,
-    counters: Vec<Arc<SharedCounters>>,
     configured: Vec<std::sync::atomic::AtomicBool>,
 }
 
@@ -639,7 +648,7 @@ impl PvSpin {
 
     /// Number of vCPUs.
     pub fn vcpus(&self) -> usize {
-        self.counters.len()
+        self.cells.len()
     }
 
     /// VM-stage setup: call after creating the VM, before creating any vCPU. Applies the
@@ -860,37 +869,6 @@ impl PvSpin {
         }
     }
 
-    /// What the directed-yield handler did so far, if it is enabled.
-    pub fn directed_yield_stats(&self) -> Option<DirectedYieldStats> {
-        self.directed_yield.as_ref().map(|dy| dy.stats())
-    }
-
-    /// What the run slots did, if they are enabled.
-    pub fn slot_stats(&self) -> Option<SlotStats> {
-        self.run_slots.as_ref().map(|s| s.stats())
-    }
-
-    /// Hint-page and WAIT counters, if hint pages are enabled.
-    pub fn hint_stats(&self) -> Option<HintStats> {
-        self.hints.as_ref().map(|h| h.stats())
-    }
-
-    /// vCPU `index`'s current budgets in nanoseconds: (spin before notifying, spin before
-    /// waiting), if hint pages are enabled.
-    pub fn budgets_ns(&self, index: usize) -> Option<(u64, u64)> {
-        self.hints.as_ref().map(|h| {
-            (
-                h.budgets.notify_after_ns(index),
-                h.budgets.wait_after_ns(index),
-            )
-        })
-    }
-
-    /// The kick device's counters (kicks, rejected guest writes per reason), if it exists.
-    pub fn kick_stats(&self) -> Option<KickStats> {
-        self.kick.get().map(|kick| kick.device.stats())
-    }
-
     /// vCPU-stage setup: call once per vCPU after creating it and setting its CPUID (from
     /// [`edit_cpuid`](Self::edit_cpuid)), before its first `KVM_RUN`. Checks the rules that
     /// tie the vCPU to the configuration (its CPUID carries pvspin's leaves and its index as
@@ -991,7 +969,6 @@ impl PvSpin {
         }
         let hooks = VcpuHooks::new(
             index,
-            self.counters[index].clone(),
             self.cells.clone(),
             self.kick.get().cloned(),
             self.directed_yield.clone(),
@@ -1024,10 +1001,52 @@ impl PvSpin {
         Err(ConfigError::Cpuid { index, what }.into())
     }
 
-    /// Everything pvspin and KVM count, per vCPU: pvspin's counters merged with KVM's binary
-    /// statistics (for vCPUs, the change since `configure_vcpu`). Readable at any time.
+    /// Everything pvspin and KVM count, in one snapshot ([`telemetry`]): per vCPU, pvspin's
+    /// counters (runs, exits, time in `KVM_RUN`, kicks, rejected guest inputs, notifications,
+    /// yields, kick-to-wake latency), its spin budgets and KVM's stats (the change since
+    /// `configure_vcpu`); per VM, the kick device's, directed yield's and hint pages' counters
+    /// and KVM's VM stats. What the configuration or its kick path cannot count is absent;
+    /// in-kernel kicks, which never exit, are stood in for by KVM's `halt_wakeup`, labeled as
+    /// such ([`KickCounts`]). Readable at any time, from any thread; each read is atomic,
+    /// the whole is not one consistent cut. Reads the KVM stats fds (one `pread` each).
     pub fn telemetry(&self) -> VmTelemetry {
-        self.stats.telemetry(&self.cells)
+        let kick_path = self.kick.get().map(|kick| kick.device.path());
+        let shape = Shape {
+            kick_path,
+            directed_yield: self.directed_yield.is_some(),
+        };
+        let vcpus = self
+            .cells
+            .iter()
+            .enumerate()
+            .map(|(index, cell)| {
+                let kvm = self.stats.vcpu(index);
+                let halt_wakeups = kvm.as_ref().and_then(|s| s.value("halt_wakeup"));
+                VcpuTelemetry {
+                    vcpu: u32::try_from(index).unwrap_or(u32::MAX),
+                    pvspin: cell.snapshot(shape, halt_wakeups),
+                    budgets: self.hints.as_ref().map(|h| h.budgets(index)),
+                    kvm,
+                }
+            })
+            .collect();
+        VmTelemetry {
+            kick: self.kick.get().map(|kick| KickDeviceTelemetry {
+                path: kick.device.path(),
+                stats: kick.device.stats(),
+            }),
+            directed_yield: self.directed_yield.as_ref().map(|dy| dy.stats()),
+            run_slots: self
+                .run_slots
+                .as_ref()
+                .map(|s| telemetry::SlotTelemetry::new(s.slots.config().slots, s.stats())),
+            hints: self
+                .hints
+                .as_ref()
+                .map(|h| h.stats(kick_path == Some(KickPath::Userspace))),
+            kvm_vm: self.stats.vm(),
+            vcpus,
+        }
     }
 
     /// Forces vCPU `index` out of `KVM_RUN` through the VMM's [`VcpuInterrupter`].
@@ -1039,11 +1058,6 @@ impl PvSpin {
             }
             self.interrupter.interrupt(index);
         }
-    }
-
-    /// A snapshot of vCPU `index`'s counters, readable from any thread.
-    pub fn vcpu_counters(&self, index: usize) -> Option<VcpuCounters> {
-        self.counters.get(index).map(|counters| counters.snapshot())
     }
 }
 
@@ -1173,7 +1187,7 @@ mod tests {
         );
         // Nothing happened yet; the default policy boosts running hints, so the boost trial
         // is on, starting with boosts.
-        let stats = ok.directed_yield_stats().unwrap();
+        let stats = ok.telemetry().directed_yield.unwrap();
         assert_eq!(
             DirectedYieldStats {
                 trial: None,
@@ -1238,9 +1252,15 @@ mod tests {
             .unwrap();
         pvspin.interrupt(1);
         pvspin.interrupt(2);
-        assert_eq!(pvspin.telemetry().vcpus.len(), 2);
         assert_eq!(interrupter.0.load(std::sync::atomic::Ordering::Relaxed), 1);
-        assert!(pvspin.vcpu_counters(1).is_some());
-        assert!(pvspin.vcpu_counters(2).is_none());
+        let t = pvspin.telemetry();
+        assert_eq!(t.vcpus.len(), 2);
+        // Nothing configured and no VM yet: the hooks' counters only, nothing else pretends.
+        assert!(t.kick.is_none() && t.directed_yield.is_none() && t.hints.is_none());
+        assert!(t.kvm_vm.is_none());
+        for v in &t.vcpus {
+            assert!(v.kvm.is_none() && v.budgets.is_none());
+            assert!(v.pvspin.kicks.is_none() && v.pvspin.directed_yield.is_none());
+        }
     }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use pvspin::{ExitKind, VcpuCounters};
+use pvspin::{ExitKind, PvspinVcpuCounters};
 use pvspin_vmm_proto::{BootParams, Workload};
 use serde::Serialize;
 
@@ -37,16 +37,16 @@ impl VcpuReport {
     pub(crate) fn collect(
         vcpu: &VcpuShared,
         memory: &GuestMemory,
-        counters: Option<VcpuCounters>,
+        counters: Option<&PvspinVcpuCounters>,
     ) -> Self {
         let slot = memory::read_slot(memory, vcpu.index).unwrap_or_default();
-        let counters = counters.unwrap_or_default();
+        let counters = counters.cloned().unwrap_or_default();
         Self {
             index: vcpu.index,
             state: vcpu.state(),
             userspace_exits: vcpu.exits.load(std::sync::atomic::Ordering::Relaxed),
             runs: counters.runs,
-            hlt_exits: counters.exits_of(ExitKind::Hlt),
+            hlt_exits: counters.exits.get(ExitKind::Hlt),
             heartbeat: slot.heartbeat,
             acquisitions: slot.acquisitions,
             regs: *vcpu
@@ -118,8 +118,14 @@ pub struct RunReport {
     pub pv_kicks: u64,
     /// PV locks: wake-ups that found the lock not yet theirs.
     pub pv_spurious_wakeups: u64,
-    /// Kicks the host's kick device saw (none on the in-kernel path, whose kicks never exit).
-    pub host_kicks: Option<u64>,
+    /// Valid kicks that reached the host's kick device in userspace (pvspin's count): every
+    /// kick on the signal-msi and userspace paths, only the fallbacks on the in-kernel path,
+    /// whose kicks never exit. `None` without PV.
+    pub host_kicks_in_userspace: Option<u64>,
+    /// In-kernel path: KVM's `halt_wakeup` summed over the vCPUs (wake-ups from a halt by a
+    /// kick or any other interrupt), standing in for the kicks the host cannot count there.
+    /// `None` on the other paths and without KVM stats.
+    pub kvm_halt_wakeups: Option<u64>,
     /// Kick-to-wake latency measured by the guest (ping-pong workload).
     pub kick_to_wake: Option<LatencySummary>,
     /// What directed yield did (`--pv kick+yield`).
@@ -191,7 +197,8 @@ impl RunReport {
             pv_halts: result.pv_halts,
             pv_kicks: result.pv_kicks,
             pv_spurious_wakeups: result.pv_spurious_wakeups,
-            host_kicks: None,
+            host_kicks_in_userspace: None,
+            kvm_halt_wakeups: None,
             kick_to_wake: None,
             directed_yield: None,
             run_slots: None,

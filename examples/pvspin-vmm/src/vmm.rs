@@ -646,9 +646,8 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     }
     hogs.stop();
     let telemetry = pvspin.telemetry();
-    let kick_stats = pvspin.kick_stats();
-    let yield_stats = pvspin.directed_yield_stats();
-    let slot_stats = pvspin.slot_stats();
+    let yield_stats = telemetry.directed_yield;
+    let slot_stats = telemetry.run_slots;
     let actuator = pvspin.actuator_name().map(str::to_string);
     if let Some(stats) = yield_stats {
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
@@ -665,7 +664,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     }
     let reports: Vec<VcpuReport> = shared
         .iter()
-        .map(|vcpu| VcpuReport::collect(vcpu, &memory, pvspin.vcpu_counters(vcpu.index as usize)))
+        .map(|vcpu| {
+            let counters = telemetry.vcpus.get(vcpu.index as usize).map(|t| &t.pvspin);
+            VcpuReport::collect(vcpu, &memory, counters)
+        })
         .collect();
     drop(pvspin);
     drop(vcpu_fds);
@@ -714,8 +716,13 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         &bus,
     );
     report.plan = plan_lines;
+    report.host_kicks_in_userspace = telemetry.kick.map(|kick| kick.stats.kicks);
+    report.kvm_halt_wakeups = telemetry
+        .vcpus
+        .iter()
+        .map(|v| v.pvspin.kicks.and_then(|k| k.kvm_halt_wakeups))
+        .sum();
     report.telemetry = Some(telemetry);
-    report.host_kicks = kick_stats.map(|stats| stats.kicks);
     report.kick_to_wake = crate::report::LatencySummary::from_guest(&memory, &params, tsc_khz);
     report.directed_yield = yield_stats.map(|stats| crate::report::YieldSummary {
         actuator: actuator.unwrap_or_default(),
@@ -727,7 +734,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         descheduled: stats.descheduled,
     });
     report.run_slots = slot_stats.map(|stats| crate::report::SlotSummary {
-        slots: slot_count,
+        slots: stats.slots,
         grants: stats.grants,
         waits: stats.waits,
         prioritized_grants: stats.prioritized_grants,

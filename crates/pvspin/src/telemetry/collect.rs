@@ -1,10 +1,9 @@
-//! KVM binary-stats fds kept per VM and vCPU, merged with pvspin's counters on demand.
+//! KVM binary-stats fds kept per VM and vCPU, read when a telemetry snapshot is taken.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use kvm_ioctls::{VcpuFd, VmFd};
 use pvspin_kvm::stats::{Snapshot, StatsFd};
-use pvspin_kvm::telemetry::{VcpuCounterCell, VcpuTelemetry, VmTelemetry};
 
 /// A vCPU's stats fd and its values when it was configured.
 #[derive(Debug)]
@@ -14,7 +13,7 @@ struct VcpuStats {
 }
 
 /// Stats fds; a host without `KVM_GET_STATS_FD` simply has none (telemetry then carries
-/// pvspin's counters only).
+/// pvspin's counters only, and no KVM stand-ins).
 #[derive(Debug)]
 pub(crate) struct StatsFds {
     vm: Mutex<Option<StatsFd>>,
@@ -49,30 +48,22 @@ impl StatsFds {
         }
     }
 
-    pub(crate) fn telemetry(&self, cells: &[Arc<VcpuCounterCell>]) -> VmTelemetry {
-        let kvm_vm = self
-            .vm
+    /// KVM's VM-wide stats now, if there is a stats fd and it reads.
+    pub(crate) fn vm(&self) -> Option<Snapshot> {
+        self.vm
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
-            .and_then(|fd| fd.read().ok());
-        let vcpus = cells
-            .iter()
-            .zip(&self.vcpus)
-            .enumerate()
-            .map(|(index, (cell, stats))| {
-                let kvm = stats
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .as_ref()
-                    .and_then(|stats| stats.fd.read().ok()?.delta(&stats.baseline).ok());
-                VcpuTelemetry {
-                    vcpu: u32::try_from(index).unwrap_or(u32::MAX),
-                    pvspin: cell.snapshot(),
-                    kvm,
-                }
-            })
-            .collect();
-        VmTelemetry { kvm_vm, vcpus }
+            .and_then(|fd| fd.read().ok())
+    }
+
+    /// vCPU `index`'s KVM stats as the change since `configure_vcpu`, if it has a stats fd.
+    pub(crate) fn vcpu(&self, index: usize) -> Option<Snapshot> {
+        self.vcpus
+            .get(index)?
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .and_then(|stats| stats.fd.read().ok()?.delta(&stats.baseline).ok())
     }
 }
