@@ -95,10 +95,18 @@
 //! mode too, and the WAIT carries its notification. With directed yield and hint pages, a
 //! boost trial (`pvspin_yield::trial`) decides from the wait reports whether boosting a
 //! waited-for vCPU that the host sees running pays off.
-//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; reading the
-//! guest's spin state from hint pages for scheduling (the run slots of the scheduling issue);
-//! the boost still cannot end when the holder releases its lock (the host does not see the
-//! release), which is why boosting can cost more than it gains with many vCPUs per CPU.
+//! With [`PvSpinBuilder::run_slots`] (userspace kick path) pvspin decides which vCPUs run: at
+//! most S in guest code at once, the kicked vCPU taking its kicker's slot, a holder inside a
+//! critical section (its hint page's `CS_DEPTH`) kept once past its quantum, the others
+//! parked in `before_run` with `NOT_RUNNING` on their hint pages (`pvspin_hints::slots`).
+//! Directed yield's boosts are used only where they stay inside the VM's CPU share
+//! ([`Confinement`]).
+//!
+//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; run slots on
+//! the MSI kick paths (halts there stay inside KVM, unseen); showing a parked vCPU to stock
+//! Linux guests through KVM's steal-time `preempted` byte; the boost still cannot end when the
+//! holder releases its lock (the host does not see the release), which is why boosting can
+//! cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
 
 pub mod cpuid;
