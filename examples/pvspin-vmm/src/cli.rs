@@ -341,6 +341,9 @@ pub struct VmArgs {
     /// With --sched slots: how many (0: the CPUs this process may use).
     #[arg(long, default_value_t = 0)]
     pub slots: u32,
+    /// With --sched slots: the quantum in us (default: pvspin's, 2000).
+    #[arg(long)]
+    pub slot_quantum_us: Option<u64>,
     /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
@@ -493,6 +496,7 @@ impl VmArgs {
             seccomp: self.seccomp.into(),
             seccomp_violation: self.seccomp_violation,
             run_slots: (self.sched == SchedArg::Slots).then_some(self.slots),
+            slot_quantum_us: self.slot_quantum_us,
             confinement: match self.boosts {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,

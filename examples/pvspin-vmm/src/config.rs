@@ -64,6 +64,8 @@ pub struct RunConfig {
     /// Run slots (`--sched slots`): how many (`Some(0)`: the CPUs the process is entitled to,
     /// at most the vCPU count); `None`: the host scheduler alone decides.
     pub run_slots: Option<u32>,
+    /// Run slots: the quantum in us (`None`: pvspin's default).
+    pub slot_quantum_us: Option<u64>,
     /// Seccomp filters on the run's threads (`crate::seccomp`). The command line's default is
     /// `Enforce`; this struct's is `Off`, so that a library caller opts in.
     pub seccomp: SeccompMode,
@@ -157,6 +159,7 @@ impl Default for RunConfig {
             boost_deadline_us: None,
             confinement: pvspin::Confinement::Auto,
             run_slots: None,
+            slot_quantum_us: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
         }

@@ -465,7 +465,12 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
     let slot_count = config_slots(config);
     if config.run_slots.is_some() {
-        builder = builder.run_slots(pvspin::SlotConfig::new(slot_count));
+        let mut slots = pvspin::SlotConfig::new(slot_count);
+        if let Some(us) = config.slot_quantum_us {
+            slots.quantum = Duration::from_micros(us);
+            slots.cs_extension = slots.cs_extension.min(slots.quantum);
+        }
+        builder = builder.run_slots(slots);
     }
     let pvspin = builder
         .build()
