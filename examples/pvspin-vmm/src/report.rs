@@ -131,7 +131,7 @@ pub struct RunReport {
     /// What directed yield did (`--pv kick+yield`).
     pub directed_yield: Option<YieldSummary>,
     /// What the run slots did (`--sched slots`).
-    pub run_slots: Option<SlotSummary>,
+    pub run_slots: Option<pvspin::telemetry::SlotTelemetry>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -284,29 +284,6 @@ impl RunReport {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
     }
-}
-
-/// The run slots over a run.
-#[derive(Clone, Debug, Serialize)]
-pub struct SlotSummary {
-    /// Slots.
-    pub slots: usize,
-    /// Grants.
-    pub grants: u64,
-    /// Grants that had to wait.
-    pub waits: u64,
-    /// Grants to kicked or named vCPUs that waited.
-    pub prioritized_grants: u64,
-    /// Slots kickers handed to the vCPU they kicked.
-    pub hand_overs: u64,
-    /// Forced exits asked of holders.
-    pub preemptions: u64,
-    /// Critical-section extensions.
-    pub extensions: u64,
-    /// The longest wait, us.
-    pub max_wait_us: f64,
-    /// The most vCPUs that held slots at once.
-    pub max_held: u64,
 }
 
 /// Directed yield's decisions over a run.

@@ -738,17 +738,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         boosted: stats.boosted,
         descheduled: stats.descheduled,
     });
-    report.run_slots = slot_stats.map(|stats| crate::report::SlotSummary {
-        slots: stats.slots,
-        grants: stats.grants,
-        waits: stats.waits,
-        prioritized_grants: stats.prioritized_grants,
-        hand_overs: stats.hand_overs,
-        preemptions: stats.preemptions,
-        extensions: stats.extensions,
-        max_wait_us: stats.max_wait_ns as f64 / 1000.0,
-        max_held: stats.max_held,
-    });
+    report.run_slots = slot_stats;
     Ok(report)
 }
 

@@ -74,16 +74,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             let lock = LockKind::from_u32(boot.lock);
             let uses_pv_domain =
                 matches!(boot.pv, PV_KICK | PV_KICK_YIELD) || lock == Some(LockKind::Queued);
-            if uses_pv_domain {
-                if let Err(code) = setup_pv(vcpu, &boot) {
-                    outl(EXIT_PORT, code);
-                    halt_forever();
-                }
-            }
-            if boot.user_mode != 0 {
-                pv::USER_MODE.store(true, Ordering::Relaxed);
-                arch::enter_user_mode();
-            }
+            prepare(vcpu, &boot, uses_pv_domain);
             match (lock, boot.pv) {
                 (Some(LockKind::Ticket), PV_OFF) => {
                     lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
@@ -135,30 +126,14 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                 outl(EXIT_PORT, status::BAD_PARAMS);
                 halt_forever();
             }
-            if let Err(code) = setup_pv(vcpu, &boot) {
-                outl(EXIT_PORT, code);
-                halt_forever();
-            }
-            if boot.user_mode != 0 {
-                pv::USER_MODE.store(true, Ordering::Relaxed);
-                arch::enter_user_mode();
-            }
+            prepare(vcpu, &boot, true);
             start_barrier(&boot);
             pingpong::run(vcpu, &boot, || heartbeat(vcpu));
             finish(vcpu, &boot, params, Some((&pingpong::handoffs, boot.iterations)))
         }
         Some(Workload::Burn) | Some(Workload::Abuse) => {
             let abuse = boot.workload == Workload::Abuse as u32;
-            if abuse {
-                if let Err(code) = setup_pv(vcpu, &boot) {
-                    outl(EXIT_PORT, code);
-                    halt_forever();
-                }
-            }
-            if boot.user_mode != 0 {
-                pv::USER_MODE.store(true, Ordering::Relaxed);
-                arch::enter_user_mode();
-            }
+            prepare(vcpu, &boot, abuse);
             start_barrier(&boot);
             for round in 0..boot.iterations {
                 work(boot.cs_work);
@@ -185,6 +160,21 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             outl(EXIT_PORT, status::BAD_PARAMS);
             halt_forever()
         }
+    }
+}
+
+/// Sets PV up when `pv` (or ends the run with the status saying why it cannot), then enters
+/// user mode when the run asks for it.
+fn prepare(vcpu: u32, boot: &BootParams, pv: bool) {
+    if pv {
+        if let Err(code) = setup_pv(vcpu, boot) {
+            outl(EXIT_PORT, code);
+            halt_forever();
+        }
+    }
+    if boot.user_mode != 0 {
+        pv::USER_MODE.store(true, Ordering::Relaxed);
+        arch::enter_user_mode();
     }
 }
 
