@@ -63,6 +63,31 @@ fn slots_are_never_exceeded_and_kicked_vcpus_get_one() {
     );
 }
 
+/// A guest that registered KVM steal time (the example guest does with kick+yield) sees a
+/// vCPU waiting for a slot as preempted: pvspin learns the area from MSR_KVM_STEAL_TIME and
+/// sets its `preempted` byte, which KVM clears at the next entry.
+#[test]
+fn waits_for_a_slot_are_shown_through_steal_time() {
+    if kvm_or_skip("waits_for_a_slot_are_shown_through_steal_time").is_none() {
+        return;
+    }
+    with_watchdog(
+        "waits_for_a_slot_are_shown_through_steal_time",
+        Duration::from_secs(120),
+        || {
+            let config = RunConfig {
+                pv: PvMode::KickYield,
+                ..slots_config(4, 2, LockKind::Ticket, true)
+            };
+            let report = run(&config).expect("run");
+            assert_eq!(report.counter, report.expected);
+            let stats = report.run_slots.expect("slot stats");
+            assert!(stats.waits > 0, "{stats:?}");
+            assert!(stats.steal_time_marks > 0, "{stats:?}");
+        },
+    );
+}
+
 #[test]
 fn slots_need_the_userspace_kick_path() {
     let config = RunConfig {

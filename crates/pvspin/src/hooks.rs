@@ -46,6 +46,8 @@ pub struct VcpuHooks {
     checked_setup: bool,
     /// Run slots, when enabled.
     slots: Option<Arc<SlotState>>,
+    /// `after_run` already told the slots about this exit.
+    slots_exited: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -79,6 +81,7 @@ impl VcpuHooks {
             wait: None,
             checked_setup: false,
             slots: None,
+            slots_exited: false,
             run_started: None,
             last_exit: None,
         }
@@ -269,6 +272,13 @@ impl VcpuHooks {
     /// exit from `kvm_run`'s sync registers (no ioctl), records it on the board and handles
     /// a spin notification that came with the exit (which may yield this thread).
     pub fn after_run(&mut self, vcpu: &VcpuFd) {
+        if let Some(slots) = &self.slots {
+            if !slots.exited(self.index) {
+                // It will wait for a slot: learn where to show that to a stock guest.
+                slots.learn_steal_time(self.index, vcpu);
+            }
+            self.slots_exited = true;
+        }
         let cpl = self
             .dy
             .as_ref()
@@ -286,7 +296,9 @@ impl VcpuHooks {
 
     fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
         if let Some(slots) = &self.slots {
-            slots.exited(self.index);
+            if !std::mem::take(&mut self.slots_exited) {
+                slots.exited(self.index);
+            }
         }
         self.after_run_spin(cpl);
         if let Some(n) = take_pending(&self.doorbell.pending_wait) {

@@ -102,9 +102,12 @@
 //! Directed yield's boosts are used only where they stay inside the VM's CPU share
 //! ([`Confinement`]).
 //!
+//! A vCPU waiting for a slot is also shown preempted to a guest that registered KVM steal time
+//! (its `preempted` byte, which KVM clears at the next entry), so a stock Linux guest's
+//! `vcpu_is_preempted` sees the slots' decisions.
+//!
 //! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; run slots on
-//! the MSI kick paths (halts there stay inside KVM, unseen); showing a parked vCPU to stock
-//! Linux guests through KVM's steal-time `preempted` byte; the boost still cannot end when the
+//! the MSI kick paths (halts there stay inside KVM, unseen); the boost still cannot end when the
 //! holder releases its lock (the host does not see the release), which is why boosting can
 //! cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
@@ -449,7 +452,12 @@ impl PvSpinBuilder {
     /// otherwise round robin, an overdue vCPU forced out through the [`VcpuInterrupter`].
     /// Needs the userspace kick path, where pvspin sees every halt and kick (on the MSI paths
     /// halts stay inside KVM, holding their slot). See `pvspin_hints::slots` for the bound on
-    /// a vCPU's wait.
+    /// a vCPU's wait. With hint pages (pvspin's access to guest memory), a vCPU that waits
+    /// for a slot is also shown preempted in its KVM steal-time area, if its guest registered
+    /// one (learned from `MSR_KVM_STEAL_TIME`, or given with
+    /// [`PvSpin::set_steal_time_gpa`]): KVM sets that byte itself only when it deschedules a
+    /// runnable vCPU, and clears it (`record_steal_time`, keeping a PV TLB flush the guest
+    /// requested meanwhile) when the vCPU next enters the guest.
     pub fn run_slots(mut self, config: SlotConfig) -> Self {
         self.run_slots = Some(config);
         self
@@ -563,8 +571,14 @@ impl PvSpinBuilder {
                 ))
             }
             Some(cfg) => Some(Arc::new(
-                slots::SlotState::new(vcpus, cfg, hints.clone(), interrupter.clone())
-                    .map_err(|e| ConfigError::RunSlots(e.to_string()))?,
+                slots::SlotState::new(
+                    vcpus,
+                    cfg,
+                    hints.clone(),
+                    self.hints.as_ref().map(|h| h.memory.clone()),
+                    interrupter.clone(),
+                )
+                .map_err(|e| ConfigError::RunSlots(e.to_string()))?,
             )),
         };
         let lapic_in_kernel = match (self.kick, &paravirt) {
@@ -875,6 +889,9 @@ impl PvSpin {
         if let Some(dy) = &self.directed_yield {
             dy.board.set_steal_time_gpa(index, gpa);
         }
+        if let Some(slots) = &self.run_slots {
+            slots.set_steal_time_gpa(index, gpa);
+        }
     }
 
     /// vCPU-stage setup: call once per vCPU after creating it and setting its CPUID (from
@@ -1044,10 +1061,13 @@ impl PvSpin {
                 stats: kick.device.stats(),
             }),
             directed_yield: self.directed_yield.as_ref().map(|dy| dy.stats()),
-            run_slots: self
-                .run_slots
-                .as_ref()
-                .map(|s| telemetry::SlotTelemetry::new(s.slots.config().slots, s.stats())),
+            run_slots: self.run_slots.as_ref().map(|s| {
+                telemetry::SlotTelemetry::new(
+                    s.slots.config().slots,
+                    s.stats(),
+                    s.steal_time_marks(),
+                )
+            }),
             hints: self
                 .hints
                 .as_ref()

@@ -83,8 +83,15 @@ mod nr {
     pub(super) use crate::kick::KVM_SIGNAL_MSI;
     // `_IO(KVMIO, 0x80)`: `VcpuThread::run` (the ready interrupter) runs the vCPU.
     vmm_sys_util::ioctl_io_nr!(KVM_RUN, kvm_bindings::KVMIO, 0x80);
+    // `_IOWR(KVMIO, 0x88, struct kvm_msrs)`: run slots read MSR_KVM_STEAL_TIME once.
+    vmm_sys_util::ioctl_iowr_nr!(
+        KVM_GET_MSRS,
+        kvm_bindings::KVMIO,
+        0x88,
+        kvm_bindings::kvm_msrs
+    );
 }
-use nr::{KVM_RUN, KVM_SET_MP_STATE, KVM_SIGNAL_MSI};
+use nr::{KVM_GET_MSRS, KVM_RUN, KVM_SET_MP_STATE, KVM_SIGNAL_MSI};
 
 /// Errors building or compiling rules.
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +137,8 @@ pub enum ThreadKind {
     /// ready interrupter, `KVM_RUN` itself ([`VcpuThread::run`](crate::VcpuThread::run)) and
     /// the return from its signal handler (`rt_sigreturn`, in the baseline); `tgkill` and
     /// `getpid` when a vCPU thread interrupts another (`PvSpin::interrupt` from a vCPU
-    /// thread, run slots).
+    /// thread, run slots); with run slots, `KVM_GET_MSRS` (`MSR_KVM_STEAL_TIME`, once per
+    /// vCPU).
     Vcpu,
     /// The boost watchdog `pvspin-boost-wd` (`pvspin_hints::boost`) that the `nice` and
     /// `fifo` actuators start in `build`: sleeps on a condition variable with a timeout
@@ -217,7 +225,12 @@ fn needs(kind: ThreadKind) -> Vec<Need> {
                     libc::SYS_ioctl,
                     "ioctl",
                     1,
-                    vec![KVM_SET_MP_STATE(), KVM_SIGNAL_MSI(), KVM_RUN()],
+                    vec![
+                        KVM_SET_MP_STATE(),
+                        KVM_SIGNAL_MSI(),
+                        KVM_RUN(),
+                        KVM_GET_MSRS(),
+                    ],
                 ),
                 any(libc::SYS_futex, "futex"),
                 any(libc::SYS_tgkill, "tgkill"),
@@ -431,7 +444,8 @@ mod tests {
             [
                 cond(1, KVM_SET_MP_STATE()),
                 cond(1, KVM_SIGNAL_MSI()),
-                cond(1, KVM_RUN())
+                cond(1, KVM_RUN()),
+                cond(1, KVM_GET_MSRS())
             ]
         );
         assert_eq!(
@@ -500,7 +514,8 @@ mod tests {
         merge(&mut map, baseline_rules().unwrap());
         merge_into(&mut map, ThreadKind::Vcpu).unwrap();
         let ioctl = &map[&libc::SYS_ioctl];
-        assert_eq!(ioctl.len(), 3);
+        // The VMM's KVM_RUN, and pvspin's other three (its own KVM_RUN merged into the VMM's).
+        assert_eq!(ioctl.len(), 4);
         assert_eq!(ioctl[0], kvm_run);
         // The baseline's write to stderr does not narrow the VMM's unconditional write.
         assert!(map[&libc::SYS_write].is_empty());

@@ -476,8 +476,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         .build()
         .map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
-    if config.pv == PvMode::KickYield {
-        // Where the guest registers its steal-time areas (it does when KVM offers them).
+    // Where the guest registers its steal-time areas (it does when KVM offers them). With run
+    // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
+    // does not know its guest's layout would.
+    if config.pv == PvMode::KickYield && config.run_slots.is_none() {
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
             pvspin.set_steal_time_gpa(
                 index as usize,

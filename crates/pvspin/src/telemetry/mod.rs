@@ -41,7 +41,7 @@
 //! | `pvspin_boost_trial_epochs_total{boosting}`, `pvspin_boost_trial_boosting`, `pvspin_boost_trial_mean_wait_seconds{boosting}` | with directed yield's boost trial; the mean once measured |
 //! | `pvspin_hint_page_registrations_total`, `pvspin_hint_page_bad_registrations_total`, `pvspin_hint_wait_reports_total`, `pvspin_waits_total` | with hint pages ([`HintStats`]) |
 //! | `pvspin_waits_kick_pending_total`, `pvspin_waits_timed_out_total` | with hint pages, userspace path only |
-//! | `pvspin_run_slots`, `pvspin_run_slot_<what>_total` (`grants`, `waits`, `prioritized_grants`, `hand_overs`, `preemptions`, `extensions`), `pvspin_run_slot_max_wait_seconds`, `pvspin_run_slot_max_held` | with run slots ([`SlotTelemetry`]) |
+//! | `pvspin_run_slots`, `pvspin_run_slot_<what>_total` (`grants`, `waits`, `prioritized_grants`, `hand_overs`, `preemptions`, `extensions`, `steal_time_marks`), `pvspin_run_slot_max_wait_seconds`, `pvspin_run_slot_max_held` | with run slots ([`SlotTelemetry`]) |
 //! | `kvm_vm_<stat>` | when KVM has a VM stats fd |
 //!
 //! KVM stats: cumulative stats are counters (`_total`), instant and peak stats gauges,
@@ -348,10 +348,12 @@ pub struct SlotTelemetry {
     pub max_wait_ns: u64,
     /// The most vCPUs that held slots at once.
     pub max_held: u64,
+    /// Waits shown to the guest through its KVM steal-time `preempted` byte.
+    pub steal_time_marks: u64,
 }
 
 impl SlotTelemetry {
-    pub(crate) fn new(slots: usize, s: pvspin_hints::slots::SlotStats) -> Self {
+    pub(crate) fn new(slots: usize, s: pvspin_hints::slots::SlotStats, marks: u64) -> Self {
         Self {
             slots,
             grants: s.grants,
@@ -362,6 +364,7 @@ impl SlotTelemetry {
             extensions: s.extensions,
             max_wait_ns: s.max_wait_ns,
             max_held: s.max_held,
+            steal_time_marks: marks,
         }
     }
 }

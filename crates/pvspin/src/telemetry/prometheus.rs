@@ -277,6 +277,11 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
                 "Run-slot quanta extended for a critical section.",
                 r.extensions,
             ),
+            (
+                "steal_time_marks",
+                "Waits for a run slot shown to the guest through its steal-time preempted byte.",
+                r.steal_time_marks,
+            ),
         ] {
             out.counter(&format!("pvspin_run_slot_{what}_total"), help, &[], value);
         }
