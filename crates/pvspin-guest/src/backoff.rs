@@ -51,7 +51,7 @@ use crate::sync::{AtomicU32, Ordering};
 use crate::{RawSpinLock, TicketLock};
 
 /// A lock's estimate of how many spins one hand-over (unlock to the next holder's unlock, as
-/// its waiters see it) takes: the unit of proportional backoff. See the [module docs](self).
+/// its waiters see it) takes: the unit of proportional backoff. See the module docs of `backoff`.
 ///
 /// A hint, not part of any handshake: `core` atomics (not modelled by loom), Relaxed.
 #[derive(Debug)]
@@ -198,7 +198,7 @@ impl<'a> BackoffWaiter<'a> {
 }
 
 /// A fair (FIFO) ticket spinlock whose waiters back off in proportion to their distance from
-/// the head of the queue, with an auto-tuned unit (see the [module docs](self)).
+/// the head of the queue, with an auto-tuned unit (see the module docs of `backoff`).
 ///
 /// Like [`TicketLock`], it has no paravirtual slow path; [`PvBackoffTicketLock`] has one.
 #[derive(Debug)]

@@ -28,7 +28,7 @@ pub fn check_base(base: u32) -> Result<(), CpuidError> {
 }
 
 /// The ABI's rule that a vCPU's kick index is its initial APIC ID, applied to that vCPU's
-/// CPUID table: CPUID.01H:EBX[31:24] (the xAPIC ID, when `index` fits in 8 bits) and EDX of
+/// CPUID table: CPUID.01H:EBX bits 31..24 (the xAPIC ID, when `index` fits in 8 bits) and EDX of
 /// every subleaf of the x2APIC topology leaves 0BH and 1FH are set to `index`. KVM's
 /// supported CPUID carries the host CPU's values there, so without this every vCPU reads the
 /// same ID. Edits only those fields of the entries present; returns how many entries changed.

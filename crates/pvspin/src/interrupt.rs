@@ -1,4 +1,4 @@
-//! A ready [`VcpuInterrupter`](crate::VcpuInterrupter): a signal to the vCPU's own thread,
+//! A ready [`VcpuInterrupter`]: a signal to the vCPU's own thread,
 //! whose handler sets `immediate_exit` in that thread's `kvm_run`.
 //!
 //! The shape Firecracker uses: the kicking thread never touches another thread's `kvm_run`.

@@ -387,8 +387,9 @@ impl PvSpinBuilder {
     }
 
     /// Gives the guest pvspin's kick doorbell (pv_kick for PV spinlocks; see `docs/abi.md`),
-    /// woken through `options.path`. The in-kernel and signal-msi paths create an in-kernel
-    /// irqchip in [`PvSpin::configure_vm`] and need [`PvSpin::vcpus_created`].
+    /// woken through `options.path`. The in-kernel and signal-msi paths need the VMM's
+    /// in-kernel irqchip (created before the vCPUs); the in-kernel path also needs
+    /// [`PvSpin::set_kick_gsis`] and the wiring it returns applied.
     pub fn kick(mut self, options: KickOptions) -> Self {
         self.kick = Some(options);
         self

@@ -16,9 +16,8 @@
 //! variant), and one without can merge it. Neither list covers:
 //! * **setup**: [`PvSpinBuilder::build`](crate::PvSpinBuilder::build),
 //!   [`PvSpin::configure_vm`](crate::PvSpin::configure_vm),
-//!   [`PvSpin::configure_vcpu`](crate::PvSpin::configure_vcpu) and
-//!   [`PvSpin::vcpus_created`](crate::PvSpin::vcpus_created) open descriptors, create the
-//!   irqchip, set CPUID and routes and probe the scheduler; like a VMM's own setup they run
+//!   [`PvSpin::configure_vcpu`](crate::PvSpin::configure_vcpu) and the wiring calls open
+//!   descriptors, register eventfds, check CPUID and probe the scheduler; like a VMM's own setup they run
 //!   before its threads are confined. `build` also starts and joins the `pvspin-probe` thread
 //!   (with a `nice` or `fifo` actuator: it tries a boost on a throwaway thread); that thread
 //!   lives only inside `build`, so it needs no rules of its own, but a VMM that calls `build`
