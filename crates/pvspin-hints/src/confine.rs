@@ -80,9 +80,10 @@ pub fn cpu_cgroup(proc_cgroup: &str) -> Option<(String, bool)> {
     v2.map(|p| (p, false))
 }
 
-/// The cgroup directory of `path` under the cgroup filesystem at `root` (normally
-/// `/sys/fs/cgroup`): v1 hierarchies are mounted at `cpu` or `cpu,cpuacct`.
-fn cgroup_dir(root: &Path, path: &str, v1: bool) -> Option<PathBuf> {
+/// The directory of cpu cgroup `path` (as [`cpu_cgroup`] gives it) under the cgroup
+/// filesystem at `root` (normally `/sys/fs/cgroup`): v1 hierarchies are mounted at `cpu` or
+/// `cpu,cpuacct`; `None` when no v1 cpu hierarchy is mounted.
+pub fn cpu_cgroup_dir(root: &Path, path: &str, v1: bool) -> Option<PathBuf> {
     let rel = path.trim_start_matches('/');
     if !v1 {
         return Some(root.join(rel));
@@ -115,7 +116,7 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
             ));
         }
     }
-    let Some(dir) = cgroup_dir(root, &path, v1) else {
+    let Some(dir) = cpu_cgroup_dir(root, &path, v1) else {
         return not("no cgroup v1 cpu hierarchy is mounted".into());
     };
     let weight = if v1 { "cpu.shares" } else { "cpu.weight" };
@@ -140,6 +141,13 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
         Err(err) => return not(format!("reading {}/cgroup.procs: {err}", dir.display())),
     }
     Verdict::Confined { cgroup: dir }
+}
+
+/// This process's cpu cgroup directory on this machine, and whether it is a v1 hierarchy.
+pub fn own_cpu_cgroup_dir() -> Option<(PathBuf, bool)> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let (path, v1) = cpu_cgroup(&text)?;
+    Some((cpu_cgroup_dir(Path::new("/sys/fs/cgroup"), &path, v1)?, v1))
 }
 
 /// [`check_at`] for this process on this machine.

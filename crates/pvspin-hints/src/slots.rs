@@ -679,12 +679,8 @@ pub fn entitled_cpus() -> usize {
     let affinity = affinity_cpus().unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
-    let quota = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|text| crate::confine::cpu_cgroup(&text))
-        .and_then(|(path, v1)| {
-            cgroup_quota_cpus(std::path::Path::new("/sys/fs/cgroup"), &path, v1)
-        });
+    let quota =
+        crate::confine::own_cpu_cgroup_dir().and_then(|(dir, v1)| cgroup_quota_cpus(&dir, v1));
     quota.map_or(affinity, |q| q.min(affinity)).max(1)
 }
 
@@ -721,21 +717,14 @@ pub fn parse_cfs_quota(quota: &str, period: &str) -> Option<usize> {
     usize::try_from((quota as u64).div_ceil(period)).ok()
 }
 
-/// The quota of the cpu cgroup at `path` under the cgroup filesystem `root`, if limited.
+/// The quota of the cpu cgroup in directory `dir`, if limited.
 #[cfg(not(loom))]
-fn cgroup_quota_cpus(root: &std::path::Path, path: &str, v1: bool) -> Option<usize> {
-    let rel = path.trim_start_matches('/');
+fn cgroup_quota_cpus(dir: &std::path::Path, v1: bool) -> Option<usize> {
+    let read = |file: &str| std::fs::read_to_string(dir.join(file)).ok();
     if v1 {
-        let dir = ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
-            .iter()
-            .map(|m| root.join(m))
-            .find(|m| m.is_dir())?
-            .join(rel);
-        let quota = std::fs::read_to_string(dir.join("cpu.cfs_quota_us")).ok()?;
-        let period = std::fs::read_to_string(dir.join("cpu.cfs_period_us")).ok()?;
-        parse_cfs_quota(&quota, &period)
+        parse_cfs_quota(&read("cpu.cfs_quota_us")?, &read("cpu.cfs_period_us")?)
     } else {
-        parse_cpu_max(&std::fs::read_to_string(root.join(rel).join("cpu.max")).ok()?)
+        parse_cpu_max(&read("cpu.max")?)
     }
 }
 

@@ -1264,6 +1264,31 @@ pub fn apply_vcpu(plan: &Plan, vcpu: &VcpuFd, cpuid: &mut CpuId) -> Result<Appli
     install_vcpu(&plan, vcpu, cpuid, edit)
 }
 
+/// `KVM_SET_CPUID2`, telling a CPUID refused because the vCPU has already run
+/// ([`PlanError::CpuidAfterRun`]) from an invalid one.
+pub fn set_cpuid(vcpu: &VcpuFd, cpuid: &CpuId) -> Result<(), PlanError> {
+    vcpu.set_cpuid2(cpuid).map_err(|source| {
+        // KVM refuses a changed CPUID once the vCPU has run (EINVAL on current kernels,
+        // EBUSY on some). Tell that apart from an invalid CPUID by asking the vCPU's stats
+        // whether it has ever exited (only on this error path).
+        let ran = || {
+            crate::stats::StatsFd::for_vcpu(vcpu)
+                .and_then(|s| s.read())
+                .ok()
+                .and_then(|s| s.value("exits"))
+                .is_some_and(|n| n > 0)
+        };
+        if source.errno() == libc::EBUSY || (source.errno() == libc::EINVAL && ran()) {
+            PlanError::CpuidAfterRun { source }
+        } else {
+            PlanError::Kvm {
+                op: "KVM_SET_CPUID2",
+                source,
+            }
+        }
+    })
+}
+
 /// The vCPU stage's last step for a VMM that sets the CPUID itself (after [`edit_cpuid`] and
 /// its own `KVM_SET_CPUID2`): enables `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` when `plan` (resolved
 /// by [`plan_for_vcpu`] or [`Plan::for_lapic`]) asks for it. Returns whether it did.
@@ -1291,26 +1316,7 @@ pub fn install_vcpu(
     cpuid: &CpuId,
     edit: CpuidEdit,
 ) -> Result<AppliedVcpu, PlanError> {
-    vcpu.set_cpuid2(cpuid).map_err(|source| {
-        // KVM refuses a changed CPUID once the vCPU has run (EINVAL on current kernels,
-        // EBUSY on some). Tell that apart from an invalid CPUID by asking the vCPU's stats
-        // whether it has ever exited (only on this error path).
-        let ran = || {
-            crate::stats::StatsFd::for_vcpu(vcpu)
-                .and_then(|s| s.read())
-                .ok()
-                .and_then(|s| s.value("exits"))
-                .is_some_and(|n| n > 0)
-        };
-        if source.errno() == libc::EBUSY || (source.errno() == libc::EINVAL && ran()) {
-            PlanError::CpuidAfterRun { source }
-        } else {
-            PlanError::Kvm {
-                op: "KVM_SET_CPUID2",
-                source,
-            }
-        }
-    })?;
+    set_cpuid(vcpu, cpuid)?;
     enforce_pv_cpuid(plan, vcpu)?;
     Ok(AppliedVcpu {
         cpuid: edit,

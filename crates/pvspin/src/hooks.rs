@@ -46,8 +46,6 @@ pub struct VcpuHooks {
     checked_setup: bool,
     /// Run slots, when enabled.
     slots: Option<Arc<SlotState>>,
-    /// `after_run` already told the slots about this exit.
-    slots_exited: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -59,32 +57,36 @@ impl VcpuHooks {
         kick: Option<Arc<KickState>>,
         dy: Option<Arc<YieldState>>,
     ) -> Self {
-        let (cells_for_doorbell, kick_for_doorbell, dy_for_doorbell) =
-            (cells.clone(), kick.clone(), dy.clone());
-        Self {
+        let mut hooks = Self {
             index,
             cells,
             kick,
             dy,
             tid_recorded: false,
-            doorbell: Arc::new(VcpuDoorbell {
-                index,
-                cells: cells_for_doorbell,
-                kick: kick_for_doorbell,
-                dy: dy_for_doorbell,
-                hints: None,
-                slots: None,
-                pending_spin: AtomicU64::new(0),
-                pending_wait: AtomicU64::new(0),
-            }),
+            doorbell: Arc::new(VcpuDoorbell::default()),
             hints: None,
             wait: None,
             checked_setup: false,
             slots: None,
-            slots_exited: false,
             run_started: None,
             last_exit: None,
-        }
+        };
+        hooks.doorbell = hooks.make_doorbell();
+        hooks
+    }
+
+    /// The doorbell shared with the bus device: the parts of these hooks it acts on.
+    fn make_doorbell(&self) -> Arc<VcpuDoorbell> {
+        Arc::new(VcpuDoorbell {
+            index: self.index,
+            cells: self.cells.clone(),
+            kick: self.kick.clone(),
+            dy: self.dy.clone(),
+            hints: self.hints.clone(),
+            slots: self.slots.clone(),
+            pending_spin: AtomicU64::new(0),
+            pending_wait: AtomicU64::new(0),
+        })
     }
 
     pub(crate) fn with_hints(
@@ -92,21 +94,15 @@ impl VcpuHooks {
         hints: Option<Arc<HintState>>,
         wait: Option<WaitOptions>,
     ) -> Self {
-        self.doorbell = Arc::new(VcpuDoorbell {
-            hints: hints.clone(),
-            ..VcpuDoorbell::clone_of(&self.doorbell)
-        });
         self.hints = hints;
         self.wait = wait;
+        self.doorbell = self.make_doorbell();
         self
     }
 
     pub(crate) fn with_slots(mut self, slots: Option<Arc<SlotState>>) -> Self {
-        self.doorbell = Arc::new(VcpuDoorbell {
-            slots: slots.clone(),
-            ..VcpuDoorbell::clone_of(&self.doorbell)
-        });
         self.slots = slots;
+        self.doorbell = self.make_doorbell();
         self
     }
 
@@ -272,13 +268,6 @@ impl VcpuHooks {
     /// exit from `kvm_run`'s sync registers (no ioctl), records it on the board and handles
     /// a spin notification that came with the exit (which may yield this thread).
     pub fn after_run(&mut self, vcpu: &VcpuFd) {
-        if let Some(slots) = &self.slots {
-            if !slots.exited(self.index) {
-                // It will wait for a slot: learn where to show that to a stock guest.
-                slots.learn_steal_time(self.index, vcpu);
-            }
-            self.slots_exited = true;
-        }
         let cpl = self
             .dy
             .as_ref()
@@ -296,8 +285,11 @@ impl VcpuHooks {
 
     fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
         if let Some(slots) = &self.slots {
-            if !std::mem::take(&mut self.slots_exited) {
-                slots.exited(self.index);
+            if !slots.exited(self.index) {
+                // It will wait for a slot: learn where to show that to a stock guest.
+                if let Some(vcpu) = vcpu {
+                    slots.learn_steal_time(self.index, vcpu);
+                }
             }
         }
         self.after_run_spin(cpl);
@@ -398,7 +390,7 @@ fn set_pending(slot: &AtomicU64, n: SpinNotify) {
 
 /// One vCPU's doorbell accesses: what both [`VcpuHooks::handle_exit`] and the bus device
 /// ([`crate::DoorbellPio`]) do with a port-I/O exit. Only the vCPU's own thread uses it.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct VcpuDoorbell {
     index: usize,
     cells: Arc<[Arc<VcpuCounterCell>]>,
@@ -413,19 +405,6 @@ pub(crate) struct VcpuDoorbell {
 }
 
 impl VcpuDoorbell {
-    fn clone_of(other: &Self) -> Self {
-        Self {
-            index: other.index,
-            cells: other.cells.clone(),
-            kick: other.kick.clone(),
-            dy: other.dy.clone(),
-            hints: other.hints.clone(),
-            slots: other.slots.clone(),
-            pending_spin: AtomicU64::new(0),
-            pending_wait: AtomicU64::new(0),
-        }
-    }
-
     /// Runs `f` with the doorbell of the vCPU whose hooks run on this thread.
     pub(crate) fn with_current<R>(f: impl FnOnce(Option<&VcpuDoorbell>) -> R) -> R {
         CURRENT.with(|current| f(current.borrow().as_deref()))

@@ -129,7 +129,7 @@ pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalInterrupter, VcpuThread};
 pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
 pub use pio::DoorbellPio;
-pub use pvspin_hints::confine::cpu_cgroup as confine_cpu_cgroup;
+pub use pvspin_hints::confine;
 pub use pvspin_hints::slots::{entitled_cpus, SlotConfig, SlotStats};
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};

@@ -47,17 +47,9 @@ pub fn configure_vcpu(
     cpuid: &mut CpuId,
 ) -> Result<(VcpuHooks, Option<AppliedVcpu>), Error> {
     pvspin.edit_cpuid_for_vcpu(index, vcpu, cpuid)?;
-    vcpu.set_cpuid2(cpuid).map_err(|source| {
-        let ran = pvspin_kvm::stats::StatsFd::for_vcpu(vcpu)
-            .and_then(|s| s.read())
-            .ok()
-            .and_then(|s| s.value("exits"))
-            .is_some_and(|n| n > 0);
-        if ran {
-            Error::Plan(pvspin_kvm::plan::PlanError::CpuidAfterRun { source })
-        } else {
-            Error::SetCpuid { index, source }
-        }
+    pvspin_kvm::plan::set_cpuid(vcpu, cpuid).map_err(|err| match err {
+        pvspin_kvm::plan::PlanError::Kvm { source, .. } => Error::SetCpuid { index, source },
+        after_run => Error::Plan(after_run),
     })?;
     pvspin.configure_vcpu(index, vcpu)
 }

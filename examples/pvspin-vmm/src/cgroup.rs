@@ -16,20 +16,8 @@ impl VmCgroup {
     /// with the cpu controller) and moves the whole process into it. Needs write access to
     /// the cgroup filesystem.
     pub fn enter() -> Result<Self, String> {
-        let text = std::fs::read_to_string("/proc/self/cgroup")
-            .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
-        let (path, v1) =
-            pvspin::confine_cpu_cgroup(&text).ok_or("the process is in no cpu cgroup hierarchy")?;
-        let root = if v1 {
-            ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
-                .iter()
-                .map(|m| PathBuf::from("/sys/fs/cgroup").join(m))
-                .find(|m| m.is_dir())
-                .ok_or("no cgroup v1 cpu hierarchy is mounted")?
-        } else {
-            PathBuf::from("/sys/fs/cgroup")
-        };
-        let parent = root.join(path.trim_start_matches('/'));
+        let (parent, v1) = pvspin::confine::own_cpu_cgroup_dir()
+            .ok_or("the process is in no mounted cpu cgroup hierarchy")?;
         if !v1 {
             // v2: the parent must hand the cpu controller to its children.
             let _ = std::fs::write(parent.join("cgroup.subtree_control"), "+cpu");
