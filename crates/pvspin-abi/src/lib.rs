@@ -481,6 +481,219 @@ pub mod hint {
     }
 }
 
+pub mod virtio {
+    //! pvspin as a virtio device (**experimental**): the same kicks, spin notifications and hint
+    //! pages as the doorbell, for VMMs that do not link pvspin but can attach a vhost-user
+    //! device backend (`pvspind`). The prose version, with the transport and the host side, is
+    //! `docs/vhost-user.md`.
+    //!
+    //! **Device ID** [`DEVICE_ID`] = 63 is **not allocated by OASIS**: it is the highest ID a
+    //! virtio-pci function can carry (PCI device ID 0x1040 + 63 = 0x107F) and is above every ID
+    //! allocated in virtio 1.3. It is an agreement between a pvspin-aware guest and the VMM
+    //! that presents the device, and may change before 1.0.
+    //!
+    //! **Feature bits** (device-specific bits 0..23): [`F_SPIN_NOTIFY`], [`F_HINT_PAGES`]. The
+    //! device also offers `VIRTIO_F_VERSION_1` (bit 32), which the driver must accept.
+    //!
+    //! **Queues**, for a device whose configuration says `max_vcpus` = M:
+    //!
+    //! | queue | role | descriptors |
+    //! |---|---|---|
+    //! | 0 ([`CONTROL_QUEUE`]) | control requests ([`ControlRequest`]), answered in a device-writable `u32` status | yes |
+    //! | 1 + i ([`kick_queue`]) | KICK vCPU i: notifying this queue is the kick | never read |
+    //! | 1 + M + i ([`spin_queue`]) | SPIN from vCPU i: the notification; what it waits for is in its hint page | never read |
+    //!
+    //! A kick queue carries no descriptors: the queue notification itself (on virtio-mmio a
+    //! 32-bit write of the queue index to `QueueNotify`, on virtio-pci a write to the queue's
+    //! notify address) is the command, and the device answers by signalling the **same queue's
+    //! used-buffer notification** (its interrupt), which the VMM delivers to vCPU i as a
+    //! wake-up with `KVM_HC_KICK_CPU` semantics (in KVM: an MSI in REMRD delivery mode to
+    //! APIC ID i, which sets `pv_unhalted`, so it ends a `cli; hlt` and is remembered when
+    //! vCPU i is not halted). A driver sets these queues up (any size, 1 is enough) and never
+    //! posts buffers on them. Queues of vCPUs the driver does not set up do not exist: a kick
+    //! to one wakes nobody.
+    //!
+    //! **Configuration space** (read-only, little-endian): [`config`].
+    //!
+    //! **Waiting** needs nothing from the device: `pv_wait` is `HLT` (kernel mode), as in
+    //! [`crate::doorbell`]'s §3.2 pattern. The device has no WAIT command.
+
+    /// The virtio device ID (experimental, see the module docs).
+    pub const DEVICE_ID: u32 = 63;
+
+    /// Feature bit number: spin queues exist and the device acts on their notifications
+    /// (reads the notifying vCPU's hint page, may yield to the vCPU it waits for).
+    pub const F_SPIN_NOTIFY: u32 = 0;
+    /// Feature bit number: the control queue's [`OP_REGISTER_HINT_PAGE`] works and the device
+    /// publishes spin and wait budgets in registered pages ([`crate::hint`] layout).
+    pub const F_HINT_PAGES: u32 = 1;
+    /// `VIRTIO_F_VERSION_1`'s bit number (virtio 1.x): required.
+    pub const F_VERSION_1: u32 = 32;
+    /// Every device-specific feature bit this version defines, as a mask.
+    pub const FEATURES_DEFINED: u64 = (1 << F_SPIN_NOTIFY) | (1 << F_HINT_PAGES);
+
+    /// The most vCPUs a device may serve (queue indices must fit in 16 bits, and kicks name
+    /// xAPIC IDs).
+    pub const MAX_VCPUS: u32 = 255;
+
+    /// Index of the control queue.
+    pub const CONTROL_QUEUE: u16 = 0;
+
+    /// Index of the queue whose notification kicks vCPU `vcpu` (`None` outside `max_vcpus`).
+    pub const fn kick_queue(max_vcpus: u32, vcpu: u32) -> Option<u16> {
+        if vcpu < max_vcpus && max_vcpus <= MAX_VCPUS {
+            Some(1 + vcpu as u16)
+        } else {
+            None
+        }
+    }
+
+    /// Index of vCPU `vcpu`'s spin-notification queue (`None` outside `max_vcpus`).
+    pub const fn spin_queue(max_vcpus: u32, vcpu: u32) -> Option<u16> {
+        if vcpu < max_vcpus && max_vcpus <= MAX_VCPUS {
+            Some(1 + max_vcpus as u16 + vcpu as u16)
+        } else {
+            None
+        }
+    }
+
+    /// Number of queues of a device serving `max_vcpus` vCPUs.
+    pub const fn num_queues(max_vcpus: u32) -> usize {
+        1 + 2 * max_vcpus as usize
+    }
+
+    /// What a queue index means, for a device serving `max_vcpus` vCPUs.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum QueueRole {
+        /// The control queue.
+        Control,
+        /// Kicks vCPU `.0`.
+        Kick(u32),
+        /// Spin notifications from vCPU `.0`.
+        Spin(u32),
+    }
+
+    /// Decodes a queue index (`None`: no such queue).
+    pub const fn queue_role(max_vcpus: u32, queue: usize) -> Option<QueueRole> {
+        let m = max_vcpus as usize;
+        if max_vcpus > MAX_VCPUS {
+            None
+        } else if queue == 0 {
+            Some(QueueRole::Control)
+        } else if queue <= m {
+            Some(QueueRole::Kick((queue - 1) as u32))
+        } else if queue <= 2 * m {
+            Some(QueueRole::Spin((queue - 1 - m) as u32))
+        } else {
+            None
+        }
+    }
+
+    pub mod config {
+        //! The device configuration space: [`SIZE`] bytes, read-only for the driver,
+        //! little-endian.
+        //!
+        //! | offset | size | field |
+        //! |---|---|---|
+        //! | 0 | 4 | [`MAX_VCPUS`]: M, the vCPUs the device has queues for (the driver uses vCPUs `0..min(M, its own)`) |
+        //! | 4 | 4 | [`ABI_VERSION`]: pvspin's ABI version word ([`crate::ABI_VERSION`]) |
+        //! | 8 | 4 | [`SPIN_QUEUE_BASE`]: index of vCPU 0's spin queue (1 + M) |
+        //! | 12 | 4 | reserved, 0 |
+
+        /// u32: the vCPUs the device has queues for.
+        pub const MAX_VCPUS: usize = 0;
+        /// u32: the ABI version word.
+        pub const ABI_VERSION: usize = 4;
+        /// u32: index of vCPU 0's spin queue.
+        pub const SPIN_QUEUE_BASE: usize = 8;
+        /// Size of the configuration space in bytes.
+        pub const SIZE: usize = 16;
+
+        /// The configuration space of a device serving `max_vcpus` vCPUs.
+        pub const fn encode(max_vcpus: u32) -> [u8; SIZE] {
+            let mut out = [0u8; SIZE];
+            let m = max_vcpus.to_le_bytes();
+            let v = crate::ABI_VERSION.to_le_bytes();
+            let s = (1 + max_vcpus).to_le_bytes();
+            let mut i = 0;
+            while i < 4 {
+                out[MAX_VCPUS + i] = m[i];
+                out[ABI_VERSION + i] = v[i];
+                out[SPIN_QUEUE_BASE + i] = s[i];
+                i += 1;
+            }
+            out
+        }
+    }
+
+    /// One control request: the first descriptor of a chain, device-readable, exactly
+    /// [`ControlRequest::SIZE`] bytes, little-endian. The chain's last descriptor is
+    /// device-writable and at least 4 bytes: the device writes a `u32` status there
+    /// ([`STATUS_OK`] ...) and returns the chain with used length 4.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct ControlRequest {
+        /// [`OP_REGISTER_HINT_PAGE`].
+        pub op: u32,
+        /// The vCPU the request is about.
+        pub vcpu: u32,
+        /// A guest physical address (for [`OP_REGISTER_HINT_PAGE`]: the 4 KiB-aligned hint
+        /// page, 0 to unregister).
+        pub gpa: u64,
+        /// An argument (for [`OP_REGISTER_HINT_PAGE`]: the guest TSC frequency in kHz the
+        /// device converts its time budgets with; 0 if unknown, then the device publishes no
+        /// time budgets: spin window `u64::MAX`).
+        pub arg: u64,
+    }
+
+    impl ControlRequest {
+        /// Size in bytes.
+        pub const SIZE: usize = 24;
+
+        /// Decodes a request from its little-endian bytes (`None` unless exactly
+        /// [`Self::SIZE`] bytes).
+        pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+            if bytes.len() != Self::SIZE {
+                return None;
+            }
+            let u32_at =
+                |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+            let u64_at = |o: usize| (u32_at(o) as u64) | ((u32_at(o + 4) as u64) << 32);
+            Some(Self {
+                op: u32_at(0),
+                vcpu: u32_at(4),
+                gpa: u64_at(8),
+                arg: u64_at(16),
+            })
+        }
+
+        /// The little-endian bytes of the request.
+        pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+            let mut out = [0u8; Self::SIZE];
+            out[0..4].copy_from_slice(&self.op.to_le_bytes());
+            out[4..8].copy_from_slice(&self.vcpu.to_le_bytes());
+            out[8..16].copy_from_slice(&self.gpa.to_le_bytes());
+            out[16..24].copy_from_slice(&self.arg.to_le_bytes());
+            out
+        }
+    }
+
+    /// Control op: register (`gpa` != 0) or unregister (`gpa` == 0) vCPU `vcpu`'s hint page.
+    /// Needs [`F_HINT_PAGES`]. The page must lie in guest RAM the device can map.
+    pub const OP_REGISTER_HINT_PAGE: u32 = 1;
+
+    /// Status: done.
+    pub const STATUS_OK: u32 = 0;
+    /// Status: malformed chain or unknown op.
+    pub const STATUS_BAD_REQUEST: u32 = 1;
+    /// Status: `vcpu` is not below `max_vcpus`.
+    pub const STATUS_BAD_VCPU: u32 = 2;
+    /// Status: the address is not aligned or not in guest RAM the device maps.
+    pub const STATUS_BAD_ADDRESS: u32 = 3;
+    /// Status: the op needs a feature the driver did not accept.
+    pub const STATUS_UNSUPPORTED: u32 = 4;
+}
+
 #[cfg(test)]
 mod tests {
     use super::cpuid::*;
@@ -759,5 +972,37 @@ mod tests {
             acc |= b;
         }
         assert_eq!(acc, FEATURES_DEFINED);
+    }
+
+    #[test]
+    fn virtio_queue_layout_round_trips() {
+        use crate::virtio::*;
+        for m in [1u32, 4, 16, MAX_VCPUS] {
+            assert_eq!(queue_role(m, 0), Some(QueueRole::Control));
+            for i in [0, m - 1] {
+                let k = kick_queue(m, i).unwrap();
+                let s = spin_queue(m, i).unwrap();
+                assert_eq!(queue_role(m, k as usize), Some(QueueRole::Kick(i)));
+                assert_eq!(queue_role(m, s as usize), Some(QueueRole::Spin(i)));
+                assert!((s as usize) < num_queues(m));
+            }
+            assert_eq!(kick_queue(m, m), None);
+            assert_eq!(spin_queue(m, m), None);
+            assert_eq!(queue_role(m, num_queues(m)), None);
+            let c = config::encode(m);
+            assert_eq!(u32::from_le_bytes(c[0..4].try_into().unwrap()), m);
+            assert_eq!(u32::from_le_bytes(c[8..12].try_into().unwrap()), 1 + m);
+        }
+        assert_eq!(kick_queue(MAX_VCPUS + 1, 0), None);
+        assert_eq!(queue_role(MAX_VCPUS + 1, 0), None);
+        let r = ControlRequest {
+            op: OP_REGISTER_HINT_PAGE,
+            vcpu: 3,
+            gpa: 0x1234_5000,
+            arg: 2_000_000,
+        };
+        assert_eq!(ControlRequest::from_bytes(&r.to_bytes()), Some(r));
+        assert_eq!(ControlRequest::from_bytes(&[0; 23]), None);
+        assert_eq!(FEATURES_DEFINED.count_ones(), 2);
     }
 }

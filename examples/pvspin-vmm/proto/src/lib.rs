@@ -60,6 +60,19 @@ pub const EXIT_PORT: u16 = 0x501;
 /// I/O port a vCPU writes (any value) when it has nothing more to do but cannot `hlt`
 /// (in user mode): the VMM parks it until the run ends.
 pub const PARK_PORT: u16 = 0x502;
+/// I/O port a vCPU in guest user mode writes (32 bits, any value) to halt as `hlt` would in
+/// kernel mode: the VMM puts the vCPU in KVM's halt state, which a kick (a REMRD MSI) ends,
+/// also when it arrived first. Used with the virtio pvspin device, which has no WAIT command:
+/// it stands in for the guest kernel's halt that a real guest's user code would reach through
+/// a system call.
+pub const HALT_PORT: u16 = 0x503;
+
+/// GPA of the virtio-mmio window of the pvspin virtio device, when the VMM presents one
+/// ([`BootParams::virtio_mmio_base`]): the last 2 MiB page of the identity map, above any
+/// guest RAM the example gives a guest.
+pub const VIRTIO_MMIO_ADDR: u64 = MAPPED_BYTES - 0x20_0000;
+/// Size of the virtio-mmio window.
+pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 
 /// Guest memory needed for `vcpus` vCPUs: everything up to the end of the last stack.
 pub const fn min_memory_bytes(vcpus: u32) -> u64 {
@@ -69,7 +82,7 @@ pub const fn min_memory_bytes(vcpus: u32) -> u64 {
 /// [`BootParams::magic`].
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"pvspinbt");
 /// [`BootParams::version`].
-pub const BOOT_VERSION: u32 = 1;
+pub const BOOT_VERSION: u32 = 2;
 
 /// What the guest runs.
 #[repr(u32)]
@@ -221,6 +234,10 @@ pub struct BootParams {
     pub user_mode: u32,
     /// PV options ([`PV_FLAG_WAIT_DOORBELL`], [`PV_FLAG_WAIT_HLT`], [`PV_FLAG_SPIN_BUDGETS`]).
     pub pv_flags: u32,
+    /// GPA of the pvspin virtio device's virtio-mmio registers (0: none). When set, PV locks
+    /// kick through that device (pvspin's virtio ABI, served out of process by `pvspind`)
+    /// instead of the CPUID-discovered doorbell.
+    pub virtio_mmio_base: u64,
     /// Results written by the guest.
     pub result: RunResult,
 }
@@ -293,7 +310,8 @@ const _: () = {
     assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
     assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
-    assert!(size_of::<BootParams>() == 88 + size_of::<RunResult>());
+    assert!(size_of::<BootParams>() == 96 + size_of::<RunResult>());
+    assert!(VIRTIO_MMIO_ADDR + VIRTIO_MMIO_SIZE <= MAPPED_BYTES);
     assert!(size_of::<RunResult>() == 80 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
