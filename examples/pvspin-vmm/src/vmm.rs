@@ -357,6 +357,7 @@ pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
         spin_threshold: config.spin_threshold,
         user_mode: u32::from(config.user_mode),
         pv_flags: config.pv_flags(),
+        virtio_mmio_base: 0,
         result: Default::default(),
     }
 }
