@@ -348,6 +348,30 @@ pub struct VmArgs {
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
     pub vm_cgroup: bool,
+    /// Who serves PV kicks: `in-process` (pvspin linked into this VMM, the doorbell) or
+    /// `vhost-user:PATH` (the pvspin virtio device, served by a vhost-user backend such as
+    /// `pvspind --socket PATH`; the guest finds it on virtio-mmio).
+    #[arg(long, default_value = "in-process", value_parser = parse_pv_backend)]
+    pub pv_backend: PvBackendArg,
+}
+
+/// Who serves PV kicks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PvBackendArg {
+    /// pvspin in this process.
+    InProcess,
+    /// A vhost-user backend at this socket.
+    VhostUser(std::path::PathBuf),
+}
+
+fn parse_pv_backend(text: &str) -> Result<PvBackendArg, String> {
+    if text == "in-process" {
+        return Ok(PvBackendArg::InProcess);
+    }
+    match text.strip_prefix("vhost-user:") {
+        Some(path) if !path.is_empty() => Ok(PvBackendArg::VhostUser(path.into())),
+        _ => Err("expected `in-process` or `vhost-user:PATH`".into()),
+    }
 }
 
 /// Who decides which vCPUs run.
@@ -497,6 +521,10 @@ impl VmArgs {
             seccomp_violation: self.seccomp_violation,
             run_slots: (self.sched == SchedArg::Slots).then_some(self.slots),
             slot_quantum_us: self.slot_quantum_us,
+            vhost_user: match &self.pv_backend {
+                PvBackendArg::InProcess => None,
+                PvBackendArg::VhostUser(path) => Some(path.clone()),
+            },
             confinement: match self.boosts {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,

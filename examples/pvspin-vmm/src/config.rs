@@ -66,6 +66,9 @@ pub struct RunConfig {
     pub run_slots: Option<u32>,
     /// Run slots: the quantum in us (`None`: pvspin's default).
     pub slot_quantum_us: Option<u64>,
+    /// PV kicks through the pvspin virtio device served by the vhost-user backend at this
+    /// socket (`--pv-backend vhost-user:PATH`), instead of pvspin in this process.
+    pub vhost_user: Option<std::path::PathBuf>,
     /// Seccomp filters on the run's threads (`crate::seccomp`). The command line's default is
     /// `Enforce`; this struct's is `Off`, so that a library caller opts in.
     pub seccomp: SeccompMode,
@@ -160,6 +163,7 @@ impl Default for RunConfig {
             confinement: pvspin::Confinement::Auto,
             run_slots: None,
             slot_quantum_us: None,
+            vhost_user: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
         }
@@ -233,6 +237,9 @@ pub enum ConfigError {
     /// Run slots see halts and kicks on the userspace path only.
     #[error("--sched slots needs --pv kick or kick+yield with --kick-path userspace")]
     SlotsNeedUserspaceKicks,
+    /// The vhost-user backend serves the virtio device's kicks, time budgets only.
+    #[error("--pv-backend vhost-user needs --pv kick or kick+yield, --kick-path in-kernel (the kick queues are irqfds on the in-kernel irqchip), --budgets time and no --sched slots")]
+    VhostUserNeeds,
     /// The hostile workload acts through spin notifications.
     #[error("--workload abuse needs --pv kick+yield and at least 2 vCPUs")]
     AbuseNeedsNotifications,
@@ -323,6 +330,14 @@ impl RunConfig {
             && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
         {
             return Err(ConfigError::SlotsNeedUserspaceKicks);
+        }
+        if self.vhost_user.is_some()
+            && (!self.pv.kicks()
+                || self.run_slots.is_some()
+                || self.budgets == BudgetMode::Spins
+                || self.kick_path != pvspin::KickPath::InKernel)
+        {
+            return Err(ConfigError::VhostUserNeeds);
         }
         if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
             return Err(ConfigError::AbuseNeedsNotifications);

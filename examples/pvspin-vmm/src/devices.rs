@@ -76,6 +76,8 @@ pub enum PioAction {
     Exit(u32),
     /// The vCPU has nothing more to do (and cannot `hlt`, in user mode): park it.
     Park,
+    /// Halt in KVM as `hlt` would (the vCPU wrote [`pvspin_vmm_proto::HALT_PORT`]).
+    KvmHalt,
 }
 
 /// The port-I/O bus: the UART, the exit port, and counters for everything else.
@@ -84,6 +86,7 @@ pub struct IoBus {
     serial: Mutex<Serial<NoInterrupt, vm_superio::serial::NoEvents, ConsoleSink>>,
     unknown_port_accesses: AtomicU64,
     bad_exit_writes: AtomicU64,
+    virtio: Option<Arc<crate::vhost::VhostPvspin>>,
 }
 
 const SERIAL_PORTS: std::ops::Range<u16> = SERIAL_PORT..SERIAL_PORT + 8;
@@ -95,6 +98,35 @@ impl IoBus {
             serial: Mutex::new(Serial::new(NoInterrupt, console)),
             unknown_port_accesses: AtomicU64::new(0),
             bad_exit_writes: AtomicU64::new(0),
+            virtio: None,
+        }
+    }
+
+    /// The bus with the pvspin virtio device's MMIO window on it.
+    pub fn with_virtio(mut self, device: Option<Arc<crate::vhost::VhostPvspin>>) -> Self {
+        self.virtio = device;
+        self
+    }
+
+    /// An MMIO read; `false` when no device decodes `addr`.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) -> bool {
+        match &self.virtio {
+            Some(device) if device.window().contains(&addr) => {
+                device.read(addr, data);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// An MMIO write; `false` when no device decodes `addr`.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) -> bool {
+        match &self.virtio {
+            Some(device) if device.window().contains(&addr) => {
+                device.write(addr, data);
+                true
+            }
+            _ => false,
         }
     }
 
@@ -112,6 +144,9 @@ impl IoBus {
         }
         if port == pvspin_vmm_proto::PARK_PORT {
             return PioAction::Park;
+        }
+        if port == pvspin_vmm_proto::HALT_PORT {
+            return PioAction::KvmHalt;
         }
         if port == EXIT_PORT {
             return match <[u8; 4]>::try_from(data) {

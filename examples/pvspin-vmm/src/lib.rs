@@ -16,6 +16,7 @@ pub mod memory;
 pub mod report;
 pub mod seccomp;
 pub mod vcpu;
+pub mod vhost;
 pub mod vmm;
 
 pub use config::{ConfigError, PvMode, RunConfig};

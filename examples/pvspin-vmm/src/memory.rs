@@ -26,6 +26,15 @@ pub enum MemoryError {
         #[source]
         source: vm_memory::mmap::FromRangesError,
     },
+    /// The memfd behind shared guest memory could not be made.
+    #[error("cannot create {bytes} bytes of shareable guest memory (memfd): {source}")]
+    Shared {
+        /// Size asked for.
+        bytes: u64,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// A write into guest memory failed (an address outside it).
     #[error("writing the {what} at {addr:#x}: {source}")]
     Write {
@@ -75,6 +84,28 @@ pub fn create(bytes: u64) -> Result<GuestMemory, MemoryError> {
     let size = usize::try_from(bytes).unwrap_or(usize::MAX);
     GuestMemory::from_ranges(&[(GuestAddress(0), size)])
         .map_err(|source| MemoryError::Allocate { bytes, source })
+}
+
+/// Allocates `bytes` of zeroed guest memory at GPA 0 backed by a memfd, so that a vhost-user
+/// backend can map it (the descriptor travels in `VHOST_USER_SET_MEM_TABLE`).
+pub fn create_shared(bytes: u64) -> Result<GuestMemory, MemoryError> {
+    let shared_error = |source: std::io::Error| MemoryError::Shared { bytes, source };
+    // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new descriptor
+    // or -1, checked below.
+    let fd = unsafe { libc::memfd_create(c"pvspin-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(shared_error(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.set_len(bytes).map_err(shared_error)?;
+    let size = usize::try_from(bytes).unwrap_or(usize::MAX);
+    GuestMemory::from_ranges_with_files(&[(
+        GuestAddress(0),
+        size,
+        Some(vm_memory::FileOffset::new(file, 0)),
+    )])
+    .map_err(|source| MemoryError::Allocate { bytes, source })
 }
 
 fn write<T: vm_memory::ByteValued>(

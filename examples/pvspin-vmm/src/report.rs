@@ -132,6 +132,8 @@ pub struct RunReport {
     pub directed_yield: Option<YieldSummary>,
     /// What the run slots did (`--sched slots`).
     pub run_slots: Option<pvspin::telemetry::SlotTelemetry>,
+    /// The vhost-user frontend's counters (`--pv-backend vhost-user:PATH`).
+    pub vhost_user: Option<crate::vhost::FrontendSummary>,
     /// CPUID leaves vCPU 0 executed (`cpuid` workload): leaf and `[eax, ebx, ecx, edx]`.
     pub cpuid: Vec<(u32, [u32; 4])>,
     /// Per-vCPU details.
@@ -202,6 +204,7 @@ impl RunReport {
             kick_to_wake: None,
             directed_yield: None,
             run_slots: None,
+            vhost_user: None,
             cpuid: params
                 .cpuid_leaves
                 .iter()

@@ -152,6 +152,8 @@ pub struct VcpuRunner {
 enum Step {
     Continue,
     Halt,
+    /// Enter KVM's halt state (the guest's user-mode `hlt` through the halt port).
+    KvmHalt,
     End(VcpuEnd),
     /// `KVM_EXIT_INTERNAL_ERROR`: described once the exit no longer borrows the vCPU.
     InternalError,
@@ -183,6 +185,7 @@ impl VcpuRunner {
                     // the example's guests halt only when done, so park until the run ends.
                     self.shared.park(Duration::from_millis(100));
                 }
+                Step::KvmHalt => self.kvm_halt(),
                 Step::End(end) => break end,
                 Step::InternalError => break VcpuEnd::Fault("KVM internal error".into()),
             }
@@ -225,6 +228,7 @@ fn handle_exit(shared: &VcpuShared, bus: &IoBus, exit: VcpuExit<'_>) -> Step {
                 PioAction::Continue => Step::Continue,
                 PioAction::Exit(status) => Step::End(VcpuEnd::GuestExit(status)),
                 PioAction::Park => Step::Halt,
+                PioAction::KvmHalt => Step::KvmHalt,
             },
             VcpuExit::IoIn(port, data) => {
                 bus.read(port, data);
@@ -238,14 +242,43 @@ fn handle_exit(shared: &VcpuShared, bus: &IoBus, exit: VcpuExit<'_>) -> Step {
             VcpuExit::FailEntry(reason, cpu) => Step::End(VcpuEnd::Fault(format!(
                 "KVM could not enter the guest (hardware entry failure reason {reason:#x} on host CPU {cpu})"
             ))),
-            VcpuExit::MmioRead(addr, _) | VcpuExit::MmioWrite(addr, _) => Step::End(
-                VcpuEnd::Fault(format!("access to unbacked guest physical address {addr:#x}")),
-            ),
+            VcpuExit::MmioRead(addr, data) => {
+                if bus.mmio_read(addr, data) {
+                    Step::Continue
+                } else {
+                    unbacked(addr)
+                }
+            }
+            VcpuExit::MmioWrite(addr, data) => {
+                if bus.mmio_write(addr, data) {
+                    Step::Continue
+                } else {
+                    unbacked(addr)
+                }
+            }
             other => Step::End(VcpuEnd::Fault(format!("unexpected exit {other:?}"))),
         }
 }
 
+fn unbacked(addr: u64) -> Step {
+    Step::End(VcpuEnd::Fault(format!(
+        "access to unbacked guest physical address {addr:#x}"
+    )))
+}
+
 impl VcpuRunner {
+    /// Puts the vCPU in KVM's halt state: the next KVM_RUN blocks inside KVM until an
+    /// interrupt or a kick (`pv_unhalted`, also latched before the halt) wakes it. Without an
+    /// in-kernel LAPIC there is no such state: the thread parks as for `hlt`.
+    fn kvm_halt(&mut self) {
+        let halted = kvm_bindings::kvm_mp_state {
+            mp_state: kvm_bindings::KVM_MP_STATE_HALTED,
+        };
+        if self.vcpu.set_mp_state(halted).is_err() {
+            self.shared.park(Duration::from_millis(100));
+        }
+    }
+
     fn describe_internal_error(&mut self) -> String {
         let run = self.vcpu.get_kvm_run();
         if run.exit_reason != KVM_EXIT_INTERNAL_ERROR {

@@ -414,7 +414,11 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     let signal = pvspin::SignalInterrupter::new(config.vcpus as usize)
         .map_err(|err| RunError::Setup(format!("installing the vCPU interrupt signal: {err}")))?;
 
-    let memory = memory::create(config.mem_bytes())?;
+    let memory = if config.vhost_user.is_some() {
+        memory::create_shared(config.mem_bytes())?
+    } else {
+        memory::create(config.mem_bytes())?
+    };
     memory::write_tables(&memory)?;
     let entry = memory::load_image(&memory, GUEST_IMAGE)?;
 
@@ -436,7 +440,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             .and_then(|n| u32::try_from(n.get()).ok());
         builder = builder.paravirt(request);
     }
-    if config.pv.kicks() {
+    // With a vhost-user backend pvspin's in-process kick device stays off: the guest kicks
+    // through the virtio device, and this VMM only wires its queues (crate::vhost).
+    let in_process = config.vhost_user.is_none();
+    if config.pv.kicks() && in_process {
         builder = builder
             .kick(pvspin::KickOptions {
                 park_spin: Duration::from_micros(config.park_spin_us),
@@ -448,7 +455,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             })
             .pv_wait(pvspin::WaitOptions::default());
     }
-    if config.pv == PvMode::KickYield {
+    if config.pv == PvMode::KickYield && in_process {
         builder = builder
             .directed_yield({
                 let mut options = pvspin::DirectedYieldOptions {
@@ -480,7 +487,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // Where the guest registers its steal-time areas (it does when KVM offers them). With run
     // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
     // does not know its guest's layout would.
-    if config.pv == PvMode::KickYield && config.run_slots.is_none() {
+    if config.pv == PvMode::KickYield && config.run_slots.is_none() && in_process {
         for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
             pvspin.set_steal_time_gpa(
                 index as usize,
@@ -517,6 +524,24 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     unsafe { vm.set_user_memory_region(mem_region) }
         .map_err(setup_err("KVM_SET_USER_MEMORY_REGION"))?;
 
+    // The virtio device: an in-kernel irqchip (its kick queues are irqfds routed to REMRD
+    // MSIs), then the backend link and the wiring.
+    let virtio = match &config.vhost_user {
+        Some(path) => {
+            pvspin_kvm::irqchip::create_irqchip(&vm)
+                .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))?;
+            let device = crate::vhost::VhostPvspin::connect(
+                path,
+                pvspin_vmm_proto::VIRTIO_MMIO_ADDR,
+                config.vcpus,
+                memory.clone(),
+                &vm,
+            )
+            .map_err(|err| RunError::Setup(err.to_string()))?;
+            Some(device)
+        }
+        None => None,
+    };
     let supported_cpuid = kvm
         .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(setup_err("KVM_GET_SUPPORTED_CPUID"))?;
@@ -541,16 +566,26 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             .map_err(setup_err("KVM_SET_REGS"))?;
         vcpus.push((vcpu, hooks));
     }
+    if let (Some(_), Some((last, _))) = (&virtio, vcpus.last()) {
+        // KVM maps APIC IDs to vCPUs once all exist; rewriting a LAPIC rebuilds the map, so
+        // the kick queues' MSIs find their vCPUs.
+        pvspin_kvm::irqchip::refresh_lapic(last)
+            .map_err(|err| RunError::Setup(format!("refreshing the LAPIC: {err}")))?;
+    }
     // The example's guests start every vCPU at once (no INIT/SIPI).
     pvspin::simple::start_aps(vcpus.iter().map(|(vcpu, _)| vcpu)).map_err(pvspin_error)?;
     let tsc_khz = vcpus
         .first()
         .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
         .map_or(0, u64::from);
-    memory::write_boot_params(&memory, &boot_params(config, tsc_khz), config.vcpus)?;
+    let mut params = boot_params(config, tsc_khz);
+    if virtio.is_some() {
+        params.virtio_mmio_base = pvspin_vmm_proto::VIRTIO_MMIO_ADDR;
+    }
+    memory::write_boot_params(&memory, &params, config.vcpus)?;
 
     let console = ConsoleSink::new(config.echo_console);
-    let bus = Arc::new(IoBus::new(console.clone()));
+    let bus = Arc::new(IoBus::new(console.clone()).with_virtio(virtio.clone()));
     let control = Arc::new(RunControl {
         ending: Mutex::new(None),
         ended: EventFd::new(libc::EFD_NONBLOCK)
@@ -558,6 +593,11 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     });
     let mut events: EventManager<Box<dyn MutEventSubscriber + Send>> =
         EventManager::new().map_err(|err| RunError::Setup(format!("event manager: {err:?}")))?;
+    if let Some(device) = &virtio {
+        let watch = crate::vhost::BackendWatch::new(device.clone())
+            .map_err(|err| RunError::Setup(format!("timerfd: {err}")))?;
+        events.add_subscriber(Box::new(watch));
+    }
     events.add_subscriber(Box::new(EndWatcher {
         control: control.clone(),
     }));
@@ -742,6 +782,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         descheduled: stats.descheduled,
     });
     report.run_slots = slot_stats;
+    report.vhost_user = virtio.as_ref().map(|device| device.summary());
     Ok(report)
 }
 

@@ -13,6 +13,7 @@ mod console;
 mod pingpong;
 mod pv;
 mod rt;
+mod virtio;
 
 use core::hint::black_box;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -203,7 +204,22 @@ fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
     let wait_doorbell = boot.user_mode != 0 || boot.pv_flags & PV_FLAG_WAIT_DOORBELL != 0;
     let spin_budgets = boot.pv_flags & PV_FLAG_SPIN_BUDGETS != 0;
     let halt = pv_on;
-    if pv_on {
+    if pv_on && boot.virtio_mmio_base != 0 {
+        // The out-of-process backend's device: time budgets only, no WAIT command (user
+        // mode halts through the example VMM's halt port).
+        if spin_budgets
+            || !pv::enable_virtio(
+                vcpu,
+                boot.virtio_mmio_base,
+                boot.vcpus,
+                boot.tsc_khz,
+                wait_doorbell,
+                boot.pv == PV_KICK_YIELD,
+            )
+        {
+            return Err(status::NO_PVSPIN);
+        }
+    } else if pv_on {
         match pv::discover() {
             Ok(info) if info.nr_vcpus >= boot.vcpus => {
                 if !pv::enable_v03(vcpu, &info, spin_budgets, wait_doorbell) {

@@ -11,6 +11,7 @@ use pvspin_abi::doorbell::{
     lock_hash, spun_bucket, SpinNotify, KICK_OFFSET, SHARED_PAGE_OFFSET, SPIN_OFFSET, WAIT_OFFSET,
 };
 use pvspin_abi::hint;
+use pvspin_abi::virtio::{kick_queue, spin_queue};
 use pvspin_guest::x86::{HaltPvOps, PvPlatform};
 use pvspin_guest::{pv_static, AtomicU8, PvDomain, SpinBudget, SpinConfig, SpinWait};
 use pvspin_vmm_proto::{MAX_PV_VCPUS, STACKS_ADDR, STACK_SIZE, VCPU_SLOT_INDEX_OFFSET};
@@ -19,6 +20,16 @@ use crate::arch::{cpuid, inl, outl, rdtsc, wrmsr};
 
 /// The doorbell's first port, learned at boot (0: pvspin not found).
 static DOORBELL: AtomicU16 = AtomicU16::new(0);
+
+/// With the pvspin virtio device: its `QueueNotify` address (0: the doorbell is in use).
+static VIRTIO_NOTIFY: AtomicU64 = AtomicU64::new(0);
+/// With the pvspin virtio device: its `max_vcpus` (the queue layout's M).
+static VIRTIO_MAX_VCPUS: AtomicU32 = AtomicU32::new(0);
+/// With the pvspin virtio device: spin notifications were negotiated.
+static VIRTIO_SPIN: AtomicBool = AtomicBool::new(false);
+/// The port a doorbell-style wait writes: the doorbell's WAIT, or the example VMM's halt
+/// port with the virtio device (which has no WAIT command).
+static WAIT_PORT: AtomicU16 = AtomicU16::new(0);
 
 /// Set once the lock workload runs in user mode (`BootParams::user_mode`).
 pub static USER_MODE: AtomicBool = AtomicBool::new(false);
@@ -167,6 +178,14 @@ impl PvPlatform for Platform {
     }
 
     fn kick(&self, cpu: u32) {
+        let notify = VIRTIO_NOTIFY.load(Ordering::Relaxed);
+        if notify != 0 {
+            // The virtio ABI: notifying vCPU `cpu`'s kick queue is the kick.
+            if let Some(queue) = kick_queue(VIRTIO_MAX_VCPUS.load(Ordering::Relaxed), cpu) {
+                crate::virtio::notify(notify, queue);
+            }
+            return;
+        }
         // The ABI: one 32-bit OUT of the target's index to the doorbell's KICK offset.
         outl(DOORBELL.load(Ordering::Relaxed) + KICK_OFFSET, cpu);
     }
@@ -263,12 +282,27 @@ impl PvPlatform for Platform {
         // The check and the WAIT need no interrupt masking: a kick after the check is
         // remembered by the host (HLT's latch), and a spurious return is allowed.
         if ptr.load(Ordering::SeqCst) == val {
-            outl(DOORBELL.load(Ordering::Relaxed) + WAIT_OFFSET, encode(why));
+            outl(WAIT_PORT.load(Ordering::Relaxed), encode(why));
         }
         true
     }
 
     fn spin_notify(&self, wait: &SpinWait) {
+        let notify = VIRTIO_NOTIFY.load(Ordering::Relaxed);
+        if notify != 0 {
+            // The virtio ABI: what this vCPU waits for goes in its hint page, then one
+            // notification of its spin queue.
+            let cpu = self.cpu_id();
+            let max = VIRTIO_MAX_VCPUS.load(Ordering::Relaxed);
+            if let (true, Some(page), Some(queue)) =
+                (VIRTIO_SPIN.load(Ordering::Relaxed), page(cpu), spin_queue(max, cpu))
+            {
+                page.store32(hint::WAITING_FOR, encode(wait));
+                page.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
+                crate::virtio::notify(notify, queue);
+            }
+            return;
+        }
         // The ABI: one 32-bit OUT of the notification to the SPIN offset; with time budgets
         // the host updated the hint page before this vCPU resumed, otherwise (0.2) one more
         // exit reads the window it adapted.
@@ -347,7 +381,48 @@ pub fn discover() -> Result<PvspinInfo, PvUnavailable> {
         return Err(PvUnavailable::Unusable);
     }
     DOORBELL.store(info.doorbell_port, Ordering::Relaxed);
+    WAIT_PORT.store(info.doorbell_port + WAIT_OFFSET, Ordering::Relaxed);
     Ok(info)
+}
+
+/// Turns PV kicks on through the pvspin virtio device at `base` (vCPU 0 brings it up and
+/// registers every vCPU's hint page; the others wait for it). Waiters halt with `hlt` in
+/// kernel mode and with the example VMM's halt port in user mode or when `wait_port` asks.
+/// `spin_notify`: the run wants spin notifications (the device must offer them).
+pub fn enable_virtio(
+    vcpu: u32,
+    base: u64,
+    vcpus: u32,
+    tsc_khz: u64,
+    wait_port: bool,
+    spin_notify: bool,
+) -> bool {
+    let page_gpa = |i: u32| {
+        HINT_PAGES
+            .get(i as usize)
+            .map_or(0, |p| p as *const HintPage as u64)
+    };
+    let Some(device) = crate::virtio::setup(vcpu, base, vcpus, tsc_khz, page_gpa) else {
+        return false;
+    };
+    if spin_notify && !(device.spin_notify && device.hint_pages) {
+        return false;
+    }
+    VIRTIO_MAX_VCPUS.store(device.max_vcpus, Ordering::Relaxed);
+    VIRTIO_SPIN.store(spin_notify, Ordering::Relaxed);
+    VIRTIO_NOTIFY.store(device.notify, Ordering::Relaxed);
+    if wait_port {
+        WAIT_PORT.store(pvspin_vmm_proto::HALT_PORT, Ordering::Relaxed);
+        WAIT_DOORBELL.store(true, Ordering::Relaxed);
+    }
+    // Time budgets come with registered pages (the device wrote their host line).
+    let registered = HINT_PAGES
+        .get(vcpu as usize)
+        .is_some_and(|p| p.load32(hint::LAYOUT) == hint::LAYOUT_VERSION);
+    if device.hint_pages && registered {
+        TIME_BUDGETS.store(true, Ordering::Relaxed);
+    }
+    true
 }
 
 /// Turns on the ABI 0.3 parts for `vcpu`: its hint page and time budgets (unless
