@@ -89,8 +89,39 @@ fn allow(nrs: &[i64]) -> RuleMap {
     nrs.iter().map(|&nr| (nr, Vec::new())).collect()
 }
 
-/// The example's own syscalls on `thread` (without the baseline and pvspin's).
-pub fn own_rules(thread: VmmThread) -> RuleMap {
+/// What a vhost-user frontend adds (`--pv-backend vhost-user:PATH`): vCPU threads send the
+/// device state to the backend when the driver starts or resets the device (requests with
+/// descriptors, `sendmsg`/`recvmsg`); the VMM thread relays kicks while the backend is gone
+/// (eventfd reads and writes it already has) and reconnects (a Unix socket, `connect`, then the
+/// same requests).
+fn vhost_user_rules(thread: VmmThread) -> RuleMap {
+    match thread {
+        VmmThread::Vcpu => allow(&[libc::SYS_sendmsg, libc::SYS_recvmsg]),
+        VmmThread::Vmm => {
+            let mut map = allow(&[
+                libc::SYS_connect,
+                libc::SYS_sendmsg,
+                libc::SYS_recvmsg,
+                libc::SYS_timerfd_settime,
+            ]);
+            map.insert(libc::SYS_socket, vec![arg_eq(0, libc::AF_UNIX as u64)]);
+            map
+        }
+        VmmThread::Hog | VmmThread::BoostWatchdog | VmmThread::Main => RuleMap::new(),
+    }
+}
+
+/// The example's own syscalls on `thread` (without the baseline and pvspin's); `vhost_user`:
+/// the run has a vhost-user backend.
+pub fn own_rules(thread: VmmThread, vhost_user: bool) -> RuleMap {
+    let mut map = own_rules_in_process(thread);
+    if vhost_user {
+        seccomp::merge(&mut map, vhost_user_rules(thread));
+    }
+    map
+}
+
+fn own_rules_in_process(thread: VmmThread) -> RuleMap {
     match thread {
         VmmThread::Vcpu => {
             let mut map = allow(&[
@@ -144,9 +175,9 @@ pub fn own_rules(thread: VmmThread) -> RuleMap {
 }
 
 /// Everything `thread` may call: the baseline, the example's own needs and pvspin's.
-pub fn thread_rules(thread: VmmThread) -> Result<RuleMap, SeccompError> {
+pub fn thread_rules(thread: VmmThread, vhost_user: bool) -> Result<RuleMap, SeccompError> {
     let mut map = seccomp::baseline_rules()?;
-    seccomp::merge(&mut map, own_rules(thread));
+    seccomp::merge(&mut map, own_rules(thread, vhost_user));
     match thread {
         VmmThread::Vcpu => seccomp::merge_into(&mut map, ThreadKind::Vcpu)?,
         VmmThread::BoostWatchdog => seccomp::merge_into(&mut map, ThreadKind::BoostWatchdog)?,
@@ -167,8 +198,9 @@ fn key(thread: VmmThread) -> u8 {
 }
 
 impl Filters {
-    /// Compiles every thread's filter for `mode`; `None` when `mode` is `Off`.
-    pub fn new(mode: SeccompMode) -> Result<Option<Filters>, SeccompError> {
+    /// Compiles every thread's filter for `mode`; `None` when `mode` is `Off`. `vhost_user`:
+    /// the run has a vhost-user backend.
+    pub fn new(mode: SeccompMode, vhost_user: bool) -> Result<Option<Filters>, SeccompError> {
         let mismatch = match mode {
             SeccompMode::Enforce => SeccompAction::KillProcess,
             SeccompMode::Log => SeccompAction::Log,
@@ -177,7 +209,8 @@ impl Filters {
         let programs = VmmThread::ALL
             .into_iter()
             .map(|thread| {
-                let program = seccomp::compile(thread_rules(thread)?, mismatch.clone())?;
+                let program =
+                    seccomp::compile(thread_rules(thread, vhost_user)?, mismatch.clone())?;
                 Ok((key(thread), Arc::new(program)))
             })
             .collect::<Result<_, SeccompError>>()?;
@@ -220,17 +253,18 @@ mod tests {
     #[test]
     fn every_thread_filter_compiles_in_every_mode() {
         for mode in [SeccompMode::Enforce, SeccompMode::Log] {
-            let filters = Filters::new(mode).unwrap().unwrap();
+            let filters = Filters::new(mode, false).unwrap().unwrap();
             for thread in VmmThread::ALL {
                 assert!(!filters.program(thread).is_empty());
             }
         }
-        assert!(Filters::new(SeccompMode::Off).unwrap().is_none());
+        assert!(Filters::new(SeccompMode::Off, false).unwrap().is_none());
+        assert!(Filters::new(SeccompMode::Enforce, true).unwrap().is_some());
     }
 
     #[test]
     fn vcpu_ioctls_are_the_examples_and_pvspins() {
-        let map = thread_rules(VmmThread::Vcpu).unwrap();
+        let map = thread_rules(VmmThread::Vcpu, false).unwrap();
         // The example's own vCPU ioctls and pvspin's (KVM_SET_MP_STATE, KVM_SIGNAL_MSI,
         // KVM_GET_MSRS; KVM_RUN is both's).
         assert_eq!(map[&libc::SYS_ioctl].len(), 6);
@@ -238,9 +272,27 @@ mod tests {
         // The VMM's unconditional write stays unconditional after the baseline's stderr rule.
         assert!(map[&libc::SYS_write].is_empty());
         for thread in VmmThread::ALL {
-            let map = thread_rules(thread).unwrap();
+            let map = thread_rules(thread, false).unwrap();
             assert!(!map.contains_key(&libc::SYS_socket), "{thread:?}");
             assert!(!map.contains_key(&libc::SYS_execve), "{thread:?}");
         }
+    }
+
+    #[test]
+    fn only_a_vhost_user_run_may_reconnect_and_only_over_unix_sockets() {
+        for thread in VmmThread::ALL {
+            let map = thread_rules(thread, true).unwrap();
+            assert!(!map.contains_key(&libc::SYS_execve), "{thread:?}");
+            match thread {
+                VmmThread::Vmm => assert_eq!(map[&libc::SYS_socket].len(), 1),
+                _ => assert!(!map.contains_key(&libc::SYS_socket), "{thread:?}"),
+            }
+        }
+        assert!(!thread_rules(VmmThread::Vcpu, false)
+            .unwrap()
+            .contains_key(&libc::SYS_sendmsg));
+        assert!(thread_rules(VmmThread::Vcpu, true)
+            .unwrap()
+            .contains_key(&libc::SYS_sendmsg));
     }
 }

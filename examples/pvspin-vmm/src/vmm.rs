@@ -382,7 +382,7 @@ pub fn run_and_confine_caller(config: &RunConfig) -> Result<RunReport, RunError>
 }
 
 fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunError> {
-    let filters = Filters::new(config.seccomp)
+    let filters = Filters::new(config.seccomp, config.vhost_user.is_some())
         .map_err(|err| RunError::Setup(format!("building the seccomp filters: {err}")))?;
     let Some(filters) = filters else {
         return run_vm(config, None);
