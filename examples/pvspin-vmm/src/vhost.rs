@@ -432,14 +432,8 @@ impl VhostPvspin {
         match offset {
             0x014 => state.device_features_sel = value,
             0x020 => match state.driver_features_sel {
-                0 => {
-                    state.driver_features =
-                        (state.driver_features & !0xffff_ffff) | u64::from(value)
-                }
-                1 => {
-                    state.driver_features =
-                        (state.driver_features & 0xffff_ffff) | (u64::from(value) << 32)
-                }
+                0 => set_low(&mut state.driver_features),
+                1 => set_high(&mut state.driver_features),
                 _ => {}
             },
             0x024 => state.driver_features_sel = value,
