@@ -270,6 +270,11 @@ fn vcpu_loop(
                     None
                 }
                 PioAction::Continue => None,
+                // The halt port stands in for `hlt` with the virtio device, which this VMM
+                // does not present.
+                PioAction::KvmHalt => Some(Err(format!(
+                    "vCPU {index}: wrote the halt port, but this VMM has no virtio pvspin device"
+                ))),
             },
             Ok(VcpuExit::IoIn(port, data)) => {
                 bus.read(*port, data);

@@ -1,0 +1,484 @@
+//! pvspin over vhost-user on real KVM: the example VMM (`--pv-backend vhost-user:PATH`) with its
+//! guest driving the pvspin virtio device, served by the real `pvspind` daemon over a real
+//! Unix socket. Lock counts exact, 100,000 wait/kick pairs through the backend, the backend
+//! killed and restarted mid-run, two VMs on one daemon (one of them killed), and the rules
+//! the VMM names when it refuses.
+//!
+//! Every run is bounded three ways: the VMM's watchdog and timeout, [`with_watchdog`] around
+//! each test, and a kill of every child process this test started when it ends.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
+use pvspin_vmm::config::PvMode;
+use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm_proto::{LockKind, Workload};
+
+/// The `pvspind` binary: next to this test's deps directory once built; built on first use
+/// otherwise (`cargo test -p pvspin-integration-tests` alone does not build other packages'
+/// binaries).
+fn pvspind() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf();
+    let binary = profile_dir.join("pvspind");
+    if !binary.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-q", "-p", "pvspin-vhost", "--bin", "pvspind"]);
+        if profile_dir
+            .file_name()
+            .is_some_and(|name| name == "release")
+        {
+            build.arg("--release");
+        }
+        let status = build.status().expect("running cargo to build pvspind");
+        assert!(status.success(), "building pvspind failed");
+    }
+    assert!(binary.exists(), "pvspind is not at {}", binary.display());
+    binary
+}
+
+/// A scratch directory for sockets, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("pvspin-vhost-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating the scratch directory");
+        Self(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `pvspind`, killed when dropped.
+struct Daemon {
+    child: Child,
+    control: PathBuf,
+}
+
+impl Daemon {
+    fn start(sockets: &[&Path], control: &Path, max_vcpus: u32) -> Self {
+        let mut command = Command::new(pvspind());
+        for socket in sockets {
+            command.arg("--socket").arg(socket);
+        }
+        command
+            .arg("--control")
+            .arg(control)
+            .args(["--max-vcpus", &max_vcpus.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = command.spawn().expect("starting pvspind");
+        let daemon = Self {
+            child,
+            control: control.to_path_buf(),
+        };
+        // Ready once every socket and the control socket exist (bounded).
+        let start = Instant::now();
+        while !(sockets.iter().all(|s| s.exists()) && control.exists()) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "pvspind did not create its sockets within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        daemon
+    }
+
+    /// The telemetry document in `format` (`json` or `prometheus`).
+    fn telemetry(&self, format: &str) -> String {
+        let mut stream = UnixStream::connect(&self.control).expect("connecting to --control");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("read timeout");
+        writeln!(stream, "{format}").expect("asking for telemetry");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("reading telemetry");
+        text
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.telemetry("json")).expect("telemetry is JSON")
+    }
+
+    /// Kills the daemon with SIGKILL (a crash: no clean-up) and reaps it.
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Stops the daemon with SIGTERM; its exit status (bounded wait).
+    fn terminate(mut self) -> ExitStatus {
+        // SAFETY: kill(2) on our own child's pid with SIGTERM; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("waiting for pvspind") {
+                return status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "pvspind did not exit within 10 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sums `field` over every VM in the daemon's JSON telemetry.
+fn sum_over_vms(json: &serde_json::Value, field: &str) -> u64 {
+    fn walk(value: &serde_json::Value, field: &str) -> u64 {
+        match value {
+            serde_json::Value::Object(map) => map
+                .iter()
+                .map(|(key, v)| match (key.as_str() == field, v.as_u64()) {
+                    (true, Some(n)) => n,
+                    _ => walk(v, field),
+                })
+                .sum(),
+            serde_json::Value::Array(items) => items.iter().map(|v| walk(v, field)).sum(),
+            _ => 0,
+        }
+    }
+    json.get("vms").map_or(0, |vms| walk(vms, field))
+}
+
+fn lock_config(socket: &Path, lock: LockKind, pv: PvMode, vcpus: u32, user: bool) -> RunConfig {
+    RunConfig {
+        vcpus,
+        workload: Workload::Lock,
+        lock,
+        // User mode runs natively: enough rounds that 4 vCPUs on 2 CPUs preempt holders. Kernel
+        // mode is emulated (about 0.5 us an instruction): a few hundred rounds.
+        iterations: if user { 30_000 } else { 300 },
+        cs_work: if user { 1_000 } else { 20 },
+        ncs_work: if user { 200 } else { 20 },
+        pv,
+        user_mode: user,
+        vhost_user: Some(socket.to_path_buf()),
+        watchdog_ms: 20_000,
+        timeout_ms: 120_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn lock_workload_counts_exactly_through_the_backend() {
+    if kvm_or_skip("lock_workload_counts_exactly_through_the_backend").is_none() {
+        return;
+    }
+    with_watchdog("vhost lock workload", Duration::from_secs(600), || {
+        let scratch = Scratch::new("lock");
+        let socket = scratch.path("vm.sock");
+        let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), 16);
+        let mut halts = 0;
+        for user in [true, false] {
+            for lock in [LockKind::Ticket, LockKind::Queued] {
+                for pv in [PvMode::Kick, PvMode::KickYield] {
+                    for vcpus in [2, 4] {
+                        let what = format!("{lock:?} {pv:?} x{vcpus} user={user}");
+                        let config = lock_config(&socket, lock, pv, vcpus, user);
+                        let report = run(&config).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert_eq!(
+                            report.counter,
+                            u64::from(vcpus) * config.iterations,
+                            "{what}"
+                        );
+                        let frontend = report.vhost_user.expect("the frontend's counters");
+                        assert_eq!(frontend.connects, 1, "{what}");
+                        assert_eq!(frontend.backend_losses, 0, "{what}");
+                        assert_eq!(frontend.start_failures, 0, "{what}");
+                        halts += report.pv_halts;
+                    }
+                }
+            }
+        }
+        assert!(
+            halts > 0,
+            "no waiter ever halted: the PV path was not exercised"
+        );
+        // Every kick the guests sent went through the daemon.
+        let json = daemon.json();
+        assert!(sum_over_vms(&json, "kicks") > 0, "{json}");
+        assert_eq!(
+            daemon.terminate().code(),
+            Some(0),
+            "SIGTERM ends pvspind cleanly"
+        );
+        assert!(!socket.exists(), "pvspind removes its socket");
+    });
+}
+
+fn pingpong_config(socket: &Path, handoffs: u64, user: bool) -> RunConfig {
+    RunConfig {
+        vcpus: 2,
+        workload: Workload::PingPong,
+        iterations: handoffs,
+        cs_work: 0,
+        ncs_work: if user { 2_000 } else { 20 },
+        pv: PvMode::Kick,
+        user_mode: user,
+        vhost_user: Some(socket.to_path_buf()),
+        watchdog_ms: 10_000,
+        timeout_ms: 300_000,
+        echo_console: false,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn wait_kick_pairs_through_the_backend_lose_no_wakeup() {
+    if kvm_or_skip("wait_kick_pairs_through_the_backend_lose_no_wakeup").is_none() {
+        return;
+    }
+    with_watchdog("vhost wait/kick pairs", Duration::from_secs(600), || {
+        let scratch = Scratch::new("pairs");
+        let socket = scratch.path("vm.sock");
+        let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), 4);
+        // 100,000 user-mode handoffs: each one is a kick through the backend and a wait. A lost
+        // wake-up stops the ring and the VMM's watchdog fails the run.
+        let report = run(&pingpong_config(&socket, 100_000, true))
+            .unwrap_or_else(|e| panic!("user-mode ping-pong: {e}"));
+        assert_eq!(report.counter, report.expected);
+        assert!(report.pv_kicks >= 100_000, "kicks: {}", report.pv_kicks);
+        // Kernel mode: `cli; hlt` woken by the REMRD MSI.
+        let report = run(&pingpong_config(&socket, 2_000, false))
+            .unwrap_or_else(|e| panic!("kernel-mode ping-pong: {e}"));
+        assert_eq!(report.counter, report.expected);
+        let kicks = sum_over_vms(&daemon.json(), "kicks");
+        assert!(kicks >= 102_000, "the daemon saw {kicks} kicks");
+    });
+}
+
+#[test]
+fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
+    if kvm_or_skip("backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume").is_none() {
+        return;
+    }
+    with_watchdog("vhost backend restart", Duration::from_secs(600), || {
+        let scratch = Scratch::new("restart");
+        let socket = scratch.path("vm.sock");
+        let control = scratch.path("control.sock");
+        let daemon = Daemon::start(&[&socket], &control, 4);
+        let config = pingpong_config(&socket, 400_000, true);
+        let vm = std::thread::spawn(move || run(&config));
+        std::thread::sleep(Duration::from_millis(1_500));
+        assert!(
+            !vm.is_finished(),
+            "the run ended before the backend was killed"
+        );
+        daemon.kill();
+        // The guest runs on relayed kicks while no backend is there.
+        std::thread::sleep(Duration::from_millis(1_000));
+        assert!(
+            !vm.is_finished(),
+            "the run ended before the backend came back"
+        );
+        let _ = std::fs::remove_file(&control);
+        let daemon = Daemon::start(&[&socket], &control, 4);
+        let report = vm
+            .join()
+            .expect("the VMM thread")
+            .unwrap_or_else(|e| panic!("ping-pong across a backend restart: {e}"));
+        assert_eq!(report.counter, report.expected);
+        let frontend = report.vhost_user.expect("the frontend's counters");
+        assert!(frontend.backend_losses >= 1, "{frontend:?}");
+        assert!(frontend.relayed_kicks > 0, "{frontend:?}");
+        assert!(frontend.connects >= 2, "never reconnected: {frontend:?}");
+        // The restarted daemon served kicks again.
+        let kicks = sum_over_vms(&daemon.json(), "kicks");
+        assert!(kicks > 0, "kicks did not resume through the new backend");
+    });
+}
+
+/// The environment variable that turns this binary into the example VMM: its arguments,
+/// separated by `\x1f`.
+const CHILD_ARGS: &str = "PVSPIN_VHOST_TEST_VMM_ARGS";
+
+/// The child: the example VMM's process entry point, when [`CHILD_ARGS`] is set; nothing
+/// otherwise.
+#[test]
+fn vmm_process() {
+    let Ok(args) = std::env::var(CHILD_ARGS) else {
+        return;
+    };
+    let args = std::iter::once("pvspin-vmm".to_string())
+        .chain(args.split('\x1f').map(str::to_string))
+        .collect::<Vec<_>>();
+    let code = pvspin_vmm::cli::main_process(args);
+    #[allow(clippy::exit)] // the child's result is its exit code
+    std::process::exit(code);
+}
+
+/// A VMM child process running `args`, killed when dropped.
+struct VmmChild(Child);
+
+impl VmmChild {
+    fn spawn(args: &[String]) -> Self {
+        let child = Command::new(std::env::current_exe().expect("the test binary"))
+            .args(["--exact", "vmm_process", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ARGS, args.join("\x1f"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting a VMM child");
+        Self(child)
+    }
+
+    /// Waits (bounded) for the child; its status and output.
+    fn finish(mut self, what: &str) -> (ExitStatus, String) {
+        let start = Instant::now();
+        while self
+            .0
+            .try_wait()
+            .expect("waiting for a VMM child")
+            .is_none()
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "{what}: still running after 180 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let status = self.0.wait().expect("reaping a VMM child");
+        let mut out = String::new();
+        if let Some(mut stdout) = self.0.stdout.take() {
+            let _ = stdout.read_to_string(&mut out);
+        }
+        if let Some(mut stderr) = self.0.stderr.take() {
+            let _ = stderr.read_to_string(&mut out);
+        }
+        (status, out)
+    }
+}
+
+impl Drop for VmmChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn vm_args(socket: &Path, iterations: u64) -> Vec<String> {
+    [
+        "run",
+        "--workload",
+        "lock",
+        "--pv",
+        "kick",
+        "--vcpus",
+        "2",
+        "--cs-mode",
+        "user",
+        "--iterations",
+        &iterations.to_string(),
+        "--cs-work",
+        "1000",
+        "--ncs-work",
+        "200",
+        "--quiet",
+        "--pv-backend",
+        &format!("vhost-user:{}", socket.display()),
+    ]
+    .map(str::to_string)
+    .to_vec()
+}
+
+#[test]
+fn one_daemon_serves_two_vms_and_a_crashed_vm_costs_the_other_nothing() {
+    if kvm_or_skip("one_daemon_serves_two_vms_and_a_crashed_vm_costs_the_other_nothing").is_none() {
+        return;
+    }
+    with_watchdog("vhost two VMs", Duration::from_secs(600), || {
+        let scratch = Scratch::new("two-vms");
+        let (a, b) = (scratch.path("a.sock"), scratch.path("b.sock"));
+        let daemon = Daemon::start(&[&a, &b], &scratch.path("control.sock"), 4);
+        // Both at once, each under the example's seccomp filters (the CLI's default).
+        let first = VmmChild::spawn(&vm_args(&a, 100_000));
+        let second = VmmChild::spawn(&vm_args(&b, 100_000));
+        let (status, out) = first.finish("VM a");
+        assert!(status.success(), "VM a failed: {out}");
+        let (status, out) = second.finish("VM b");
+        assert!(status.success(), "VM b failed: {out}");
+        let json = daemon.json();
+        assert!(sum_over_vms(&json, "kicks") > 0, "{json}");
+
+        // A VM killed mid-run (no clean-up: its socket just closes) while the other runs.
+        let victim = VmmChild::spawn(&vm_args(&a, 10_000_000));
+        let survivor = VmmChild::spawn(&vm_args(&b, 200_000));
+        std::thread::sleep(Duration::from_millis(1_000));
+        drop(victim);
+        let (status, out) = survivor.finish("the surviving VM");
+        assert!(status.success(), "the surviving VM failed: {out}");
+        // The killed VM's socket serves the next VM.
+        let (status, out) = VmmChild::spawn(&vm_args(&a, 10_000)).finish("VM a again");
+        assert!(
+            status.success(),
+            "a new VM on the killed VM's socket failed: {out}"
+        );
+        let prometheus = daemon.telemetry("prometheus");
+        assert!(prometheus.contains("pvspin_"), "{prometheus}");
+    });
+}
+
+#[test]
+fn the_vmm_names_the_rule_it_refuses() {
+    if kvm_or_skip("the_vmm_names_the_rule_it_refuses").is_none() {
+        return;
+    }
+    with_watchdog("vhost refusals", Duration::from_secs(120), || {
+        let scratch = Scratch::new("refusals");
+        let socket = scratch.path("vm.sock");
+        // Run slots need the in-process userspace kick path.
+        let mut config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 2, true);
+        config.run_slots = Some(1);
+        match run(&config) {
+            Err(RunError::Config(ConfigError::VhostUserNeeds)) => {}
+            other => panic!("slots with vhost-user: {other:?}"),
+        }
+        // No backend listening: the setup error names the socket.
+        let config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 2, true);
+        match run(&config) {
+            Err(err) => assert!(err.to_string().contains("vm.sock"), "{err}"),
+            Ok(_) => panic!("a run without a backend succeeded"),
+        }
+        // A backend serving fewer vCPUs than the VM has is refused, naming both counts.
+        let _daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), 2);
+        let config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 4, true);
+        match run(&config) {
+            Err(err) => assert!(
+                err.to_string().contains("serves 2 vCPUs, the VM has 4"),
+                "{err}"
+            ),
+            Ok(_) => panic!("a 4-vCPU VM ran on a 2-vCPU backend"),
+        }
+    });
+}
