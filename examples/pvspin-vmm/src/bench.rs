@@ -28,6 +28,9 @@ pub struct Variant {
     pub budgets: Option<crate::config::BudgetMode>,
     /// Run slots (`/slots`; `None`: the run's `--sched`).
     pub slots: Option<bool>,
+    /// Kicks through the vhost-user backend of the bench's `--pv-backend` (`/vhost`); the
+    /// other variants run pvspin in process, so both sit side by side in one table.
+    pub vhost: bool,
 }
 
 impl Variant {
@@ -48,7 +51,7 @@ impl Variant {
             }
             None => (text.to_string(), None),
         };
-        let (mut wait, mut budgets, mut slots) = (None, None, None);
+        let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
         for opt in options.iter().flat_map(|o| o.split('/')) {
             match opt {
                 "spins" => budgets = Some(crate::config::BudgetMode::Spins),
@@ -56,11 +59,10 @@ impl Variant {
                 "hlt" => wait = Some(crate::config::WaitMode::Hlt),
                 "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
                 "slots" => slots = Some(true),
-                other => {
-                    return Err(format!(
-                        "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots)"
-                    ))
-                }
+                "vhost" => vhost = true,
+                other => return Err(format!(
+                    "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots, vhost)"
+                )),
             }
         }
         let mut parts = text_base.split(':');
@@ -112,9 +114,9 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(format!("{text:?}: unexpected {extra:?}"));
         }
-        if pv == PvMode::Off && (wait.is_some() || budgets.is_some() || slots.is_some()) {
+        if pv == PvMode::Off && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost) {
             return Err(format!(
-                "{text:?}: wait, budget and slot options need a PV mode"
+                "{text:?}: wait, budget, slot and vhost options need a PV mode"
             ));
         }
         Ok(Self {
@@ -125,6 +127,7 @@ impl Variant {
             wait,
             budgets,
             slots,
+            vhost,
         })
     }
 
@@ -142,6 +145,9 @@ impl Variant {
         }
         if self.slots == Some(true) {
             s.push_str("/slots");
+        }
+        if self.vhost {
+            s.push_str("/vhost");
         }
         s
     }
@@ -184,6 +190,11 @@ impl Variant {
             run_slots: match self.slots {
                 Some(true) => Some(base.run_slots.unwrap_or(0)),
                 _ => base.run_slots,
+            },
+            vhost_user: if self.vhost {
+                base.vhost_user.clone()
+            } else {
+                None
             },
             hogs,
             ..base.clone()
@@ -436,10 +447,20 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             wait: None,
             budgets: None,
             slots: None,
+            vhost: base.vhost_user.is_some(),
         }]
     } else {
         options.variants.clone()
     };
+    if let Some(variant) = variants
+        .iter()
+        .find(|v| v.vhost && base.vhost_user.is_none())
+    {
+        return Err(RunError::Refused(format!(
+            "variant {} needs the backend's socket: --pv-backend vhost-user:PATH",
+            variant.name()
+        )));
+    }
     let mut cases: Vec<CaseResult> = options
         .hogs
         .iter()
