@@ -60,9 +60,11 @@ impl Variant {
                 "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
                 "slots" => slots = Some(true),
                 "vhost" => vhost = true,
-                other => return Err(format!(
+                other => {
+                    return Err(format!(
                     "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots, vhost)"
-                )),
+                ))
+                }
             }
         }
         let mut parts = text_base.split(':');

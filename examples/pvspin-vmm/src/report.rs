@@ -182,6 +182,12 @@ impl RunReport {
             unknown_port_accesses: bus.unknown_port_accesses(),
             pv: match (config.pv, config.kick_path) {
                 (crate::config::PvMode::Off, _) => "off",
+                (crate::config::PvMode::Kick, _) if config.vhost_user.is_some() => {
+                    "kick/vhost-user"
+                }
+                (crate::config::PvMode::KickYield, _) if config.vhost_user.is_some() => {
+                    "kick+yield/vhost-user"
+                }
                 (crate::config::PvMode::Kick, pvspin::KickPath::InKernel) => "kick/in-kernel",
                 (crate::config::PvMode::Kick, pvspin::KickPath::SignalMsi) => "kick/signal-msi",
                 (crate::config::PvMode::Kick, pvspin::KickPath::Userspace) => "kick/userspace",

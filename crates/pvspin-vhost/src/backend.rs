@@ -1,0 +1,566 @@
+//! The vhost-user backend of the pvspin virtio device: kicks, spin notifications, the
+//! control queue and the configuration space, for one frontend.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use pvspin_abi::doorbell::{SpinNotify, SHARED_PAGE_SIZE};
+use pvspin_abi::hint;
+use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::VhostUserVirtioFeatures;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
+};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::config::BackendConfig;
+use crate::telemetry::{BadInput, VmTelemetry};
+use crate::yield_policy::{ProcThreads, ThreadActions, YieldPolicy};
+
+/// The guest memory type the backend works on.
+pub type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+/// The vring type the backend works on.
+pub type Vring = VringRwLock<GuestMemory>;
+
+/// Largest queue the backend accepts (control queue; kick and spin queues need 1).
+pub const MAX_QUEUE_SIZE: usize = 256;
+/// Most descriptors of one control chain the backend walks (a valid one has 2).
+const MAX_CHAIN_DESCRIPTORS: usize = 4;
+
+/// The virtio feature bits the device offers.
+pub const DEVICE_FEATURES: u64 = (1 << virtio::F_VERSION_1)
+    | (1 << virtio::F_SPIN_NOTIFY)
+    | (1 << virtio::F_HINT_PAGES)
+    | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+
+/// Errors of the backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The configuration is refused.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
+}
+
+/// The thread actions a backend uses (boxed so tests and the fuzz target can fake them).
+pub type BoxedActions = Box<dyn ThreadActions>;
+
+#[derive(Debug)]
+struct DeviceState {
+    acked_features: u64,
+    memory: Option<GuestMemory>,
+    /// Registered hint pages, per vCPU.
+    hint_pages: Vec<Option<u64>>,
+}
+
+struct Inner {
+    config: BackendConfig,
+    telemetry: Arc<VmTelemetry>,
+    state: Mutex<DeviceState>,
+    yields: Mutex<YieldPolicy<BoxedActions>>,
+    /// Wakes the restore timer when a new deadline exists or the backend stops.
+    timer: Condvar,
+    stopping: AtomicBool,
+}
+
+/// The pvspin device backend for one frontend. Cheap to clone (shared state): the
+/// vhost-user-backend daemon clones it into its worker threads.
+#[derive(Clone)]
+pub struct PvspinBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PvspinBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PvspinBackend")
+            .field("vm", &self.inner.telemetry.vm())
+            .field("max_vcpus", &self.inner.config.max_vcpus)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What the control queue did in one pass (for tests and the fuzz target).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlPass {
+    /// Chains returned to the driver.
+    pub chains: usize,
+    /// Whether the queue's call eventfd was signalled.
+    pub signalled: bool,
+}
+
+impl PvspinBackend {
+    /// A backend acting on the real threads of the frontend (procfs, setpriority).
+    pub fn new(config: BackendConfig, telemetry: Arc<VmTelemetry>) -> Result<Self, BackendError> {
+        let actions = Box::new(ProcThreads::new(config.thread_patterns.clone()));
+        Self::with_actions(config, telemetry, actions)
+    }
+
+    /// A backend acting through `actions`.
+    pub fn with_actions(
+        config: BackendConfig,
+        telemetry: Arc<VmTelemetry>,
+        actions: BoxedActions,
+    ) -> Result<Self, BackendError> {
+        config.validate()?;
+        let policy = YieldPolicy::new(
+            config.yield_mode,
+            config.nice_step,
+            config.adjust_for,
+            actions,
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                state: Mutex::new(DeviceState {
+                    acked_features: 0,
+                    memory: None,
+                    hint_pages: vec![None; config.max_vcpus as usize],
+                }),
+                config,
+                telemetry,
+                yields: Mutex::new(policy),
+                timer: Condvar::new(),
+                stopping: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The VM's counters.
+    pub fn telemetry(&self) -> &Arc<VmTelemetry> {
+        &self.inner.telemetry
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BackendConfig {
+        &self.inner.config
+    }
+
+    /// Sets the frontend's pid (from its peer credentials; `None` when unknown).
+    pub fn set_peer_pid(&self, pid: Option<u32>) {
+        self.inner.telemetry.set_peer_pid(pid);
+        lock(&self.inner.yields).set_peer(pid);
+    }
+
+    /// The hint page registered for `vcpu`, if any.
+    pub fn hint_page(&self, vcpu: u32) -> Option<u64> {
+        lock(&self.inner.state)
+            .hint_pages
+            .get(vcpu as usize)
+            .copied()
+            .flatten()
+    }
+
+    /// How many thread priorities the backend has changed now.
+    pub fn adjusted_threads(&self) -> usize {
+        lock(&self.inner.yields).adjusted()
+    }
+
+    /// Forgets hint pages and acked features and restores every changed priority (device
+    /// reset, frontend gone).
+    pub fn forget(&self) {
+        {
+            let mut s = lock(&self.inner.state);
+            s.acked_features = 0;
+            s.hint_pages.iter_mut().for_each(|p| *p = None);
+        }
+        lock(&self.inner.yields).restore_all(&self.inner.telemetry);
+    }
+
+    /// Restores every priority change whose deadline passed; returns how long until the next
+    /// one (for the restore timer).
+    pub fn expire_adjustments(&self, now: Instant) -> Option<Duration> {
+        let mut y = lock(&self.inner.yields);
+        y.expire(now, &self.inner.telemetry);
+        y.next_deadline().map(|d| d.saturating_duration_since(now))
+    }
+
+    /// Runs the restore timer until [`Self::stop`]: sleeps until the next deadline (never
+    /// spins), restores what is due. Run it on a thread of its own.
+    pub fn run_restore_timer(&self) {
+        let mut y = lock(&self.inner.yields);
+        while !self.inner.stopping.load(Ordering::Acquire) {
+            let now = Instant::now();
+            y.expire(now, &self.inner.telemetry);
+            let wait = y
+                .next_deadline()
+                .map(|d| {
+                    d.saturating_duration_since(now)
+                        .max(Duration::from_micros(100))
+                })
+                .unwrap_or(Duration::from_secs(1));
+            y = self
+                .inner
+                .timer
+                .wait_timeout(y, wait)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        y.restore_all(&self.inner.telemetry);
+    }
+
+    /// Stops the restore timer (it restores everything on its way out) and forgets the
+    /// device state.
+    pub fn stop(&self) {
+        self.inner.stopping.store(true, Ordering::Release);
+        self.inner.timer.notify_all();
+        self.forget();
+    }
+
+    fn acked(&self, bit: u32) -> bool {
+        lock(&self.inner.state).acked_features & (1 << bit) != 0
+    }
+
+    /// The configuration space bytes `offset..offset + size` (empty when outside).
+    pub fn config_read(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = virtio::config::encode(self.inner.config.max_vcpus);
+        let start = offset as usize;
+        match start.checked_add(size as usize) {
+            Some(end) if end <= space.len() => space[start..end].to_vec(),
+            _ => {
+                self.inner.telemetry.bad_input(
+                    BadInput::ConfigRead,
+                    format_args!("config read of {size} bytes at {offset}"),
+                );
+                Vec::new()
+            }
+        }
+    }
+
+    /// Handles a notification on queue `queue`. Returns whether a call eventfd was
+    /// signalled. Never fails on guest input: bad input is counted.
+    pub fn handle_queue_event(&self, queue: usize, vrings: &[Vring]) -> io::Result<bool> {
+        let tel = &self.inner.telemetry;
+        let (Some(role), Some(vring)) = (
+            virtio::queue_role(self.inner.config.max_vcpus, queue),
+            vrings.get(queue),
+        ) else {
+            tel.event_unknown_queue();
+            return Ok(false);
+        };
+        match role {
+            QueueRole::Kick(vcpu) => Ok(self.kick(vcpu, vring)),
+            QueueRole::Spin(vcpu) => {
+                self.spin(vcpu);
+                Ok(false)
+            }
+            QueueRole::Control => Ok(self.process_control(vring).signalled),
+        }
+    }
+
+    fn kick(&self, vcpu: u32, vring: &Vring) -> bool {
+        let tel = &self.inner.telemetry;
+        let set_up = {
+            let v = vring.get_ref();
+            v.get_queue().ready() && v.get_call().is_some()
+        };
+        if !set_up {
+            tel.kick_unset_queue();
+            return false;
+        }
+        // No EVENT_IDX is offered, so there is no suppression to honour: the call is the kick.
+        match vring.signal_used_queue() {
+            Ok(()) => {
+                tel.kick(vcpu);
+                true
+            }
+            Err(err) => {
+                log::debug!("{}: signalling kick queue of vCPU {vcpu}: {err}", tel.vm());
+                tel.kick_unset_queue();
+                false
+            }
+        }
+    }
+
+    fn spin(&self, vcpu: u32) {
+        let tel = &self.inner.telemetry;
+        let (page, memory) = {
+            let s = lock(&self.inner.state);
+            (
+                s.hint_pages.get(vcpu as usize).copied().flatten(),
+                s.memory.clone(),
+            )
+        };
+        let (Some(gpa), Some(memory)) = (page, memory) else {
+            tel.spin_without_page();
+            return;
+        };
+        let value: u32 = match memory.memory().load(
+            GuestAddress(gpa + hint::WAITING_FOR as u64),
+            Ordering::Acquire,
+        ) {
+            Ok(v) => v,
+            Err(err) => {
+                tel.bad_input(
+                    BadInput::HintRead,
+                    format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
+                );
+                return;
+            }
+        };
+        tel.spin_notification(vcpu);
+        let target = match SpinNotify::decode(value).waiting_for {
+            Some(h) if u32::from(h) < self.inner.config.max_vcpus && u32::from(h) != vcpu => {
+                Some(u32::from(h))
+            }
+            Some(h) => {
+                tel.bad_input(
+                    BadInput::SpinTarget,
+                    format_args!("vCPU {vcpu} waits for vCPU {h}"),
+                );
+                None
+            }
+            None => None,
+        };
+        let mut y = lock(&self.inner.yields);
+        y.on_spin(vcpu, target, Instant::now(), tel);
+        drop(y);
+        self.inner.timer.notify_all();
+    }
+
+    /// Processes the control queue: at most one queue's worth of chains per call.
+    pub fn process_control(&self, vring: &Vring) -> ControlPass {
+        let tel = &self.inner.telemetry;
+        let Some(memory) = lock(&self.inner.state).memory.clone() else {
+            tel.bad_input(
+                BadInput::Ring,
+                format_args!("control queue event before SET_MEM_TABLE"),
+            );
+            return ControlPass::default();
+        };
+        let mem = memory.memory();
+        let mut pass = ControlPass::default();
+        {
+            let mut v = vring.get_mut();
+            let queue = v.get_queue_mut();
+            if !queue.ready() {
+                tel.bad_input(BadInput::Ring, format_args!("control queue not ready"));
+                return pass;
+            }
+            let cap = usize::from(queue.size()).max(1);
+            while pass.chains < cap {
+                let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+                    break;
+                };
+                let head = chain.head_index();
+                let descriptors: Vec<_> = chain.take(MAX_CHAIN_DESCRIPTORS + 1).collect();
+                let used_len = self.control_chain(&descriptors, &mem);
+                if let Err(err) = queue.add_used(&*mem, head, used_len) {
+                    tel.bad_input(BadInput::Ring, format_args!("control add_used: {err}"));
+                    break;
+                }
+                pass.chains += 1;
+            }
+        }
+        if pass.chains > 0 {
+            pass.signalled = vring.signal_used_queue().is_ok();
+        }
+        pass
+    }
+
+    /// Handles one control chain; returns the used length (4 when a status was written).
+    fn control_chain(
+        &self,
+        descriptors: &[virtio_queue::desc::split::Descriptor],
+        mem: &GuestMemoryMmap<()>,
+    ) -> u32 {
+        let tel = &self.inner.telemetry;
+        tel.control_request();
+        let status_at = descriptors
+            .last()
+            .filter(|d| d.is_write_only() && d.len() >= 4)
+            .map(|d| d.addr());
+        let request = match descriptors {
+            [req, status]
+                if !req.is_write_only()
+                    && req.len() as usize == ControlRequest::SIZE
+                    && status.is_write_only()
+                    && status.len() >= 4 =>
+            {
+                let mut bytes = [0u8; ControlRequest::SIZE];
+                mem.read_slice(&mut bytes, req.addr())
+                    .ok()
+                    .and_then(|()| ControlRequest::from_bytes(&bytes))
+            }
+            _ => None,
+        };
+        let status = match request {
+            Some(r) => self.control_request(&r, mem),
+            None => {
+                tel.bad_input(
+                    BadInput::ControlChain,
+                    format_args!("control chain of {} descriptors", descriptors.len()),
+                );
+                virtio::STATUS_BAD_REQUEST
+            }
+        };
+        let Some(at) = status_at else { return 0 };
+        match mem.write_obj(status.to_le(), at) {
+            Ok(()) => 4,
+            Err(err) => {
+                tel.bad_input(
+                    BadInput::Ring,
+                    format_args!("writing control status: {err}"),
+                );
+                0
+            }
+        }
+    }
+
+    /// Executes one well-formed control request; returns its status.
+    fn control_request(&self, r: &ControlRequest, mem: &GuestMemoryMmap<()>) -> u32 {
+        let tel = &self.inner.telemetry;
+        if r.op != virtio::OP_REGISTER_HINT_PAGE {
+            tel.bad_input(BadInput::ControlOp, format_args!("op {}", r.op));
+            return virtio::STATUS_BAD_REQUEST;
+        }
+        if !self.acked(virtio::F_HINT_PAGES) {
+            tel.bad_input(
+                BadInput::ControlUnsupported,
+                format_args!("F_HINT_PAGES not acked"),
+            );
+            return virtio::STATUS_UNSUPPORTED;
+        }
+        if r.vcpu >= self.inner.config.max_vcpus {
+            tel.bad_input(BadInput::ControlVcpu, format_args!("vCPU {}", r.vcpu));
+            return virtio::STATUS_BAD_VCPU;
+        }
+        if r.gpa == 0 {
+            self.set_page(r.vcpu, None);
+            tel.registration(false);
+            return virtio::STATUS_OK;
+        }
+        if r.gpa % SHARED_PAGE_SIZE != 0
+            || !mem.check_range(GuestAddress(r.gpa), SHARED_PAGE_SIZE as usize)
+        {
+            tel.bad_input(BadInput::ControlAddress, format_args!("page {:#x}", r.gpa));
+            return virtio::STATUS_BAD_ADDRESS;
+        }
+        if let Err(err) = self.write_host_line(r.gpa, r.arg, mem) {
+            tel.bad_input(
+                BadInput::ControlAddress,
+                format_args!("page {:#x}: {err}", r.gpa),
+            );
+            return virtio::STATUS_BAD_ADDRESS;
+        }
+        self.set_page(r.vcpu, Some(r.gpa));
+        tel.registration(true);
+        virtio::STATUS_OK
+    }
+
+    fn set_page(&self, vcpu: u32, gpa: Option<u64>) {
+        if let Some(slot) = lock(&self.inner.state).hint_pages.get_mut(vcpu as usize) {
+            *slot = gpa;
+        }
+    }
+
+    /// Writes the host line of the page at `gpa` (budgets for a `tsc_khz` guest clock), then
+    /// publishes it by incrementing HOST_SEQ with release ordering.
+    fn write_host_line(
+        &self,
+        gpa: u64,
+        tsc_khz: u64,
+        mem: &GuestMemoryMmap<()>,
+    ) -> Result<(), vm_memory::GuestMemoryError> {
+        // A frequency that does not fit the field is no frequency a guest has: treat as unknown.
+        let khz = u32::try_from(tsc_khz).unwrap_or(0);
+        let b = self.inner.config.budgets.to_tsc(u64::from(khz));
+        let at = |off: usize| GuestAddress(gpa + off as u64);
+        let relaxed = Ordering::Relaxed;
+        mem.store(hint::LAYOUT_VERSION, at(hint::LAYOUT), relaxed)?;
+        mem.store(0u32, at(hint::HOST_FLAGS), relaxed)?;
+        mem.store(b.spin_window, at(hint::SPIN_WINDOW_TSC), relaxed)?;
+        mem.store(b.wait_after, at(hint::WAIT_AFTER_TSC), relaxed)?;
+        mem.store(khz, at(hint::TSC_KHZ), relaxed)?;
+        mem.store(b.wait_after_min, at(hint::WAIT_AFTER_MIN_TSC), relaxed)?;
+        mem.store(b.wait_after_max, at(hint::WAIT_AFTER_MAX_TSC), relaxed)?;
+        // The host is HOST_SEQ's only writer, so load + store is an increment.
+        let seq: u32 = mem.load(at(hint::HOST_SEQ), relaxed)?;
+        mem.store(seq.wrapping_add(1), at(hint::HOST_SEQ), Ordering::Release)
+    }
+
+    /// Replaces the guest memory (SET_MEM_TABLE). Hint pages stay registered by address and
+    /// are read through the new memory.
+    pub fn set_memory(&self, memory: GuestMemory) {
+        lock(&self.inner.state).memory = Some(memory);
+    }
+
+    /// Records the features the driver acked.
+    pub fn set_acked_features(&self, features: u64) {
+        lock(&self.inner.state).acked_features = features;
+    }
+}
+
+impl VhostUserBackend for PvspinBackend {
+    type Bitmap = ();
+    type Vring = Vring;
+
+    fn num_queues(&self) -> usize {
+        self.inner.config.num_queues()
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        DEVICE_FEATURES
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.set_acked_features(features);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+    }
+
+    fn reset_device(&self) {
+        self.forget();
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {
+        // EVENT_IDX is not offered.
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        self.config_read(offset, size)
+    }
+
+    fn update_memory(&self, mem: GuestMemory) -> io::Result<()> {
+        self.set_memory(mem);
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        // One worker thread for every queue (the default mask covers only 32).
+        let n = self.num_queues().min(64) as u32;
+        vec![u64::MAX >> (64 - n)]
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        self.handle_queue_event(usize::from(device_event), vrings)
+            .map(|_| ())
+    }
+}

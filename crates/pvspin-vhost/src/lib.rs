@@ -1,0 +1,34 @@
+//! `pvspind`'s library: the pvspin virtio device ([`pvspin_abi::virtio`]) served over
+//! vhost-user, for VMMs (QEMU, crosvm, Cloud Hypervisor...) that cannot link pvspin but can
+//! attach a vhost-user device backend.
+//!
+//! - [`backend`]: the device for one frontend ([`backend::PvspinBackend`], a
+//!   `vhost_user_backend::VhostUserBackend`): KICK queues answered on the same queue's call
+//!   eventfd, SPIN queues read the notifier's hint page and hand the decision to the
+//!   [`yield_policy`], the control queue registers hint pages and writes their host line.
+//! - [`yield_policy`]: directed yield from outside the VMM (deboost the spinner, boost the
+//!   waited-for vCPU only when the frontend is confined to its own cpu cgroup), restored at
+//!   deadlines.
+//! - [`telemetry`]: per-VM and host-wide counters as JSON and Prometheus text.
+//! - [`server`]: the daemon's sockets (one frontend at a time per socket, a fresh backend per
+//!   connection), peer credentials, the telemetry control socket and shutdown.
+//!
+//! **Not implemented:** `VIRTIO_RING_F_EVENT_IDX` and indirect descriptors are not offered;
+//! no live migration or device-state transfer; budgets are published once at registration
+//! and never adapted (the host cannot see a vhost-user guest's exits); `HOST_FLAGS`'
+//! `NOT_RUNNING` is always 0 (the daemon does not know when the VMM runs a vCPU); at most
+//! [`config::TRANSPORT_MAX_VCPUS`] vCPUs (vhost-user-backend's 64-queue limit); boosts need the
+//! daemon to be allowed to lower nice values (`CAP_SYS_NICE` or `RLIMIT_NICE`); enabling a
+//! kick queue may deliver one spurious wake-up to its vCPU (vhost-user-backend processes every
+//! queue once when it is enabled; the ABI allows spurious wake-ups).
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod config;
+pub mod server;
+pub mod telemetry;
+pub mod testing;
+pub mod yield_policy;
+
+pub use backend::PvspinBackend;
+pub use config::{BackendConfig, BudgetsUs, YieldMode};

@@ -1,0 +1,424 @@
+//! The daemon's sockets: each vhost-user socket serves one frontend at a time on a thread of
+//! its own, with a fresh [`PvspinBackend`] per connection; a control socket answers telemetry
+//! requests; [`Server::shutdown`] stops everything and restores every changed priority.
+
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+use crate::backend::PvspinBackend;
+use crate::config::{BackendConfig, ConfigError};
+use crate::telemetry::{HostTelemetry, VmTelemetry};
+
+/// How often a waiting socket thread checks for shutdown.
+const POLL_INTERVAL_MS: i32 = 200;
+/// Longest a control-socket client may take to send its request or read the answer.
+const CONTROL_IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Errors of starting the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The backend configuration is refused.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// No vhost-user socket was given.
+    #[error("no --socket given")]
+    NoSockets,
+    /// The path exists and is not a socket.
+    #[error("{0} exists and is not a socket: refusing to replace it")]
+    NotASocket(PathBuf),
+    /// The path is a socket something still listens on.
+    #[error("{0} is a live socket (another daemon serves it)")]
+    InUse(PathBuf),
+    /// Binding failed.
+    #[error("binding {path}: {source}")]
+    Bind {
+        /// The socket path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// Starting a thread failed.
+    #[error("starting a thread: {0}")]
+    Thread(io::Error),
+}
+
+/// What the daemon serves.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// vhost-user sockets, one frontend each at a time.
+    pub sockets: Vec<PathBuf>,
+    /// The telemetry control socket.
+    pub control: Option<PathBuf>,
+    /// The backend every connection gets.
+    pub backend: BackendConfig,
+}
+
+/// Removes a stale socket at `path` (nothing listens on it); refuses other files and live
+/// sockets.
+pub fn prepare_socket_path(path: &Path) -> Result<(), ServerError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        return Err(ServerError::NotASocket(path.to_owned()));
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(ServerError::InUse(path.to_owned()));
+    }
+    std::fs::remove_file(path).map_err(|source| ServerError::Bind {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    prepare_socket_path(path)?;
+    UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Waits up to `timeout_ms` for `fd` to be readable.
+fn readable(fd: RawFd, timeout_ms: i32) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    n > 0 && pfd.revents & libc::POLLIN != 0
+}
+
+fn sockopt_int(fd: &OwnedFd, name: libc::c_int) -> Option<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: value and len point to an int and its size, as getsockopt expects.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            (&mut value as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(value)
+}
+
+fn peer_pid(fd: &OwnedFd) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len point to a ucred and its size, as SO_PEERCRED expects.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && cred.pid > 0).then_some(cred.pid as u32)
+}
+
+/// The pid of the frontend connected on `path`, from its peer credentials.
+///
+/// vhost-user-backend accepts the connection itself and keeps the stream private, so the
+/// accepted socket is found among this process's descriptors: a connected (not listening)
+/// stream socket whose local address is `path`. Each socket serves one frontend at a time,
+/// so all such descriptors (the handler's and its duplicates) share one peer; when they do
+/// not, the answer is `None`.
+pub fn find_peer_pid(path: &Path) -> Option<u32> {
+    let mut found = None;
+    for entry in std::fs::read_dir("/proc/self/fd").ok()? {
+        let Some(fd) = entry
+            .ok()
+            .and_then(|e| e.file_name().to_str().and_then(|s| s.parse::<RawFd>().ok()))
+        else {
+            continue;
+        };
+        // Duplicate it first: the original may be closed by another thread at any time.
+        // SAFETY: F_DUPFD_CLOEXEC only reads the descriptor number; failure is reported.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            continue;
+        }
+        // SAFETY: `dup` is a descriptor this function just created and nothing else owns.
+        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
+        if sockopt_int(&owned, libc::SO_ACCEPTCONN) != Some(0) {
+            continue;
+        }
+        let Ok(clone) = owned.try_clone() else {
+            continue;
+        };
+        let stream = UnixStream::from(clone);
+        let ours = stream
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(|p| p == path))
+            .unwrap_or(false);
+        if !ours {
+            continue;
+        }
+        match (found, peer_pid(&owned)) {
+            (_, None) => {}
+            (None, Some(pid)) => found = Some(pid),
+            (Some(a), Some(b)) if a != b => return None,
+            _ => {}
+        }
+    }
+    found
+}
+
+/// One socket's shared state.
+struct Slot {
+    path: PathBuf,
+    active: Mutex<Option<ShutdownHandle>>,
+}
+
+/// The running daemon.
+pub struct Server {
+    stop: Arc<AtomicBool>,
+    host: Arc<HostTelemetry>,
+    slots: Vec<Arc<Slot>>,
+    control: Option<PathBuf>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field(
+                "sockets",
+                &self.slots.iter().map(|s| &s.path).collect::<Vec<_>>(),
+            )
+            .field("control", &self.control)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Binds every socket (refusing on the first error, before serving anything) and starts
+    /// a thread per socket and one for the control socket.
+    pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+        config.backend.validate()?;
+        if config.sockets.is_empty() {
+            return Err(ServerError::NoSockets);
+        }
+        let mut listeners = Vec::new();
+        for path in &config.sockets {
+            listeners.push((path.clone(), bind(path)?));
+        }
+        let control = match &config.control {
+            Some(path) => Some((path.clone(), bind(path)?)),
+            None => None,
+        };
+        let mut server = Self {
+            stop: Arc::new(AtomicBool::new(false)),
+            host: Arc::new(HostTelemetry::default()),
+            slots: Vec::new(),
+            control: config.control.clone(),
+            threads: Vec::new(),
+        };
+        for (path, listener) in listeners {
+            server.host.add_socket(&path.to_string_lossy());
+            let slot = Arc::new(Slot {
+                path,
+                active: Mutex::new(None),
+            });
+            server.slots.push(slot.clone());
+            let (stop, host, backend) = (
+                server.stop.clone(),
+                server.host.clone(),
+                config.backend.clone(),
+            );
+            let name = format!("pvspind-{}", socket_label(&slot.path));
+            let t = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || serve_socket(&slot, &listener, &backend, &host, &stop))
+                .map_err(ServerError::Thread)?;
+            server.threads.push(t);
+        }
+        if let Some((_, listener)) = control {
+            let (stop, host) = (server.stop.clone(), server.host.clone());
+            let t = std::thread::Builder::new()
+                .name("pvspind-control".into())
+                .spawn(move || serve_control(&listener, &host, &stop))
+                .map_err(ServerError::Thread)?;
+            server.threads.push(t);
+        }
+        Ok(server)
+    }
+
+    /// The daemon's telemetry.
+    pub fn telemetry(&self) -> &Arc<HostTelemetry> {
+        &self.host
+    }
+
+    /// Stops serving: disconnects every frontend (their backends restore priorities), joins
+    /// the threads and removes the socket files.
+    pub fn shutdown(self) {
+        self.stop.store(true, Ordering::Release);
+        for slot in &self.slots {
+            if let Some(h) = slot
+                .active
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+            {
+                h.shutdown();
+            }
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+        for slot in &self.slots {
+            let _ = std::fs::remove_file(&slot.path);
+        }
+        if let Some(c) = &self.control {
+            let _ = std::fs::remove_file(c);
+        }
+    }
+}
+
+/// The `vm` label of a socket: its file name.
+pub fn socket_label(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.to_string_lossy().into_owned())
+}
+
+fn serve_socket(
+    slot: &Slot,
+    listener: &UnixListener,
+    config: &BackendConfig,
+    host: &HostTelemetry,
+    stop: &AtomicBool,
+) {
+    let label = socket_label(&slot.path);
+    let path_text = slot.path.to_string_lossy().into_owned();
+    log::info!("{label}: serving on {}", slot.path.display());
+    while !stop.load(Ordering::Acquire) {
+        if !readable(listener.as_raw_fd(), POLL_INTERVAL_MS) {
+            continue;
+        }
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        if let Err(err) = serve_connection(slot, listener, config, host, stop, &label, &path_text) {
+            log::warn!("{label}: {err}");
+            // A failing accept must not turn into a busy loop.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    log::info!("{label}: stopped");
+}
+
+fn serve_connection(
+    slot: &Slot,
+    listener: &UnixListener,
+    config: &BackendConfig,
+    host: &HostTelemetry,
+    stop: &AtomicBool,
+    label: &str,
+    path_text: &str,
+) -> Result<(), String> {
+    let vm = Arc::new(VmTelemetry::new(label, path_text, config.max_vcpus));
+    let backend = PvspinBackend::new(config.clone(), vm.clone()).map_err(|e| e.to_string())?;
+    let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+    let mut daemon = VhostUserDaemon::new(label.to_owned(), backend.clone(), memory)
+        .map_err(|e| format!("creating the vhost-user daemon: {e}"))?;
+    let clone = listener.try_clone().map_err(|e| e.to_string())?;
+    let mut vhost_listener = Listener::from(clone);
+    if let Err(e) = daemon.start(&mut vhost_listener) {
+        stop_workers(&daemon);
+        return Err(format!("accepting a frontend: {e}"));
+    }
+    let pid = find_peer_pid(&slot.path);
+    match pid {
+        Some(pid) => log::info!("{label}: frontend pid {pid} connected"),
+        None => {
+            log::warn!("{label}: frontend connected; its pid is unknown, no thread will be changed")
+        }
+    }
+    backend.set_peer_pid(pid);
+    host.connected(path_text, vm);
+    let timer_backend = backend.clone();
+    let timer = std::thread::Builder::new()
+        .name(format!("{label}-restore"))
+        .spawn(move || timer_backend.run_restore_timer())
+        .ok();
+    {
+        let mut active = slot.active.lock().unwrap_or_else(PoisonError::into_inner);
+        *active = daemon.shutdown_handle();
+        if stop.load(Ordering::Acquire) {
+            if let Some(h) = active.as_ref() {
+                h.shutdown();
+            }
+        }
+    }
+    let result = daemon.wait();
+    *slot.active.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    stop_workers(&daemon);
+    backend.stop();
+    if let Some(t) = timer {
+        let _ = t.join();
+    }
+    host.disconnected(path_text);
+    match result {
+        Ok(()) => log::info!("{label}: frontend disconnected"),
+        Err(e) => log::info!("{label}: frontend gone: {e}"),
+    }
+    Ok(())
+}
+
+fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) {
+    for h in daemon.get_epoll_handlers() {
+        h.send_exit_event();
+    }
+}
+
+fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        if !readable(listener.as_raw_fd(), POLL_INTERVAL_MS) {
+            continue;
+        }
+        let Ok((stream, _)) = listener.accept() else {
+            continue;
+        };
+        if let Err(err) = answer_control(stream, host) {
+            log::debug!("control client: {err}");
+        }
+    }
+}
+
+fn answer_control(stream: UnixStream, host: &HostTelemetry) -> io::Result<()> {
+    stream.set_read_timeout(Some(CONTROL_IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(CONTROL_IO_TIMEOUT))?;
+    let mut line = String::new();
+    BufReader::new(io::Read::take(&stream, 64)).read_line(&mut line)?;
+    let doc = match line.trim() {
+        "json" => host.render_json(),
+        "prometheus" => host.render_prometheus(),
+        other => format!("error: unknown request {other:?}; send \"json\" or \"prometheus\"\n"),
+    };
+    (&stream).write_all(doc.as_bytes())?;
+    stream.shutdown(std::net::Shutdown::Both)
+}
