@@ -326,11 +326,6 @@ impl RunConfig {
         {
             return Err(ConfigError::PingPongNeedsPv);
         }
-        if self.run_slots.is_some()
-            && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
-        {
-            return Err(ConfigError::SlotsNeedUserspaceKicks);
-        }
         if self.vhost_user.is_some()
             && (!self.pv.kicks()
                 || self.run_slots.is_some()
@@ -338,6 +333,11 @@ impl RunConfig {
                 || self.kick_path != pvspin::KickPath::InKernel)
         {
             return Err(ConfigError::VhostUserNeeds);
+        }
+        if self.run_slots.is_some()
+            && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
+        {
+            return Err(ConfigError::SlotsNeedUserspaceKicks);
         }
         if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
             return Err(ConfigError::AbuseNeedsNotifications);
