@@ -610,12 +610,16 @@ pub(crate) mod tests {
     fn proc_threads_reads_this_process() {
         let mut p = ProcThreads::new(vec!["pvspin-t{N}".into()]);
         let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
         let h = std::thread::Builder::new()
             .name("pvspin-t3".into())
             .spawn(move || {
+                // The name is set by the new thread itself: scan only once it runs.
+                ready_tx.send(()).unwrap();
                 let _ = rx.recv();
             })
             .unwrap();
+        ready_rx.recv().unwrap();
         let pid = std::process::id();
         let threads = p.vcpu_threads(pid).unwrap();
         let tid = threads[&3];
