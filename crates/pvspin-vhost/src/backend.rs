@@ -648,7 +648,8 @@ mod tests {
         /// Posts `descs`, runs the control queue, returns (status word, used len).
         fn post(&mut self, ring: &mut SplitRing, descs: &[Desc]) -> (u32, u32) {
             let m = self.mem.memory();
-            m.write_obj(0xdead_beefu32, GuestAddress(STATUS_AT)).unwrap();
+            m.write_obj(0xdead_beefu32, GuestAddress(STATUS_AT))
+                .unwrap();
             let before = ring.used_idx(&*m).unwrap();
             ring.add_chain(&*m, descs).unwrap();
             let pass = self.backend.process_control(&self.vrings[0]);
@@ -705,7 +706,10 @@ mod tests {
     fn registration_writes_the_host_line() {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
         let mut ring = rig.set_up(0, 0x1000, 8);
-        assert_eq!(rig.request(&mut ring, register(2, PAGE, 2_000_000)), STATUS_OK);
+        assert_eq!(
+            rig.request(&mut ring, register(2, PAGE, 2_000_000)),
+            STATUS_OK
+        );
         assert_eq!(rig.backend.hint_page(2), Some(PAGE));
         assert_eq!(rig.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
         assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), 40_000);
@@ -722,7 +726,10 @@ mod tests {
         assert_eq!(rig.request(&mut ring, register(2, 0, 0)), STATUS_OK);
         assert_eq!(rig.backend.hint_page(2), None);
         let s = rig.backend.telemetry().snapshot();
-        assert_eq!((s.hint_page_registrations, s.hint_page_unregistrations), (2, 1));
+        assert_eq!(
+            (s.hint_page_registrations, s.hint_page_unregistrations),
+            (2, 1)
+        );
     }
 
     #[test]
@@ -734,7 +741,7 @@ mod tests {
             (register(u32::MAX, PAGE, 1), STATUS_BAD_VCPU),
             (register(0, PAGE + 8, 1), STATUS_BAD_ADDRESS),
             (register(0, MEM_SIZE, 1), STATUS_BAD_ADDRESS),
-            (register(0, u64::MAX & !0xfff, 1), STATUS_BAD_ADDRESS),
+            (register(0, !0xfff, 1), STATUS_BAD_ADDRESS),
             (
                 ControlRequest {
                     op: 9,
@@ -747,7 +754,10 @@ mod tests {
             assert_eq!(rig.request(&mut ring, req), want, "{req:?}");
         }
         // The last page of memory is fine.
-        assert_eq!(rig.request(&mut ring, register(0, MEM_SIZE - 4096, 1)), STATUS_OK);
+        assert_eq!(
+            rig.request(&mut ring, register(0, MEM_SIZE - 4096, 1)),
+            STATUS_OK
+        );
         let s = rig.backend.telemetry().snapshot();
         assert_eq!(s.bad_inputs["control_vcpu"], 2);
         assert_eq!(s.bad_inputs["control_address"], 3);
@@ -787,10 +797,18 @@ mod tests {
             vec![req, req, status],
             vec![status],
         ] {
-            assert_eq!(rig.post(&mut ring, &chain), (STATUS_BAD_REQUEST, 4), "{chain:?}");
+            assert_eq!(
+                rig.post(&mut ring, &chain),
+                (STATUS_BAD_REQUEST, 4),
+                "{chain:?}"
+            );
         }
         // No status can be written: the chain comes back with used length 0, memory untouched.
-        for chain in [vec![req, tiny_status], vec![req, readable_status], vec![req]] {
+        for chain in [
+            vec![req, tiny_status],
+            vec![req, readable_status],
+            vec![req],
+        ] {
             assert_eq!(rig.post(&mut ring, &chain), (0xdead_beef, 0), "{chain:?}");
         }
         // A request buffer outside memory is a bad chain too.
@@ -798,9 +816,15 @@ mod tests {
             addr: MEM_SIZE + 0x1000,
             ..req
         };
-        assert_eq!(rig.post(&mut ring, &[outside, status]), (STATUS_BAD_REQUEST, 4));
+        assert_eq!(
+            rig.post(&mut ring, &[outside, status]),
+            (STATUS_BAD_REQUEST, 4)
+        );
         assert_eq!(rig.backend.hint_page(0), None);
-        assert_eq!(rig.backend.telemetry().bad_inputs(BadInput::ControlChain), 9);
+        assert_eq!(
+            rig.backend.telemetry().bad_inputs(BadInput::ControlChain),
+            9
+        );
     }
 
     #[test]
@@ -843,7 +867,10 @@ mod tests {
     fn spin_rig(mode: YieldMode, confined: bool, waiting_for: Option<u16>) -> Rig {
         let mut rig = Rig::new(mode, confined, ALL_FEATURES);
         let mut ring = rig.set_up(0, 0x1000, 8);
-        assert_eq!(rig.request(&mut ring, register(0, PAGE, 1_000_000)), STATUS_OK);
+        assert_eq!(
+            rig.request(&mut ring, register(0, PAGE, 1_000_000)),
+            STATUS_OK
+        );
         let n = SpinNotify {
             waiting_for,
             next_owner: false,
@@ -852,7 +879,11 @@ mod tests {
         };
         rig.mem
             .memory()
-            .store(n.encode(), GuestAddress(PAGE + hint::WAITING_FOR as u64), Ordering::Release)
+            .store(
+                n.encode(),
+                GuestAddress(PAGE + hint::WAITING_FOR as u64),
+                Ordering::Release,
+            )
             .unwrap();
         let s0 = virtio::spin_queue(4, 0).unwrap() as usize;
         assert!(!rig.backend.handle_queue_event(s0, &rig.vrings).unwrap());
@@ -874,7 +905,10 @@ mod tests {
 
         let refused = spin_rig(YieldMode::Confined, false, Some(2));
         let s = refused.backend.telemetry().snapshot();
-        assert_eq!((s.deboosts, s.boosts, s.boost_refused_unconfined), (1, 0, 1));
+        assert_eq!(
+            (s.deboosts, s.boosts, s.boost_refused_unconfined),
+            (1, 0, 1)
+        );
 
         let out_of_range = spin_rig(YieldMode::Confined, true, Some(9));
         let s = out_of_range.backend.telemetry().snapshot();
@@ -887,7 +921,14 @@ mod tests {
             .backend
             .handle_queue_event(s1, &out_of_range.vrings)
             .unwrap();
-        assert_eq!(out_of_range.backend.telemetry().snapshot().spins_without_page, 1);
+        assert_eq!(
+            out_of_range
+                .backend
+                .telemetry()
+                .snapshot()
+                .spins_without_page,
+            1
+        );
     }
 
     #[test]

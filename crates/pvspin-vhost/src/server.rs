@@ -217,7 +217,7 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// Binds every socket (refusing on the first error, before serving anything) and starts
     /// a thread per socket and one for the control socket.
-    pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+    pub fn start(config: &ServerConfig) -> Result<Self, ServerError> {
         config.backend.validate()?;
         if config.sockets.is_empty() {
             return Err(ServerError::NoSockets);
@@ -355,7 +355,9 @@ fn serve_connection(
     match pid {
         Some(pid) => log::info!("{label}: frontend pid {pid} connected"),
         None => {
-            log::warn!("{label}: frontend connected; its pid is unknown, no thread will be changed")
+            log::warn!(
+                "{label}: frontend connected; its pid is unknown, no thread will be changed"
+            );
         }
     }
     backend.set_peer_pid(pid);
@@ -403,22 +405,23 @@ fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBoo
         let Ok((stream, _)) = listener.accept() else {
             continue;
         };
-        if let Err(err) = answer_control(stream, host) {
+        if let Err(err) = answer_control(&stream, host) {
             log::debug!("control client: {err}");
         }
     }
 }
 
-fn answer_control(stream: UnixStream, host: &HostTelemetry) -> io::Result<()> {
+fn answer_control(stream: &UnixStream, host: &HostTelemetry) -> io::Result<()> {
     stream.set_read_timeout(Some(CONTROL_IO_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_IO_TIMEOUT))?;
     let mut line = String::new();
-    BufReader::new(io::Read::take(&stream, 64)).read_line(&mut line)?;
+    BufReader::new(io::Read::take(stream, 64)).read_line(&mut line)?;
     let doc = match line.trim() {
         "json" => host.render_json(),
         "prometheus" => host.render_prometheus(),
         other => format!("error: unknown request {other:?}; send \"json\" or \"prometheus\"\n"),
     };
-    (&stream).write_all(doc.as_bytes())?;
+    let mut out = stream;
+    out.write_all(doc.as_bytes())?;
     stream.shutdown(std::net::Shutdown::Both)
 }

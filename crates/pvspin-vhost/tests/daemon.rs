@@ -71,7 +71,10 @@ impl Daemon {
             if let Some(status) = d.child.try_wait().unwrap() {
                 panic!("pvspind exited early: {status}");
             }
-            assert!(Instant::now() < deadline, "pvspind did not create its sockets");
+            assert!(
+                Instant::now() < deadline,
+                "pvspind did not create its sockets"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         d
@@ -150,7 +153,11 @@ impl Vm {
         let pf = frontend.get_protocol_features().unwrap();
         assert!(pf.contains(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ));
         frontend
-            .set_protocol_features(pf & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK))
+            .set_protocol_features(
+                pf & (VhostUserProtocolFeatures::CONFIG
+                    | VhostUserProtocolFeatures::MQ
+                    | VhostUserProtocolFeatures::REPLY_ACK),
+            )
             .unwrap();
         assert_eq!(frontend.get_queue_num().unwrap(), nq as u64);
         let mem = GuestMemoryMmap::from_ranges_with_files([(
@@ -257,7 +264,10 @@ impl Vm {
         let before = q.ring.used_idx(mem).unwrap();
         q.ring.add_chain(mem, &descs).unwrap();
         q.kick.write(1).unwrap();
-        assert!(self.called_within(0, WAIT), "no answer on the control queue");
+        assert!(
+            self.called_within(0, WAIT),
+            "no answer on the control queue"
+        );
         let q = self.queue(0);
         assert_eq!(q.ring.used_idx(&self.mem).unwrap(), before.wrapping_add(1));
         assert_eq!(q.ring.used_elem(&self.mem, before).unwrap().1, 4);
@@ -266,7 +276,10 @@ impl Vm {
 
     fn host<T: vm_memory::AtomicAccess>(&self, off: usize) -> T {
         self.mem
-            .load(GuestAddress(PAGE + off as u64), std::sync::atomic::Ordering::Acquire)
+            .load(
+                GuestAddress(PAGE + off as u64),
+                std::sync::atomic::Ordering::Acquire,
+            )
             .unwrap()
     }
 
@@ -320,7 +333,10 @@ fn until(path: &Path, what: &str, pred: impl Fn(&serde_json::Value) -> bool) -> 
         if pred(&doc) {
             return doc;
         }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}: {doc}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {doc}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -368,7 +384,12 @@ fn kicks_registration_config_and_telemetry() {
     // The configuration space.
     let (_, payload) = vm
         .frontend
-        .get_config(0, virtio::config::SIZE as u32, VhostUserConfigFlags::empty(), &[0; 16])
+        .get_config(
+            0,
+            virtio::config::SIZE as u32,
+            VhostUserConfigFlags::empty(),
+            &[0; 16],
+        )
         .unwrap();
     assert_eq!(payload, virtio::config::encode(4).to_vec());
 
@@ -383,7 +404,9 @@ fn kicks_registration_config_and_telemetry() {
     let prom = control_query(&control, "prometheus");
     assert!(prom.contains("# TYPE pvspin_kicks_total counter"), "{prom}");
     assert!(prom.contains("pvspin_kicks_total{vm=\"a.sock\",vcpu=\"1\",path=\"vhost_user\"}"));
-    assert!(prom.contains("pvspin_rejected_guest_inputs_total{vm=\"a.sock\",kind=\"control_vcpu\"} 1"));
+    assert!(
+        prom.contains("pvspin_rejected_guest_inputs_total{vm=\"a.sock\",kind=\"control_vcpu\"} 1")
+    );
     assert!(prom.contains("pvspin_vhost_connections_active 1"));
     assert!(control_query(&control, "bogus").starts_with("error"));
 }
@@ -419,13 +442,17 @@ fn two_frontends_one_dies_the_other_lives_and_the_socket_takes_a_new_one() {
 
     // A goes away without a word (as a crashed VMM would).
     drop(vm_a);
-    until(&control, "A's disconnect", |d| d["host"]["disconnects"] == 1);
+    until(&control, "A's disconnect", |d| {
+        d["host"]["disconnects"] == 1
+    });
     assert!(vm_b.kick_ok(0), "B stopped working when A went away");
 
     // The socket takes a new frontend, with a fresh state.
     let vm_a2 = Vm::standard(&a, 2, 1);
     assert!(vm_a2.kick_ok(0));
-    let doc = until(&control, "A2's connection", |d| d["host"]["connections_total"] == 3);
+    let doc = until(&control, "A2's connection", |d| {
+        d["host"]["connections_total"] == 3
+    });
     let a2 = vm_entry(&doc, "a.sock");
     assert_eq!(a2["hint_page_registrations"], 0, "{doc}");
     assert_eq!(doc["host"]["totals"]["hint_page_registrations"], 1);
