@@ -15,7 +15,7 @@ use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
 use pvspin_vhost::backend::{GuestMemory, PvspinBackend, Vring, MAX_QUEUE_SIZE};
 use pvspin_vhost::config::{BackendConfig, YieldMode};
 use pvspin_vhost::telemetry::VmTelemetry;
-use pvspin_vhost::testing::{FakeThreads, SplitRing};
+use pvspin_vhost::testing::{Desc, FakeThreads, SplitRing};
 use vhost_user_backend::{VhostUserBackend, VringT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -23,6 +23,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 const MEM_SIZE: u64 = 0x4_0000;
 const CONTROL_RING: u64 = 0x1000;
 const REQ_AT: u64 = 0x8000;
+const STATUS_AT: u64 = 0x9000;
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 12 {
@@ -63,7 +64,11 @@ fuzz_target!(|data: &[u8]| {
             continue;
         }
         let size: u16 = if q == 0 { 8 } else { 1 };
-        let base = if q == 0 { CONTROL_RING } else { 0x2_0000 + q as u64 * 0x2000 };
+        let base = if q == 0 {
+            CONTROL_RING
+        } else {
+            0x2_0000 + q as u64 * 0x2000
+        };
         let ring = SplitRing::new(&*mem.memory(), GuestAddress(base), size).unwrap();
         let v = &vrings[q];
         v.set_queue_size(size);
@@ -92,7 +97,8 @@ fuzz_target!(|data: &[u8]| {
                 if q < nq {
                     notified[q] += 1;
                 }
-                let _ = backend.handle_event(q as u16, vmm_sys_util::epoll::EventSet::IN, &vrings, 0);
+                let _ =
+                    backend.handle_event(q as u16, vmm_sys_util::epoll::EventSet::IN, &vrings, 0);
             }
             // A configuration read.
             1 => {
@@ -118,12 +124,33 @@ fuzz_target!(|data: &[u8]| {
             // A control request in the request buffer (an op of 1 most of the time).
             4 => {
                 let r = ControlRequest {
-                    op: if op[1] < 200 { virtio::OP_REGISTER_HINT_PAGE } else { u32::from(op[1]) },
+                    op: if op[1] < 200 {
+                        virtio::OP_REGISTER_HINT_PAGE
+                    } else {
+                        u32::from(op[1])
+                    },
                     vcpu: u32::from(op[1] % 6),
                     gpa: (word % (MEM_SIZE + 0x2000)) & !(u64::from(op[1] & 1) * 0xfff),
                     arg: word >> 40,
                 };
-                let _ = mem.memory().write_slice(&r.to_bytes(), GuestAddress(REQ_AT));
+                let m = mem.memory();
+                let _ = m.write_slice(&r.to_bytes(), GuestAddress(REQ_AT));
+                // Usually also post it as a well-formed chain, so registrations happen.
+                if let (Some(ring), true) = (control_ring.as_mut(), op[1] & 0x40 == 0) {
+                    let chain = [
+                        Desc {
+                            addr: REQ_AT,
+                            len: ControlRequest::SIZE as u32,
+                            write: false,
+                        },
+                        Desc {
+                            addr: STATUS_AT,
+                            len: 4,
+                            write: true,
+                        },
+                    ];
+                    let _ = ring.add_chain(&*m, &chain);
+                }
             }
             // Device reset.
             5 => backend.reset_device(),
