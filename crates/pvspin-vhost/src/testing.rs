@@ -216,10 +216,17 @@ impl crate::yield_policy::ThreadActions for FakeThreads {
             .nice
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        assert!(map.contains_key(&tid), "changed thread {tid}, which is not the VM's");
+        assert!(
+            map.contains_key(&tid),
+            "changed thread {tid}, which is not the VM's"
+        );
         assert!((-20..=19).contains(&nice), "nice {nice} out of range");
         map.insert(tid, nice);
         Ok(())
+    }
+
+    fn may_lower_to(&mut self, _nice: i32) -> bool {
+        true
     }
 
     fn confinement(&mut self, _pid: u32) -> pvspin_hints::confine::Verdict {

@@ -506,3 +506,116 @@ fn refuses_bad_options_and_foreign_files() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"));
     assert_eq!(std::fs::read(&sock).unwrap(), b"not a socket");
 }
+
+fn thread_nice(tid: u32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(16).unwrap().parse().unwrap()
+}
+
+fn tid_named(name: &str) -> Option<u32> {
+    std::fs::read_dir("/proc/self/task").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim_end() == name).then(|| e.file_name().to_str()?.parse().ok())?
+    })
+}
+
+fn has_cap_sys_nice() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 23) != 0)
+}
+
+fn wait_for(what: &str, pred: impl Fn() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !pred() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn spin_notification_deboosts_the_spinners_thread_then_restores_it() {
+    let dir = TempDir::new();
+    let (sock, control) = (dir.path("a.sock"), dir.path("ctl"));
+    let _d = Daemon::start(
+        &[
+            "--socket",
+            sock.to_str().unwrap(),
+            "--control",
+            control.to_str().unwrap(),
+            "--max-vcpus",
+            "2",
+            "--adjust-us",
+            "300000",
+            "--vcpu-thread-pattern",
+            "pvt-vcpu{N}",
+        ],
+        &[&sock, &control],
+    );
+    // This process plays the VMM: its "vCPU 0" thread is the one the daemon may deboost.
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let vcpu0 = std::thread::Builder::new()
+        .name("pvt-vcpu0".into())
+        .spawn(move || {
+            ready_tx.send(()).unwrap();
+            let _ = stop_rx.recv_timeout(WAIT * 3);
+        })
+        .unwrap();
+    ready_rx.recv_timeout(WAIT).unwrap();
+    let tid = tid_named("pvt-vcpu0").expect("the vCPU thread");
+    let before = thread_nice(tid);
+
+    let mut vm = Vm::connect(&sock, 2);
+    vm.set_up(0, 0x1000, 8);
+    let spin0 = virtio::spin_queue(2, 0).unwrap() as usize;
+    vm.set_up(spin0, 0x4_0000, 1);
+    vm.drain_calls();
+    let r = ControlRequest {
+        op: OP_REGISTER_HINT_PAGE,
+        vcpu: 0,
+        gpa: PAGE,
+        arg: 1_000_000,
+    };
+    assert_eq!(vm.control(r), STATUS_OK);
+    let waiting = pvspin_abi::doorbell::SpinNotify {
+        waiting_for: Some(1),
+        next_owner: false,
+        spun_bucket: 4,
+        lock_hash: 9,
+    };
+    vm.mem
+        .store(
+            waiting.encode(),
+            GuestAddress(PAGE + hint::WAITING_FOR as u64),
+            std::sync::atomic::Ordering::Release,
+        )
+        .unwrap();
+    vm.notify(spin0);
+
+    if has_cap_sys_nice() || before >= 19 {
+        wait_for("the deboost", || thread_nice(tid) == (before + 5).min(19));
+        wait_for("the restore", || thread_nice(tid) == before);
+        let doc = json(&control);
+        let a = vm_entry(&doc, "a.sock");
+        assert_eq!(a["spin_notifications"][0], 1, "{doc}");
+        assert_eq!(a["restores"], a["deboosts"], "{doc}");
+    } else {
+        // Without the privilege to undo it, the daemon does not deboost at all.
+        until(&control, "the refusal", |d| {
+            vm_entry(d, "a.sock")["yield_skipped"]["no_privilege"] == 1
+        });
+        assert_eq!(thread_nice(tid), before);
+    }
+    assert!(
+        !vm.called_within(spin0, Duration::from_millis(50)),
+        "a spin queue was signalled"
+    );
+    stop_tx.send(()).unwrap();
+    vcpu0.join().unwrap();
+}
