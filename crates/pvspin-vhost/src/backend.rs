@@ -2,6 +2,7 @@
 //! control queue and the configuration space, for one frontend.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -68,6 +69,10 @@ struct Inner {
     /// Wakes the restore timer when a new deadline exists or the backend stops.
     timer: Condvar,
     stopping: AtomicBool,
+    /// The read ends of the worker threads' exit events. vhost-user-backend hands them to
+    /// its epoll as raw descriptors and never closes them; the server closes them once the
+    /// workers are gone ([`PvspinBackend::close_exit_events`]).
+    exit_consumers: Mutex<Vec<RawFd>>,
 }
 
 /// The pvspin device backend for one frontend. Cheap to clone (shared state): the
@@ -131,6 +136,7 @@ impl PvspinBackend {
                 yields: Mutex::new(policy),
                 timer: Condvar::new(),
                 stopping: AtomicBool::new(false),
+                exit_consumers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -214,6 +220,17 @@ impl PvspinBackend {
         self.inner.stopping.store(true, Ordering::Release);
         self.inner.timer.notify_all();
         self.forget();
+    }
+
+    /// Closes the exit-event descriptors vhost-user-backend leaves open. Call it only after
+    /// the worker threads exited and the daemon was dropped: until then its epoll uses them.
+    pub fn close_exit_events(&self) {
+        for fd in lock(&self.inner.exit_consumers).drain(..) {
+            // SAFETY: `fd` came from an EventConsumer that vhost-user-backend turned into a
+            // raw descriptor and registered in an epoll that no longer exists (the caller's
+            // contract); nothing else owns or closes it.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
     }
 
     fn acked(&self, bit: u32) -> bool {
@@ -550,7 +567,10 @@ impl VhostUserBackend for PvspinBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+        let (consumer, notifier) =
+            new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()?;
+        lock(&self.inner.exit_consumers).push(consumer.as_raw_fd());
+        Some((consumer, notifier))
     }
 
     fn handle_event(

@@ -348,7 +348,10 @@ fn serve_connection(
     let clone = listener.try_clone().map_err(|e| e.to_string())?;
     let mut vhost_listener = Listener::from(clone);
     if let Err(e) = daemon.start(&mut vhost_listener) {
-        stop_workers(&daemon);
+        if stop_workers(&daemon) {
+            drop(daemon);
+            backend.close_exit_events();
+        }
         return Err(format!("accepting a frontend: {e}"));
     }
     let pid = find_peer_pid(&slot.path);
@@ -378,7 +381,13 @@ fn serve_connection(
     }
     let result = daemon.wait();
     *slot.active.lock().unwrap_or_else(PoisonError::into_inner) = None;
-    stop_workers(&daemon);
+    let workers_gone = stop_workers(&daemon);
+    drop(daemon);
+    if workers_gone {
+        backend.close_exit_events();
+    } else {
+        log::warn!("{label}: a vring worker did not stop; its descriptors stay open");
+    }
     backend.stop();
     if let Some(t) = timer {
         let _ = t.join();
@@ -391,10 +400,21 @@ fn serve_connection(
     Ok(())
 }
 
-fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) {
-    for h in daemon.get_epoll_handlers() {
+/// Tells the vring worker threads to exit and waits (bounded) until they did: a worker holds
+/// one reference to its handler, the daemon one and this function one.
+fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) -> bool {
+    let handlers = daemon.get_epoll_handlers();
+    for h in &handlers {
         h.send_exit_event();
     }
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while handlers.iter().any(|h| Arc::strong_count(h) > 2) {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBool) {

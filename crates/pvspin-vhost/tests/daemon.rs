@@ -619,3 +619,43 @@ fn spin_notification_deboosts_the_spinners_thread_then_restores_it() {
     stop_tx.send(()).unwrap();
     vcpu0.join().unwrap();
 }
+
+#[test]
+fn reconnects_do_not_leak_descriptors() {
+    let dir = TempDir::new();
+    let (sock, control) = (dir.path("a.sock"), dir.path("ctl"));
+    let d = Daemon::start(
+        &[
+            "--socket",
+            sock.to_str().unwrap(),
+            "--control",
+            control.to_str().unwrap(),
+            "--max-vcpus",
+            "2",
+        ],
+        &[&sock, &control],
+    );
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
+            .unwrap()
+            .count()
+    };
+    let cycle = |n: u64| {
+        let vm = Vm::standard(&sock, 2, 2);
+        assert!(vm.kick_ok(1));
+        drop(vm);
+        until(&control, "the disconnect", |doc| {
+            doc["host"]["disconnects"] == n
+        });
+    };
+    cycle(1);
+    let after_one = fds();
+    for n in 2..=6 {
+        cycle(n);
+    }
+    assert!(
+        fds() <= after_one,
+        "descriptors grew from {after_one} to {}",
+        fds()
+    );
+}
