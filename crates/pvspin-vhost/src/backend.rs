@@ -2,6 +2,7 @@
 //! control queue and the configuration space, for one frontend.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -68,6 +69,10 @@ struct Inner {
     /// Wakes the restore timer when a new deadline exists or the backend stops.
     timer: Condvar,
     stopping: AtomicBool,
+    /// The read ends of the worker threads' exit events. vhost-user-backend hands them to
+    /// its epoll as raw descriptors and never closes them; the server closes them once the
+    /// workers are gone ([`PvspinBackend::close_exit_events`]).
+    exit_consumers: Mutex<Vec<RawFd>>,
 }
 
 /// The pvspin device backend for one frontend. Cheap to clone (shared state): the
@@ -131,6 +136,7 @@ impl PvspinBackend {
                 yields: Mutex::new(policy),
                 timer: Condvar::new(),
                 stopping: AtomicBool::new(false),
+                exit_consumers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -214,6 +220,17 @@ impl PvspinBackend {
         self.inner.stopping.store(true, Ordering::Release);
         self.inner.timer.notify_all();
         self.forget();
+    }
+
+    /// Closes the exit-event descriptors vhost-user-backend leaves open. Call it only after
+    /// the worker threads exited and the daemon was dropped: until then its epoll uses them.
+    pub fn close_exit_events(&self) {
+        for fd in lock(&self.inner.exit_consumers).drain(..) {
+            // SAFETY: `fd` came from an EventConsumer that vhost-user-backend turned into a
+            // raw descriptor and registered in an epoll that no longer exists (the caller's
+            // contract); nothing else owns or closes it.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
     }
 
     fn acked(&self, bit: u32) -> bool {
@@ -550,7 +567,10 @@ impl VhostUserBackend for PvspinBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+        let (consumer, notifier) =
+            new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()?;
+        lock(&self.inner.exit_consumers).push(consumer.as_raw_fd());
+        Some((consumer, notifier))
     }
 
     fn handle_event(
@@ -562,5 +582,400 @@ impl VhostUserBackend for PvspinBackend {
     ) -> io::Result<()> {
         self.handle_queue_event(usize::from(device_event), vrings)
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::{FromRawFd, IntoRawFd};
+
+    use pvspin_abi::virtio::{
+        ControlRequest, OP_REGISTER_HINT_PAGE, STATUS_BAD_ADDRESS, STATUS_BAD_REQUEST,
+        STATUS_BAD_VCPU, STATUS_OK, STATUS_UNSUPPORTED,
+    };
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    use super::*;
+    use crate::config::YieldMode;
+    use crate::testing::{Desc, SplitRing};
+    use crate::yield_policy::tests::FakeThreads;
+
+    const MEM_SIZE: u64 = 0x10_0000;
+    const REQ_AT: u64 = 0x8000;
+    const STATUS_AT: u64 = 0x9000;
+    const PAGE: u64 = 0x2_0000;
+    const ALL_FEATURES: u64 = DEVICE_FEATURES;
+
+    struct Rig {
+        backend: PvspinBackend,
+        mem: GuestMemory,
+        vrings: Vec<Vring>,
+        calls: Vec<Option<EventFd>>,
+    }
+
+    impl Rig {
+        fn new(mode: YieldMode, confined: bool, acked: u64) -> Self {
+            let config = BackendConfig {
+                max_vcpus: 4,
+                yield_mode: mode,
+                ..BackendConfig::default()
+            };
+            let tel = Arc::new(VmTelemetry::new("t", "/t", 4));
+            let backend = PvspinBackend::with_actions(
+                config,
+                tel,
+                Box::new(FakeThreads::new(7, 4, confined)),
+            )
+            .unwrap();
+            backend.set_peer_pid(Some(7));
+            let mem = GuestMemoryAtomic::new(
+                GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
+            );
+            backend.set_memory(mem.clone());
+            backend.set_acked_features(acked);
+            let n = backend.num_queues();
+            let vrings = (0..n)
+                .map(|_| Vring::new(mem.clone(), MAX_QUEUE_SIZE as u16).unwrap())
+                .collect();
+            Self {
+                backend,
+                mem,
+                vrings,
+                calls: (0..n).map(|_| None).collect(),
+            }
+        }
+
+        fn set_up(&mut self, q: usize, base: u64, size: u16) -> SplitRing {
+            let ring = SplitRing::new(&*self.mem.memory(), GuestAddress(base), size).unwrap();
+            let v = &self.vrings[q];
+            v.set_queue_size(size);
+            v.set_queue_info(ring.desc_table.0, ring.avail.0, ring.used.0)
+                .unwrap();
+            v.set_queue_ready(true);
+            let call = EventFd::new(EFD_NONBLOCK).unwrap();
+            // SAFETY: the clone's descriptor is fresh and owned by the File from here on.
+            let file = unsafe { File::from_raw_fd(call.try_clone().unwrap().into_raw_fd()) };
+            v.set_call(Some(file));
+            self.calls[q] = Some(call);
+            ring
+        }
+
+        fn signalled(&self, q: usize) -> bool {
+            self.calls[q].as_ref().is_some_and(|c| c.read().is_ok())
+        }
+
+        /// Posts `descs`, runs the control queue, returns (status word, used len).
+        fn post(&mut self, ring: &mut SplitRing, descs: &[Desc]) -> (u32, u32) {
+            let m = self.mem.memory();
+            m.write_obj(0xdead_beefu32, GuestAddress(STATUS_AT))
+                .unwrap();
+            let before = ring.used_idx(&*m).unwrap();
+            ring.add_chain(&*m, descs).unwrap();
+            let pass = self.backend.process_control(&self.vrings[0]);
+            assert_eq!(pass.chains, 1);
+            assert!(pass.signalled && self.signalled(0));
+            assert_eq!(ring.used_idx(&*m).unwrap(), before.wrapping_add(1));
+            let (_, len) = ring.used_elem(&*m, before).unwrap();
+            (m.read_obj(GuestAddress(STATUS_AT)).unwrap(), len)
+        }
+
+        fn request(&mut self, ring: &mut SplitRing, r: ControlRequest) -> u32 {
+            self.mem
+                .memory()
+                .write_slice(&r.to_bytes(), GuestAddress(REQ_AT))
+                .unwrap();
+            let (status, len) = self.post(ring, &good_chain());
+            assert_eq!(len, 4);
+            status
+        }
+
+        fn host<T: vm_memory::AtomicAccess>(&self, off: usize) -> T {
+            self.mem
+                .memory()
+                .load(GuestAddress(PAGE + off as u64), Ordering::Acquire)
+                .unwrap()
+        }
+    }
+
+    fn good_chain() -> [Desc; 2] {
+        [
+            Desc {
+                addr: REQ_AT,
+                len: ControlRequest::SIZE as u32,
+                write: false,
+            },
+            Desc {
+                addr: STATUS_AT,
+                len: 4,
+                write: true,
+            },
+        ]
+    }
+
+    fn register(vcpu: u32, gpa: u64, khz: u64) -> ControlRequest {
+        ControlRequest {
+            op: OP_REGISTER_HINT_PAGE,
+            vcpu,
+            gpa,
+            arg: khz,
+        }
+    }
+
+    #[test]
+    fn registration_writes_the_host_line() {
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let mut ring = rig.set_up(0, 0x1000, 8);
+        assert_eq!(
+            rig.request(&mut ring, register(2, PAGE, 2_000_000)),
+            STATUS_OK
+        );
+        assert_eq!(rig.backend.hint_page(2), Some(PAGE));
+        assert_eq!(rig.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
+        assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), 40_000);
+        assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_TSC), 100_000);
+        assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_MIN_TSC), 10_000);
+        assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_MAX_TSC), 2_000_000);
+        assert_eq!(rig.host::<u32>(hint::TSC_KHZ), 2_000_000);
+        assert_eq!(rig.host::<u32>(hint::HOST_SEQ), 1);
+        // Unknown frequency: no time budgets, and the sequence moves on.
+        assert_eq!(rig.request(&mut ring, register(2, PAGE, 0)), STATUS_OK);
+        assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), u64::MAX);
+        assert_eq!(rig.host::<u32>(hint::HOST_SEQ), 2);
+        // gpa 0 unregisters.
+        assert_eq!(rig.request(&mut ring, register(2, 0, 0)), STATUS_OK);
+        assert_eq!(rig.backend.hint_page(2), None);
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(
+            (s.hint_page_registrations, s.hint_page_unregistrations),
+            (2, 1)
+        );
+    }
+
+    #[test]
+    fn bad_requests_get_their_status() {
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let mut ring = rig.set_up(0, 0x1000, 8);
+        let cases = [
+            (register(4, PAGE, 1), STATUS_BAD_VCPU),
+            (register(u32::MAX, PAGE, 1), STATUS_BAD_VCPU),
+            (register(0, PAGE + 8, 1), STATUS_BAD_ADDRESS),
+            (register(0, MEM_SIZE, 1), STATUS_BAD_ADDRESS),
+            (register(0, !0xfff, 1), STATUS_BAD_ADDRESS),
+            (
+                ControlRequest {
+                    op: 9,
+                    ..register(0, PAGE, 1)
+                },
+                STATUS_BAD_REQUEST,
+            ),
+        ];
+        for (req, want) in cases {
+            assert_eq!(rig.request(&mut ring, req), want, "{req:?}");
+        }
+        // The last page of memory is fine.
+        assert_eq!(
+            rig.request(&mut ring, register(0, MEM_SIZE - 4096, 1)),
+            STATUS_OK
+        );
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.bad_inputs["control_vcpu"], 2);
+        assert_eq!(s.bad_inputs["control_address"], 3);
+        assert_eq!(s.bad_inputs["control_op"], 1);
+
+        let mut no_pages = Rig::new(YieldMode::Deboost, false, 1 << virtio::F_VERSION_1);
+        let mut ring = no_pages.set_up(0, 0x1000, 8);
+        assert_eq!(
+            no_pages.request(&mut ring, register(0, PAGE, 1)),
+            STATUS_UNSUPPORTED
+        );
+        assert_eq!(no_pages.backend.hint_page(0), None);
+    }
+
+    #[test]
+    fn malformed_chains_are_rejected() {
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let mut ring = rig.set_up(0, 0x1000, 8);
+        rig.mem
+            .memory()
+            .write_slice(&register(0, PAGE, 1).to_bytes(), GuestAddress(REQ_AT))
+            .unwrap();
+        let [req, status] = good_chain();
+        let short = Desc { len: 23, ..req };
+        let long = Desc { len: 25, ..req };
+        let writable_req = Desc { write: true, ..req };
+        let tiny_status = Desc { len: 3, ..status };
+        let readable_status = Desc {
+            write: false,
+            ..status
+        };
+        // A status can be written: BAD_REQUEST, used length 4.
+        for chain in [
+            vec![short, status],
+            vec![long, status],
+            vec![writable_req, status],
+            vec![req, req, status],
+            vec![status],
+        ] {
+            assert_eq!(
+                rig.post(&mut ring, &chain),
+                (STATUS_BAD_REQUEST, 4),
+                "{chain:?}"
+            );
+        }
+        // No status can be written: the chain comes back with used length 0, memory untouched.
+        for chain in [
+            vec![req, tiny_status],
+            vec![req, readable_status],
+            vec![req],
+        ] {
+            assert_eq!(rig.post(&mut ring, &chain), (0xdead_beef, 0), "{chain:?}");
+        }
+        // A request buffer outside memory is a bad chain too.
+        let outside = Desc {
+            addr: MEM_SIZE + 0x1000,
+            ..req
+        };
+        assert_eq!(
+            rig.post(&mut ring, &[outside, status]),
+            (STATUS_BAD_REQUEST, 4)
+        );
+        assert_eq!(rig.backend.hint_page(0), None);
+        assert_eq!(
+            rig.backend.telemetry().bad_inputs(BadInput::ControlChain),
+            9
+        );
+    }
+
+    #[test]
+    fn control_work_per_event_is_bounded() {
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let ring = rig.set_up(0, 0x1000, 4);
+        // The driver claims 1000 chains are available: one pass takes at most a queue's worth.
+        let m = rig.mem.memory();
+        m.store(1000u16, GuestAddress(ring.avail.0 + 2), Ordering::Release)
+            .unwrap();
+        for i in 0..4u16 {
+            ring.write_desc(&*m, i, STATUS_AT, 4, crate::testing::DESC_F_WRITE, 0)
+                .unwrap();
+        }
+        drop(m);
+        let pass = rig.backend.process_control(&rig.vrings[0]);
+        assert!(pass.chains <= 4, "{pass:?}");
+    }
+
+    #[test]
+    fn kicks_signal_their_own_queue_only() {
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let k1 = virtio::kick_queue(4, 1).unwrap() as usize;
+        let k2 = virtio::kick_queue(4, 2).unwrap() as usize;
+        rig.set_up(k1, 0x4000, 1);
+        rig.set_up(k2, 0x6000, 1);
+        assert!(rig.backend.handle_queue_event(k1, &rig.vrings).unwrap());
+        assert!(rig.signalled(k1));
+        assert!(!rig.signalled(k2));
+        // vCPU 3's kick queue is not set up: counted, nothing signalled.
+        let k3 = virtio::kick_queue(4, 3).unwrap() as usize;
+        assert!(!rig.backend.handle_queue_event(k3, &rig.vrings).unwrap());
+        // No such queue.
+        assert!(!rig.backend.handle_queue_event(999, &rig.vrings).unwrap());
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.kicks, vec![0, 1, 0, 0]);
+        assert_eq!((s.kicks_unset_queue, s.events_unknown_queue), (1, 1));
+    }
+
+    fn spin_rig(mode: YieldMode, confined: bool, waiting_for: Option<u16>) -> Rig {
+        let mut rig = Rig::new(mode, confined, ALL_FEATURES);
+        let mut ring = rig.set_up(0, 0x1000, 8);
+        assert_eq!(
+            rig.request(&mut ring, register(0, PAGE, 1_000_000)),
+            STATUS_OK
+        );
+        let n = SpinNotify {
+            waiting_for,
+            next_owner: false,
+            spun_bucket: 3,
+            lock_hash: 5,
+        };
+        rig.mem
+            .memory()
+            .store(
+                n.encode(),
+                GuestAddress(PAGE + hint::WAITING_FOR as u64),
+                Ordering::Release,
+            )
+            .unwrap();
+        let s0 = virtio::spin_queue(4, 0).unwrap() as usize;
+        assert!(!rig.backend.handle_queue_event(s0, &rig.vrings).unwrap());
+        rig
+    }
+
+    #[test]
+    fn spin_notifications_reach_the_yield_policy() {
+        let rig = spin_rig(YieldMode::Confined, true, Some(2));
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.spin_notifications, vec![1, 0, 0, 0]);
+        assert_eq!((s.deboosts, s.boosts), (1, 1));
+        assert_eq!(rig.backend.adjusted_threads(), 2);
+        // Reset forgets the pages and restores the threads.
+        rig.backend.forget();
+        assert_eq!(rig.backend.hint_page(0), None);
+        assert_eq!(rig.backend.adjusted_threads(), 0);
+        assert_eq!(rig.backend.telemetry().snapshot().restores, 2);
+
+        let refused = spin_rig(YieldMode::Confined, false, Some(2));
+        let s = refused.backend.telemetry().snapshot();
+        assert_eq!(
+            (s.deboosts, s.boosts, s.boost_refused_unconfined),
+            (1, 0, 1)
+        );
+
+        let out_of_range = spin_rig(YieldMode::Confined, true, Some(9));
+        let s = out_of_range.backend.telemetry().snapshot();
+        assert_eq!((s.deboosts, s.boosts), (1, 0));
+        assert_eq!(s.bad_inputs["spin_target"], 1);
+
+        // vCPU 1 has no page: counted and ignored.
+        let s1 = virtio::spin_queue(4, 1).unwrap() as usize;
+        out_of_range
+            .backend
+            .handle_queue_event(s1, &out_of_range.vrings)
+            .unwrap();
+        assert_eq!(
+            out_of_range
+                .backend
+                .telemetry()
+                .snapshot()
+                .spins_without_page,
+            1
+        );
+    }
+
+    #[test]
+    fn config_reads_are_bounds_checked() {
+        let rig = Rig::new(YieldMode::Off, false, 0);
+        let full = rig.backend.get_config(0, virtio::config::SIZE as u32);
+        assert_eq!(full, virtio::config::encode(4).to_vec());
+        assert_eq!(rig.backend.get_config(8, 4), 5u32.to_le_bytes().to_vec());
+        for (off, size) in [(0, 17), (16, 1), (15, 2), (u32::MAX, 4), (4, u32::MAX)] {
+            assert!(rig.backend.get_config(off, size).is_empty(), "{off} {size}");
+        }
+        assert_eq!(rig.backend.get_config(16, 0), Vec::<u8>::new());
+        assert_eq!(rig.backend.telemetry().bad_inputs(BadInput::ConfigRead), 5);
+    }
+
+    #[test]
+    fn offers_the_device_features_and_queue_masks() {
+        let rig = Rig::new(YieldMode::Off, false, 0);
+        let f = rig.backend.features();
+        assert_ne!(f & (1 << virtio::F_VERSION_1), 0);
+        assert_ne!(f & (1 << virtio::F_SPIN_NOTIFY), 0);
+        assert_ne!(f & (1 << virtio::F_HINT_PAGES), 0);
+        assert_eq!(rig.backend.num_queues(), 9);
+        assert_eq!(rig.backend.queues_per_thread(), vec![0x1ff]);
+        assert!(rig
+            .backend
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ));
     }
 }

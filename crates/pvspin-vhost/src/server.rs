@@ -217,7 +217,7 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// Binds every socket (refusing on the first error, before serving anything) and starts
     /// a thread per socket and one for the control socket.
-    pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+    pub fn start(config: &ServerConfig) -> Result<Self, ServerError> {
         config.backend.validate()?;
         if config.sockets.is_empty() {
             return Err(ServerError::NoSockets);
@@ -348,14 +348,19 @@ fn serve_connection(
     let clone = listener.try_clone().map_err(|e| e.to_string())?;
     let mut vhost_listener = Listener::from(clone);
     if let Err(e) = daemon.start(&mut vhost_listener) {
-        stop_workers(&daemon);
+        if stop_workers(&daemon) {
+            drop(daemon);
+            backend.close_exit_events();
+        }
         return Err(format!("accepting a frontend: {e}"));
     }
     let pid = find_peer_pid(&slot.path);
     match pid {
         Some(pid) => log::info!("{label}: frontend pid {pid} connected"),
         None => {
-            log::warn!("{label}: frontend connected; its pid is unknown, no thread will be changed")
+            log::warn!(
+                "{label}: frontend connected; its pid is unknown, no thread will be changed"
+            );
         }
     }
     backend.set_peer_pid(pid);
@@ -376,7 +381,13 @@ fn serve_connection(
     }
     let result = daemon.wait();
     *slot.active.lock().unwrap_or_else(PoisonError::into_inner) = None;
-    stop_workers(&daemon);
+    let workers_gone = stop_workers(&daemon);
+    drop(daemon);
+    if workers_gone {
+        backend.close_exit_events();
+    } else {
+        log::warn!("{label}: a vring worker did not stop; its descriptors stay open");
+    }
     backend.stop();
     if let Some(t) = timer {
         let _ = t.join();
@@ -389,10 +400,21 @@ fn serve_connection(
     Ok(())
 }
 
-fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) {
-    for h in daemon.get_epoll_handlers() {
+/// Tells the vring worker threads to exit and waits (bounded) until they did: a worker holds
+/// one reference to its handler, the daemon one and this function one.
+fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) -> bool {
+    let handlers = daemon.get_epoll_handlers();
+    for h in &handlers {
         h.send_exit_event();
     }
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while handlers.iter().any(|h| Arc::strong_count(h) > 2) {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBool) {
@@ -403,22 +425,23 @@ fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBoo
         let Ok((stream, _)) = listener.accept() else {
             continue;
         };
-        if let Err(err) = answer_control(stream, host) {
+        if let Err(err) = answer_control(&stream, host) {
             log::debug!("control client: {err}");
         }
     }
 }
 
-fn answer_control(stream: UnixStream, host: &HostTelemetry) -> io::Result<()> {
+fn answer_control(stream: &UnixStream, host: &HostTelemetry) -> io::Result<()> {
     stream.set_read_timeout(Some(CONTROL_IO_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_IO_TIMEOUT))?;
     let mut line = String::new();
-    BufReader::new(io::Read::take(&stream, 64)).read_line(&mut line)?;
+    BufReader::new(io::Read::take(stream, 64)).read_line(&mut line)?;
     let doc = match line.trim() {
         "json" => host.render_json(),
         "prometheus" => host.render_prometheus(),
         other => format!("error: unknown request {other:?}; send \"json\" or \"prometheus\"\n"),
     };
-    (&stream).write_all(doc.as_bytes())?;
+    let mut out = stream;
+    out.write_all(doc.as_bytes())?;
     stream.shutdown(std::net::Shutdown::Both)
 }

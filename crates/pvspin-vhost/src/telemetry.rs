@@ -78,14 +78,18 @@ pub enum YieldSkip {
     ActionFailed,
     /// The spinner is already deboosted (the deadline is extended instead).
     AlreadyAdjusted,
+    /// The change could not be undone (or made): lowering the nice value needs
+    /// `CAP_SYS_NICE` or `RLIMIT_NICE`.
+    NoPrivilege,
 }
 
 impl YieldSkip {
-    const ALL: [YieldSkip; 4] = [
+    const ALL: [YieldSkip; 5] = [
         YieldSkip::NoPeer,
         YieldSkip::NoThread,
         YieldSkip::ActionFailed,
         YieldSkip::AlreadyAdjusted,
+        YieldSkip::NoPrivilege,
     ];
 
     fn name(self) -> &'static str {
@@ -94,6 +98,7 @@ impl YieldSkip {
             YieldSkip::NoThread => "no_thread",
             YieldSkip::ActionFailed => "action_failed",
             YieldSkip::AlreadyAdjusted => "already_adjusted",
+            YieldSkip::NoPrivilege => "no_privilege",
         }
     }
 

@@ -152,3 +152,92 @@ impl SplitRing {
         Ok((u32::from_le(id), u32::from_le(len)))
     }
 }
+
+/// A fake process for the yield policy: vCPU `i` is thread `FakeThreads::TID_BASE + i`, every
+/// thread starts at nice 0. The nice values are shared, so a test keeps a handle after giving
+/// the fake to a backend.
+#[derive(Clone, Debug)]
+pub struct FakeThreads {
+    pid: u32,
+    confined: bool,
+    nice: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<u32, i32>>>,
+}
+
+impl FakeThreads {
+    /// Thread id of vCPU 0.
+    pub const TID_BASE: u32 = 1000;
+
+    /// Process `pid` with `vcpus` vCPU threads; boosts allowed when `confined`.
+    pub fn new(pid: u32, vcpus: u32, confined: bool) -> Self {
+        let nice = (0..vcpus).map(|v| (Self::TID_BASE + v, 0)).collect();
+        Self {
+            pid,
+            confined,
+            nice: std::sync::Arc::new(std::sync::Mutex::new(nice)),
+        }
+    }
+
+    /// The nice values now, by thread id.
+    pub fn nice_values(&self) -> std::collections::BTreeMap<u32, i32> {
+        self.nice
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl crate::yield_policy::ThreadActions for FakeThreads {
+    fn vcpu_threads(&mut self, pid: u32) -> std::io::Result<std::collections::BTreeMap<u32, u32>> {
+        if pid != self.pid {
+            return Err(std::io::ErrorKind::NotFound.into());
+        }
+        Ok(self
+            .nice_values()
+            .keys()
+            .map(|t| (t - Self::TID_BASE, *t))
+            .collect())
+    }
+
+    fn is_vcpu_thread(&mut self, pid: u32, tid: u32, vcpu: u32) -> bool {
+        pid == self.pid
+            && self.nice_values().contains_key(&tid)
+            && Some(tid) == Self::TID_BASE.checked_add(vcpu)
+    }
+
+    fn nice(&mut self, _pid: u32, tid: u32) -> std::io::Result<i32> {
+        self.nice_values()
+            .get(&tid)
+            .copied()
+            .ok_or(std::io::ErrorKind::NotFound.into())
+    }
+
+    fn set_nice(&mut self, tid: u32, nice: i32) -> std::io::Result<()> {
+        let mut map = self
+            .nice
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        assert!(
+            map.contains_key(&tid),
+            "changed thread {tid}, which is not the VM's"
+        );
+        assert!((-20..=19).contains(&nice), "nice {nice} out of range");
+        map.insert(tid, nice);
+        Ok(())
+    }
+
+    fn may_lower_to(&mut self, _nice: i32) -> bool {
+        true
+    }
+
+    fn confinement(&mut self, _pid: u32) -> pvspin_hints::confine::Verdict {
+        if self.confined {
+            pvspin_hints::confine::Verdict::Confined {
+                cgroup: "/sys/fs/cgroup/fake".into(),
+            }
+        } else {
+            pvspin_hints::confine::Verdict::NotConfined {
+                reason: "fake: shared cgroup".into(),
+            }
+        }
+    }
+}

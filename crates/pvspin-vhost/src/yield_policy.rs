@@ -51,6 +51,9 @@ pub trait ThreadActions: Send {
     fn set_nice(&mut self, tid: u32, nice: i32) -> io::Result<()>;
     /// Whether boosts in process `pid` stay inside its own CPU share.
     fn confinement(&mut self, pid: u32) -> Verdict;
+    /// Whether this process may set a nice value as low as `nice` (`CAP_SYS_NICE` or
+    /// `RLIMIT_NICE`). A deboost is made only when its restore is possible.
+    fn may_lower_to(&mut self, nice: i32) -> bool;
 }
 
 impl<T: ThreadActions + ?Sized> ThreadActions for Box<T> {
@@ -68,6 +71,9 @@ impl<T: ThreadActions + ?Sized> ThreadActions for Box<T> {
     }
     fn confinement(&mut self, pid: u32) -> Verdict {
         (**self).confinement(pid)
+    }
+    fn may_lower_to(&mut self, nice: i32) -> bool {
+        (**self).may_lower_to(nice)
     }
 }
 
@@ -278,6 +284,12 @@ impl<A: ThreadActions> YieldPolicy<A> {
             tel.yield_skipped(YieldSkip::ActionFailed);
             return false;
         }
+        // The lower of the two values must be reachable: the boost itself, or a deboost's
+        // restore (a deboost that could not be undone would outlast its deadline).
+        if !self.actions.may_lower_to(set_to.min(original)) {
+            tel.yield_skipped(YieldSkip::NoPrivilege);
+            return false;
+        }
         if let Err(err) = self.actions.set_nice(tid, set_to) {
             log::debug!("setpriority({tid}, {set_to}): {err}");
             tel.yield_skipped(YieldSkip::ActionFailed);
@@ -386,6 +398,19 @@ fn read_small(path: &Path) -> io::Result<String> {
     Ok(s)
 }
 
+/// Whether this process has `CAP_SYS_NICE` in its effective set.
+fn has_cap_sys_nice() -> bool {
+    const CAP_SYS_NICE: u32 = 23;
+    read_small(Path::new("/proc/self/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_NICE) != 0)
+}
+
 /// The nice value (field 19) of a `/proc/.../stat` line.
 fn nice_from_stat(stat: &str) -> Option<i32> {
     // The name (field 2) may hold spaces and parentheses: fields resume after the last ')'.
@@ -437,6 +462,27 @@ impl ThreadActions for ProcThreads {
         }
     }
 
+    fn may_lower_to(&mut self, nice: i32) -> bool {
+        if has_cap_sys_nice() {
+            return true;
+        }
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `limit` is a valid rlimit to fill.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NICE, &mut limit) } != 0 {
+            return false;
+        }
+        // RLIMIT_NICE's ceiling is 20 - rlim_cur, expressed as the lowest nice value allowed.
+        let lowest = if limit.rlim_cur == libc::RLIM_INFINITY {
+            NICE_MIN
+        } else {
+            20 - i32::try_from(limit.rlim_cur.min(40)).unwrap_or(0)
+        };
+        nice >= lowest
+    }
+
     fn confinement(&mut self, pid: u32) -> Verdict {
         let path = self.proc_root.join(pid.to_string()).join("cgroup");
         match read_small(&path) {
@@ -459,6 +505,7 @@ pub(crate) mod tests {
         pub confined: bool,
         pub pid: u32,
         pub calls: Vec<(u32, i32)>,
+        pub lowest: i32,
     }
 
     impl FakeThreads {
@@ -468,6 +515,7 @@ pub(crate) mod tests {
                 confined,
                 pid,
                 calls: Vec::new(),
+                lowest: NICE_MIN,
             }
         }
     }
@@ -496,6 +544,9 @@ pub(crate) mod tests {
             self.calls.push((tid, nice));
             self.nice.insert(tid, nice);
             Ok(())
+        }
+        fn may_lower_to(&mut self, nice: i32) -> bool {
+            nice >= self.lowest
         }
         fn confinement(&mut self, _pid: u32) -> Verdict {
             if self.confined {
@@ -594,6 +645,32 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn nothing_is_changed_that_could_not_be_undone() {
+        let t = tel();
+        let now = Instant::now();
+        // Nice may not go below 0: a deboost (0 -> 5) could not be restored, a boost not made.
+        let mut fake = FakeThreads::new(7, 4, true);
+        fake.lowest = 0;
+        let mut p = YieldPolicy::new(YieldMode::Confined, 5, Duration::from_millis(1), fake);
+        p.set_peer(Some(7));
+        assert_eq!(
+            p.on_spin(0, Some(1), now, &t),
+            Outcome {
+                deboosted: true,
+                boosted: false,
+                boost_refused: false
+            }
+        );
+        // The deboost from 0 restores to 0, which is allowed; the boost to -5 is not.
+        assert_eq!(p.actions().nice[&101], 0);
+        assert_eq!(t.snapshot().yield_skipped["no_privilege"], 1);
+        p.actions.lowest = 10;
+        p.restore_all(&t);
+        assert!(!p.on_spin(2, None, now, &t).deboosted);
+        assert!(p.actions().calls.iter().all(|(tid, _)| *tid != 102));
+    }
+
+    #[test]
     fn thread_names_match_patterns() {
         assert_eq!(match_thread_name("vcpu{N}", "vcpu12"), Some(12));
         assert_eq!(match_thread_name("CPU {N}/KVM", "CPU 3/KVM"), Some(3));
@@ -610,12 +687,16 @@ pub(crate) mod tests {
     fn proc_threads_reads_this_process() {
         let mut p = ProcThreads::new(vec!["pvspin-t{N}".into()]);
         let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
         let h = std::thread::Builder::new()
             .name("pvspin-t3".into())
             .spawn(move || {
+                // The name is set by the new thread itself: scan only once it runs.
+                ready_tx.send(()).unwrap();
                 let _ = rx.recv();
             })
             .unwrap();
+        ready_rx.recv().unwrap();
         let pid = std::process::id();
         let threads = p.vcpu_threads(pid).unwrap();
         let tid = threads[&3];

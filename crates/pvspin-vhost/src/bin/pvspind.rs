@@ -113,7 +113,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let server = match Server::start(ServerConfig {
+    let server = match Server::start(&ServerConfig {
         sockets: args.sockets,
         control: args.control,
         backend,
