@@ -501,7 +501,7 @@ pub mod virtio {
     //! |---|---|---|
     //! | 0 ([`CONTROL_QUEUE`]) | control requests ([`ControlRequest`]), answered in a device-writable `u32` status | yes |
     //! | 1 + i ([`kick_queue`]) | KICK vCPU i: notifying this queue is the kick | never read |
-    //! | 1 + M + i ([`spin_queue`]) | SPIN from vCPU i: the notification; what it waits for is in its hint page | never read |
+    //! | 1 + M + i ([`spin_queue`]) | SPIN from vCPU i: the notification; what it waits for is in its hint page (`WAITING_FOR`), which must also say it spins or waits (`SPIN_STATE`): other notifications are ignored | never read |
     //!
     //! A kick queue carries no descriptors: the queue notification itself (on virtio-mmio a
     //! 32-bit write of the queue index to `QueueNotify`, on virtio-pci a write to the queue's

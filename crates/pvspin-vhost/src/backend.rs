@@ -311,6 +311,26 @@ impl PvspinBackend {
             tel.spin_without_page();
             return;
         };
+        // The ABI: a notifying vCPU has said in its page that it spins (or waits). An event
+        // without that is vhost-user-backend's one pass over each queue it enables, or a
+        // stray notify: acting on it would deboost a vCPU that waits for nothing.
+        let state: u32 = match memory.memory().load(
+            GuestAddress(gpa + hint::SPIN_STATE as u64),
+            Ordering::Acquire,
+        ) {
+            Ok(v) => v,
+            Err(err) => {
+                tel.bad_input(
+                    BadInput::HintRead,
+                    format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
+                );
+                return;
+            }
+        };
+        if state != hint::SPIN_SPINNING && state != hint::SPIN_WAITING {
+            tel.spin_not_spinning();
+            return;
+        }
         let value: u32 = match memory.memory().load(
             GuestAddress(gpa + hint::WAITING_FOR as u64),
             Ordering::Acquire,
@@ -906,6 +926,18 @@ mod tests {
             )
             .unwrap();
         let s0 = virtio::spin_queue(4, 0).unwrap() as usize;
+        // Not yet marked spinning in the page: ignored (what the enable-time pass looks like).
+        assert!(!rig.backend.handle_queue_event(s0, &rig.vrings).unwrap());
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!((s.spins_not_spinning, s.deboosts), (1, 0));
+        rig.mem
+            .memory()
+            .store(
+                hint::SPIN_SPINNING,
+                GuestAddress(PAGE + hint::SPIN_STATE as u64),
+                Ordering::Release,
+            )
+            .unwrap();
         assert!(!rig.backend.handle_queue_event(s0, &rig.vrings).unwrap());
         rig
     }

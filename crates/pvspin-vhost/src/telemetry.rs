@@ -143,6 +143,7 @@ pub struct VmTelemetry {
     spin_notifications: Vec<AtomicU64>,
     kicks_unset_queue: AtomicU64,
     spins_without_page: AtomicU64,
+    spins_not_spinning: AtomicU64,
     events_unknown_queue: AtomicU64,
     deboosts: AtomicU64,
     boosts: AtomicU64,
@@ -173,6 +174,7 @@ impl VmTelemetry {
             spin_notifications: zeros(max_vcpus),
             kicks_unset_queue: AtomicU64::new(0),
             spins_without_page: AtomicU64::new(0),
+            spins_not_spinning: AtomicU64::new(0),
             events_unknown_queue: AtomicU64::new(0),
             deboosts: AtomicU64::new(0),
             boosts: AtomicU64::new(0),
@@ -219,6 +221,12 @@ impl VmTelemetry {
     /// Counts a spin notification from a vCPU without a registered hint page.
     pub fn spin_without_page(&self) {
         add(&self.spins_without_page);
+    }
+
+    /// Counts a spin-queue event whose vCPU's hint page does not say it spins or waits (the
+    /// one event vhost-user-backend raises on every queue it enables, or a stray notify).
+    pub fn spin_not_spinning(&self) {
+        add(&self.spins_not_spinning);
     }
 
     /// Counts an event on a queue index the device does not have.
@@ -291,6 +299,7 @@ impl VmTelemetry {
             spin_notifications: per_vcpu(&self.spin_notifications),
             kicks_unset_queue: get(&self.kicks_unset_queue),
             spins_without_page: get(&self.spins_without_page),
+            spins_not_spinning: get(&self.spins_not_spinning),
             events_unknown_queue: get(&self.events_unknown_queue),
             deboosts: get(&self.deboosts),
             boosts: get(&self.boosts),
@@ -330,6 +339,8 @@ pub struct VmSnapshot {
     pub kicks_unset_queue: u64,
     /// Spin notifications from vCPUs without a registered hint page.
     pub spins_without_page: u64,
+    /// Spin-queue events whose vCPU's page did not say it spins or waits.
+    pub spins_not_spinning: u64,
     /// Events on queue indices the device does not have.
     pub events_unknown_queue: u64,
     /// Spinner threads deboosted.
@@ -361,7 +372,8 @@ impl VmSnapshot {
         t.boost_refused_unconfined += self.boost_refused_unconfined;
         t.hint_page_registrations += self.hint_page_registrations;
         t.bad_inputs += self.bad_inputs.values().sum::<u64>();
-        t.unset_queue_events += self.kicks_unset_queue + self.spins_without_page;
+        t.unset_queue_events +=
+            self.kicks_unset_queue + self.spins_without_page + self.spins_not_spinning;
     }
 }
 
@@ -630,6 +642,12 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             "",
             &[l(), ("kind", "spin_without_page".to_owned())],
             vm.spins_without_page,
+        );
+        f.counter(
+            "pvspin_vhost_unset_queue_events_total",
+            "",
+            &[l(), ("kind", "spin_not_spinning".to_owned())],
+            vm.spins_not_spinning,
         );
         f.counter(
             "pvspin_vhost_unset_queue_events_total",

@@ -596,6 +596,13 @@ fn spin_notification_deboosts_the_spinners_thread_then_restores_it() {
             std::sync::atomic::Ordering::Release,
         )
         .unwrap();
+    vm.mem
+        .store(
+            hint::SPIN_SPINNING,
+            GuestAddress(PAGE + hint::SPIN_STATE as u64),
+            std::sync::atomic::Ordering::Release,
+        )
+        .unwrap();
     vm.notify(spin0);
 
     if has_cap_sys_nice() || before >= 19 {
