@@ -216,9 +216,14 @@ fn lock_workload_counts_exactly_through_the_backend() {
             halts > 0,
             "no waiter ever halted: the PV path was not exercised"
         );
-        // The guests' kicks went through the daemon.
+        // The guests' kicks went through the daemon, and kick+yield's waiters told it whom
+        // they wait for (what it does with that depends on its privileges: docs/pvspind.md).
         let json = daemon.json();
         assert!(daemon_kicks(&json) > 0, "{json}");
+        assert!(
+            json["host"]["totals"]["spin_notifications"].as_u64() > Some(0),
+            "{json}"
+        );
         assert_eq!(
             daemon.terminate().code(),
             Some(0),
