@@ -70,7 +70,9 @@ def pingpong(path, sock, user, handoffs):
     report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     latency = report["kick_to_wake"]
     per_handoff_us = report["guest_seconds"] * 1e6 / handoffs
-    return latency["p50_us"], latency["p90_us"], latency["p99_us"], per_handoff_us
+    waits_per_handoff = report["pv_halts"] / handoffs
+    return (latency["p50_us"], latency["p90_us"], latency["p99_us"], per_handoff_us,
+            waits_per_handoff)
 
 
 def latency_table(sock, rounds, handoffs, user):
@@ -82,15 +84,17 @@ def latency_table(sock, rounds, handoffs, user):
     mode = "guest user mode (native)" if user else "guest kernel mode (emulated)"
     print(f"\nkick-to-wake, {mode}: 2-vCPU ping-pong, {handoffs} handoffs per run, "
           f"median over {rounds} interleaved rounds (guest TSC, us)")
-    print(f"{'path':12} {'p50':>8} {'p90':>8} {'p99':>8} {'us/handoff':>11}  p50 per round")
+    print(f"{'path':12} {'p50':>8} {'p90':>8} {'p99':>8} {'us/handoff':>11} {'waits/handoff':>14}"
+          "  p50 per round")
     base = None
     for path in PATHS:
         rows = results[path]
-        med = [statistics.median(r[i] for r in rows) for i in range(4)]
+        med = [statistics.median(r[i] for r in rows) for i in range(5)]
         if base is None:
             base = med[3]
         per_round = " ".join(f"{r[0]:.1f}" for r in rows)
-        print(f"{path:12} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:11.1f}  {per_round}"
+        print(f"{path:12} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:11.1f} {med[4]:14.2f}"
+              f"  {per_round}"
               f"  (handoff x{med[3] / base:.2f} of in-kernel)")
 
 
