@@ -26,13 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VMM = os.path.join(ROOT, "target", "release", "pvspin-vmm")
 PVSPIND = os.path.join(ROOT, "target", "release", "pvspind")
 
-PATHS = ["in-kernel", "signal-msi", "userspace", "vhost-user"]
+PATHS = ["in-kernel", "signal-msi", "userspace", "vhost-user", "vhost-unpaced"]
 
 
-def start_daemon(directory):
-    sock = os.path.join(directory, "vm.sock")
-    control = os.path.join(directory, "control.sock")
-    daemon = subprocess.Popen([PVSPIND, "--socket", sock, "--control", control, "--max-vcpus", "4"],
+def start_daemon(directory, name="vm", extra=()):
+    sock = os.path.join(directory, f"{name}.sock")
+    control = os.path.join(directory, f"{name}-control.sock")
+    daemon = subprocess.Popen([PVSPIND, "--socket", sock, "--control", control, "--max-vcpus", "4",
+                               *extra],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 10
     while not (os.path.exists(sock) and os.path.exists(control)):
@@ -57,13 +58,13 @@ def telemetry(control):
     return json.loads(data)
 
 
-def pingpong(path, sock, user, handoffs):
+def pingpong(path, socks, user, handoffs):
     args = [VMM, "run", "--workload", "pingpong", "--pv", "kick", "--vcpus", "2",
             "--iterations", str(handoffs), "--cs-work", "10", "--ncs-work", "0", "--quiet"]
     if user:
         args += ["--cs-mode", "user"]
-    if path == "vhost-user":
-        args += ["--pv-backend", f"vhost-user:{sock}"]
+    if path in socks:
+        args += ["--pv-backend", f"vhost-user:{socks[path]}"]
     else:
         args += ["--kick-path", path]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True).stdout
@@ -75,16 +76,16 @@ def pingpong(path, sock, user, handoffs):
             waits_per_handoff)
 
 
-def latency_table(sock, rounds, handoffs, user):
+def latency_table(socks, rounds, handoffs, user):
     results = {path: [] for path in PATHS}
     for round_ in range(rounds):
         for path in PATHS:
-            results[path].append(pingpong(path, sock, user, handoffs))
+            results[path].append(pingpong(path, socks, user, handoffs))
         print(f"  {'user' if user else 'kernel'} mode: round {round_ + 1}/{rounds} done", file=sys.stderr)
     mode = "guest user mode (native)" if user else "guest kernel mode (emulated)"
     print(f"\nkick-to-wake, {mode}: 2-vCPU ping-pong, {handoffs} handoffs per run, "
           f"median over {rounds} interleaved rounds (guest TSC, us)")
-    print(f"{'path':12} {'p50':>8} {'p90':>8} {'p99':>8} {'us/handoff':>11} {'waits/handoff':>14}"
+    print(f"{'path':13} {'p50':>8} {'p90':>8} {'p99':>8} {'us/handoff':>11} {'waits/handoff':>14}"
           "  p50 per round")
     base = None
     for path in PATHS:
@@ -93,7 +94,7 @@ def latency_table(sock, rounds, handoffs, user):
         if base is None:
             base = med[3]
         per_round = " ".join(f"{r[0]:.1f}" for r in rows)
-        print(f"{path:12} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:11.1f} {med[4]:14.2f}"
+        print(f"{path:13} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:11.1f} {med[4]:14.2f}"
               f"  {per_round}"
               f"  (handoff x{med[3] / base:.2f} of in-kernel)")
 
@@ -123,16 +124,22 @@ def main():
                    cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as directory:
         daemon, sock, control = start_daemon(directory)
+        # The same daemon without its per-VM event pacing (--max-events-per-sec), to show
+        # what the pacing costs a guest that kicks this often.
+        unpaced, unpaced_sock, _ = start_daemon(directory, "unpaced",
+                                                ("--max-events-per-sec", "10000000"))
+        socks = {"vhost-user": sock, "vhost-unpaced": unpaced_sock}
         try:
-            latency_table(sock, opts.rounds, opts.handoffs, user=True)
-            latency_table(sock, opts.rounds, opts.kernel_handoffs, user=False)
+            latency_table(socks, opts.rounds, opts.handoffs, user=True)
+            latency_table(socks, opts.rounds, opts.kernel_handoffs, user=False)
             if not opts.skip_table:
                 lock_table(sock, opts.table_runs)
             totals = telemetry(control)["host"]["totals"]
             print(f"\npvspind host-wide totals: {json.dumps(totals)}")
         finally:
-            daemon.terminate()
-            daemon.wait(timeout=10)
+            for d in (daemon, unpaced):
+                d.terminate()
+                d.wait(timeout=10)
 
 
 if __name__ == "__main__":

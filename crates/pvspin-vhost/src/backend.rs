@@ -73,7 +73,19 @@ struct Inner {
     /// its epoll as raw descriptors and never closes them; the server closes them once the
     /// workers are gone ([`PvspinBackend::close_exit_events`]).
     exit_consumers: Mutex<Vec<RawFd>>,
+    /// Events handled in the current pacing window.
+    pacing: Mutex<Pacing>,
 }
+
+/// The pacing window: events handled since `start`.
+#[derive(Debug)]
+struct Pacing {
+    start: Instant,
+    events: u32,
+}
+
+/// Length of a pacing window.
+const PACING_WINDOW: Duration = Duration::from_millis(1);
 
 /// The pvspin device backend for one frontend. Cheap to clone (shared state): the
 /// vhost-user-backend daemon clones it into its worker threads.
@@ -137,6 +149,10 @@ impl PvspinBackend {
                 timer: Condvar::new(),
                 stopping: AtomicBool::new(false),
                 exit_consumers: Mutex::new(Vec::new()),
+                pacing: Mutex::new(Pacing {
+                    start: Instant::now(),
+                    events: 0,
+                }),
             }),
         })
     }
@@ -251,6 +267,25 @@ impl PvspinBackend {
                 Vec::new()
             }
         }
+    }
+
+    /// Counts one handled event at `now`; past the VM's rate
+    /// ([`BackendConfig::max_events_per_sec`]) returns how long its worker thread should
+    /// sleep: to the end of the current window.
+    pub fn pace(&self, now: Instant) -> Option<Duration> {
+        let per_window = (self.inner.config.max_events_per_sec / 1000).max(1);
+        let mut pacing = lock(&self.inner.pacing);
+        let elapsed = now.saturating_duration_since(pacing.start);
+        if elapsed >= PACING_WINDOW {
+            pacing.start = now;
+            pacing.events = 0;
+        }
+        pacing.events += 1;
+        if pacing.events < per_window {
+            return None;
+        }
+        self.inner.telemetry.paced();
+        Some(PACING_WINDOW.saturating_sub(now.saturating_duration_since(pacing.start)))
     }
 
     /// Handles a notification on queue `queue`. Returns whether a call eventfd was
@@ -600,8 +635,14 @@ impl VhostUserBackend for PvspinBackend {
         vrings: &[Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
-        self.handle_queue_event(usize::from(device_event), vrings)
-            .map(|_| ())
+        let result = self
+            .handle_queue_event(usize::from(device_event), vrings)
+            .map(|_| ());
+        if let Some(pause) = self.pace(Instant::now()) {
+            // Sleeps, never spins: this VM's notifications wait in their eventfds.
+            std::thread::sleep(pause);
+        }
+        result
     }
 }
 
@@ -981,6 +1022,27 @@ mod tests {
                 .spins_without_page,
             1
         );
+    }
+
+    #[test]
+    fn a_vm_past_its_event_rate_is_paused_to_the_end_of_the_window() {
+        let rig = Rig::new(YieldMode::Off, false, 0);
+        // Past the window the backend started with: the first call opens a new one.
+        let t0 = Instant::now() + Duration::from_millis(5);
+        // Default rate: 20 events per 1 ms window; the 20th pauses.
+        for _ in 0..19 {
+            assert_eq!(rig.backend.pace(t0), None);
+        }
+        let pause = rig.backend.pace(t0 + Duration::from_micros(300)).unwrap();
+        assert_eq!(pause, Duration::from_micros(700));
+        assert_eq!(rig.backend.telemetry().snapshot().paced, 1);
+        // A new window starts afresh.
+        assert_eq!(rig.backend.pace(t0 + Duration::from_millis(2)), None);
+        let refused = BackendConfig {
+            max_events_per_sec: 999,
+            ..BackendConfig::default()
+        };
+        assert!(refused.validate().is_err());
     }
 
     #[test]

@@ -36,6 +36,9 @@ pub enum ConfigError {
         /// Ceiling, microseconds.
         max: u64,
     },
+    /// A notification rate too small to carry one event per millisecond window.
+    #[error("max_events_per_sec must be at least 1000 (one event per 1 ms window), got {0}")]
+    EventRate(u32),
     /// A vCPU thread-name pattern without the `{N}` placeholder.
     #[error("vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index")]
     PatternWithoutIndex(String),
@@ -134,6 +137,11 @@ impl YieldMode {
 /// Default vCPU thread-name patterns: the example VMM's and QEMU's. `{N}` is the vCPU index.
 pub const DEFAULT_THREAD_PATTERNS: [&str; 2] = ["vcpu{N}", "CPU {N}/KVM"];
 
+/// Default of [`BackendConfig::max_events_per_sec`]. An event costs the daemon about 7 us of
+/// CPU on the development hosts (`docs/benchmarks.md` §9), so a guest that notifies in a loop
+/// makes it spend at most about 15% of one CPU.
+pub const DEFAULT_MAX_EVENTS_PER_SEC: u32 = 20_000;
+
 /// Everything one backend (one frontend, one VM) is configured with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendConfig {
@@ -149,6 +157,12 @@ pub struct BackendConfig {
     pub adjust_for: Duration,
     /// How much a deboost raises (and a boost lowers) a thread's nice value.
     pub nice_step: i32,
+    /// The most queue notifications per second the backend handles for this VM; past it,
+    /// the VM's worker thread sleeps to the end of the current millisecond. Kicks that arrive
+    /// meanwhile wait in their eventfds and coalesce (remembered, not lost), so a guest that
+    /// notifies in a loop gets at most this many wake-ups of the daemon's CPU: what the
+    /// daemon spends on a VM is bounded, whatever the guest writes.
+    pub max_events_per_sec: u32,
 }
 
 impl Default for BackendConfig {
@@ -163,6 +177,7 @@ impl Default for BackendConfig {
                 .collect(),
             adjust_for: Duration::from_millis(1),
             nice_step: 5,
+            max_events_per_sec: DEFAULT_MAX_EVENTS_PER_SEC,
         }
     }
 }
@@ -186,6 +201,9 @@ impl BackendConfig {
                 wait_after: b.wait_after,
                 max: b.wait_after_max,
             });
+        }
+        if self.max_events_per_sec < 1000 {
+            return Err(ConfigError::EventRate(self.max_events_per_sec));
         }
         if let Some(p) = self.thread_patterns.iter().find(|p| !p.contains("{N}")) {
             return Err(ConfigError::PatternWithoutIndex(p.clone()));

@@ -144,6 +144,7 @@ pub struct VmTelemetry {
     kicks_unset_queue: AtomicU64,
     spins_without_page: AtomicU64,
     spins_not_spinning: AtomicU64,
+    paced: AtomicU64,
     events_unknown_queue: AtomicU64,
     deboosts: AtomicU64,
     boosts: AtomicU64,
@@ -175,6 +176,7 @@ impl VmTelemetry {
             kicks_unset_queue: AtomicU64::new(0),
             spins_without_page: AtomicU64::new(0),
             spins_not_spinning: AtomicU64::new(0),
+            paced: AtomicU64::new(0),
             events_unknown_queue: AtomicU64::new(0),
             deboosts: AtomicU64::new(0),
             boosts: AtomicU64::new(0),
@@ -221,6 +223,11 @@ impl VmTelemetry {
     /// Counts a spin notification from a vCPU without a registered hint page.
     pub fn spin_without_page(&self) {
         add(&self.spins_without_page);
+    }
+
+    /// Counts a pause of the VM's worker thread: it reached its event rate.
+    pub fn paced(&self) {
+        add(&self.paced);
     }
 
     /// Counts a spin-queue event whose vCPU's hint page does not say it spins or waits (the
@@ -300,6 +307,7 @@ impl VmTelemetry {
             kicks_unset_queue: get(&self.kicks_unset_queue),
             spins_without_page: get(&self.spins_without_page),
             spins_not_spinning: get(&self.spins_not_spinning),
+            paced: get(&self.paced),
             events_unknown_queue: get(&self.events_unknown_queue),
             deboosts: get(&self.deboosts),
             boosts: get(&self.boosts),
@@ -341,6 +349,8 @@ pub struct VmSnapshot {
     pub spins_without_page: u64,
     /// Spin-queue events whose vCPU's page did not say it spins or waits.
     pub spins_not_spinning: u64,
+    /// Times the VM's worker thread slept because the VM reached its event rate.
+    pub paced: u64,
     /// Events on queue indices the device does not have.
     pub events_unknown_queue: u64,
     /// Spinner threads deboosted.
@@ -648,6 +658,12 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             "",
             &[l(), ("kind", "spin_not_spinning".to_owned())],
             vm.spins_not_spinning,
+        );
+        f.counter(
+            "pvspin_vhost_paced_total",
+            "Times the VM's worker thread slept because the VM reached --max-events-per-sec.",
+            &[l()],
+            vm.paced,
         );
         f.counter(
             "pvspin_vhost_unset_queue_events_total",

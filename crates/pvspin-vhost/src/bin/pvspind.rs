@@ -52,6 +52,11 @@ struct Args {
     /// How long a deboost or boost lasts, microseconds.
     #[arg(long, default_value_t = 1000)]
     adjust_us: u64,
+    /// The most queue notifications per second handled for one VM; past it the VM's worker
+    /// thread sleeps to the end of the millisecond (kicks wait in their eventfds, coalesced,
+    /// not lost): bounds what a guest can make the daemon spend.
+    #[arg(long, default_value_t = pvspin_vhost::config::DEFAULT_MAX_EVENTS_PER_SEC)]
+    max_events_per_sec: u32,
     /// vCPU thread-name pattern, `{N}` = vCPU index (repeatable; default: "vcpu{N}" and
     /// "CPU {N}/KVM").
     #[arg(long = "vcpu-thread-pattern")]
@@ -102,6 +107,7 @@ fn main() -> ExitCode {
             args.thread_patterns
         },
         adjust_for: Duration::from_micros(args.adjust_us),
+        max_events_per_sec: args.max_events_per_sec,
         ..BackendConfig::default()
     };
     // Block the shutdown signals before any thread starts, so that every thread inherits the

@@ -225,7 +225,11 @@ impl PvPlatform for Platform {
             local.store(page.load64(hint::WAIT_AFTER_TSC), Ordering::Relaxed);
         }
         // A waiter that waits with WAIT notifies in that same exit: no separate SPIN.
-        let notify_after = if WAIT_DOORBELL.load(Ordering::Relaxed) {
+        // (The example's halt port, used with the virtio device, carries nothing to the
+        // device: there waiters notify through their spin queue as in kernel mode.)
+        let notify_after = if WAIT_DOORBELL.load(Ordering::Relaxed)
+            && VIRTIO_NOTIFY.load(Ordering::Relaxed) == 0
+        {
             u64::MAX
         } else {
             page.load64(hint::SPIN_WINDOW_TSC)
@@ -339,6 +343,22 @@ pub fn abuse(vcpu: u32, target: u32, round: u64) {
         spun_bucket: u8::MAX,
         lock_hash: round as u16,
     };
+    let virtio = VIRTIO_NOTIFY.load(Ordering::Relaxed);
+    if virtio != 0 {
+        // Through the virtio device: the notification in the page, then its spin queue, and a
+        // kick of `target` on top (a guest that notifies in a loop, for the daemon's pacing).
+        if let Some(p) = HINT_PAGES.get(vcpu as usize) {
+            p.store32(hint::WAITING_FOR, notify.encode());
+        }
+        let max = VIRTIO_MAX_VCPUS.load(Ordering::Relaxed);
+        if let Some(queue) = spin_queue(max, vcpu) {
+            crate::virtio::notify(virtio, queue);
+        }
+        if let Some(queue) = kick_queue(max, target) {
+            crate::virtio::notify(virtio, queue);
+        }
+        return;
+    }
     outl(DOORBELL.load(Ordering::Relaxed) + SPIN_OFFSET, notify.encode());
 }
 

@@ -113,7 +113,8 @@ pub enum Workload {
     /// A hostile guest: every vCPU, `iterations` times, computes `cs_work` units; vCPU 0 does
     /// nothing else (it never exits), and every other vCPU then scribbles on its hint page
     /// (critical section, waiting for vCPU 0, huge wait reports) and sends a SPIN
-    /// notification naming vCPU 0, which is running and holds nothing. Needs PV kick+yield.
+    /// notification naming vCPU 0, which is running and holds nothing; through the virtio
+    /// device it also kicks vCPU 0 each round. Needs PV kick+yield.
     Abuse = 9,
 }
 
