@@ -18,32 +18,28 @@ use pvspin_vmm::config::PvMode;
 use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
-/// The `pvspind` binary: next to this test's deps directory once built; built on first use
-/// otherwise (`cargo test -p pvspin-integration-tests` alone does not build other packages'
-/// binaries).
-fn pvspind() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let binary = profile_dir.join("pvspind");
-    if !binary.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args(["build", "-q", "-p", "pvspin-vhost", "--bin", "pvspind"]);
-        if profile_dir
-            .file_name()
-            .is_some_and(|name| name == "release")
-        {
-            build.arg("--release");
-        }
-        let status = build.status().expect("running cargo to build pvspind");
-        assert!(status.success(), "building pvspind failed");
-    }
-    assert!(binary.exists(), "pvspind is not at {}", binary.display());
-    binary
+/// The environment variable that turns this binary into `pvspind`: its arguments, separated by
+/// `\x1f`. The daemon runs as a child process of this test binary ([`daemon_process`]), so it
+/// is always the code under test (a separate `pvspind` binary could be a stale build), and
+/// killing it is killing a real process.
+const DAEMON_ARGS: &str = "PVSPIN_VHOST_TEST_DAEMON_ARGS";
+
+/// The daemon child: `pvspind`'s process entry point, when [`DAEMON_ARGS`] is set; nothing
+/// otherwise.
+#[test]
+fn daemon_process() {
+    let Ok(args) = std::env::var(DAEMON_ARGS) else {
+        return;
+    };
+    let args = std::iter::once("pvspind".to_string())
+        .chain(args.split('\x1f').map(str::to_string))
+        .collect::<Vec<_>>();
+    let code = match pvspin_vhost::cli::main_process(args) {
+        c if c == std::process::ExitCode::SUCCESS => 0,
+        _ => 1,
+    };
+    #[allow(clippy::exit)] // the child's result is its exit code
+    std::process::exit(code);
 }
 
 /// A scratch directory for sockets, removed at the end.
@@ -76,14 +72,26 @@ struct Daemon {
 
 impl Daemon {
     fn start(sockets: &[&Path], control: &Path, max_vcpus: u32) -> Self {
-        let mut command = Command::new(pvspind());
+        let mut args: Vec<String> = Vec::new();
         for socket in sockets {
-            command.arg("--socket").arg(socket);
+            args.push("--socket".into());
+            args.push(socket.display().to_string());
         }
+        args.extend([
+            "--control".into(),
+            control.display().to_string(),
+            "--max-vcpus".into(),
+            max_vcpus.to_string(),
+        ]);
+        let mut command = Command::new(std::env::current_exe().expect("the test binary"));
         command
-            .arg("--control")
-            .arg(control)
-            .args(["--max-vcpus", &max_vcpus.to_string()])
+            .args([
+                "--exact",
+                "daemon_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(DAEMON_ARGS, args.join("\x1f"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -455,6 +463,47 @@ fn one_daemon_serves_two_vms_and_a_crashed_vm_costs_the_other_nothing() {
         );
         let prometheus = daemon.telemetry("prometheus");
         assert!(prometheus.contains("pvspin_"), "{prometheus}");
+    });
+}
+
+#[test]
+fn a_guest_that_notifies_in_a_loop_is_paced_and_changes_only_its_own_threads() {
+    if kvm_or_skip("a_guest_that_notifies_in_a_loop_is_paced_and_changes_only_its_own_threads")
+        .is_none()
+    {
+        return;
+    }
+    with_watchdog("vhost abuse", Duration::from_secs(300), || {
+        let scratch = Scratch::new("abuse");
+        let socket = scratch.path("vm.sock");
+        let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), 4);
+        // Every vCPU but 0 names vCPU 0 in a spin notification and kicks it, round after
+        // round, as fast as its exits allow (about 200,000 notifications a second here).
+        let config = RunConfig {
+            vcpus: 2,
+            workload: Workload::Abuse,
+            iterations: 100_000,
+            cs_work: 100,
+            ncs_work: 0,
+            pv: PvMode::KickYield,
+            user_mode: true,
+            vhost_user: Some(socket.clone()),
+            watchdog_ms: 20_000,
+            timeout_ms: 120_000,
+            echo_console: false,
+            ..RunConfig::default()
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("abusive guest: {e}"));
+        assert_eq!(report.counter, report.expected);
+        let json = daemon.json();
+        let totals = &json["host"]["totals"];
+        // The daemon's default rate (20,000 events a second) was reached: its worker thread
+        // slept instead of serving every notification.
+        assert!(totals["paced"].as_u64() > Some(0), "{json}");
+        // Whatever it did to threads (deboosts need CAP_SYS_NICE to be undone), it boosted
+        // none: the VMM is not alone in its own cpu cgroup, and the default yield mode never
+        // boosts anyway.
+        assert_eq!(totals["boosts"].as_u64(), Some(0), "{json}");
     });
 }
 

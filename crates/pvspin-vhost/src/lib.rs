@@ -10,6 +10,7 @@
 //!   waited-for vCPU only when the frontend is confined to its own cpu cgroup), restored at
 //!   deadlines.
 //! - [`telemetry`]: per-VM and host-wide counters as JSON and Prometheus text.
+//! - [`cli`]: `pvspind`'s command line and process entry point.
 //! - [`server`]: the daemon's sockets (one frontend at a time per socket, a fresh backend per
 //!   connection), peer credentials, the telemetry control socket and shutdown.
 //!
@@ -24,6 +25,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod cli;
 pub mod config;
 pub mod server;
 pub mod telemetry;

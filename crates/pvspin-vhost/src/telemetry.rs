@@ -384,6 +384,7 @@ impl VmSnapshot {
         t.bad_inputs += self.bad_inputs.values().sum::<u64>();
         t.unset_queue_events +=
             self.kicks_unset_queue + self.spins_without_page + self.spins_not_spinning;
+        t.paced += self.paced;
     }
 }
 
@@ -406,6 +407,8 @@ pub struct Totals {
     pub bad_inputs: u64,
     /// Kicks and spin notifications on queues or vCPUs not set up.
     pub unset_queue_events: u64,
+    /// Times a VM's worker thread slept at its event rate.
+    pub paced: u64,
 }
 
 /// The daemon's telemetry: connection counts, the VMs connected now, and totals.
@@ -606,6 +609,7 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
         ("hint_page_registrations", t.hint_page_registrations),
         ("rejected_guest_inputs", t.bad_inputs),
         ("unset_queue_events", t.unset_queue_events),
+        ("paced", t.paced),
     ] {
         f.counter(
             &format!("pvspin_vhost_host_{what}_total"),

@@ -1,0 +1,196 @@
+//! `pvspind`'s command line and process entry point ([`main_process`]), in the library so that
+//! tests can run the daemon as a child process of their own binary (always the code under
+//! test, never a stale build of the binary).
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::Duration;
+
+use crate::config::{BackendConfig, BudgetsUs, YieldMode, DEFAULT_THREAD_PATTERNS};
+use crate::server::{Server, ServerConfig};
+use clap::{Parser, ValueEnum};
+
+/// The --yield values.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum YieldArg {
+    /// Count spin notifications, change no thread.
+    Off,
+    /// Deboost the spinning vCPU's thread for a bounded time.
+    Deboost,
+    /// Also boost the waited-for vCPU's thread when the VMM is alone in its own cpu cgroup.
+    Confined,
+}
+
+/// pvspin's vhost-user device backend: kicks, spin notifications and hint pages for VMMs
+/// that attach vhost-user devices.
+#[derive(Debug, Parser)]
+#[command(name = "pvspind", version)]
+struct Args {
+    /// A vhost-user socket to serve (repeatable); each serves one frontend at a time.
+    #[arg(long = "socket", required = true)]
+    sockets: Vec<PathBuf>,
+    /// vCPUs the device has queues for.
+    #[arg(long, default_value_t = 16)]
+    max_vcpus: u32,
+    /// A unix socket answering "json\n" or "prometheus\n" with the telemetry document.
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Spin window published in hint pages, microseconds.
+    #[arg(long, default_value_t = BudgetsUs::default().spin_window)]
+    spin_window_us: u64,
+    /// Initial wait-after budget, microseconds.
+    #[arg(long, default_value_t = BudgetsUs::default().wait_after)]
+    wait_after_us: u64,
+    /// Floor of the wait-after budget, microseconds.
+    #[arg(long, default_value_t = BudgetsUs::default().wait_after_min)]
+    wait_after_min_us: u64,
+    /// Ceiling of the wait-after budget, microseconds.
+    #[arg(long, default_value_t = BudgetsUs::default().wait_after_max)]
+    wait_after_max_us: u64,
+    /// What a spin notification may do to the VMM's vCPU threads.
+    #[arg(long = "yield", value_enum, default_value = "deboost")]
+    yield_mode: YieldArg,
+    /// How long a deboost or boost lasts, microseconds.
+    #[arg(long, default_value_t = 1000)]
+    adjust_us: u64,
+    /// The most queue notifications per second handled for one VM; past it the VM's worker
+    /// thread sleeps to the end of the millisecond (kicks wait in their eventfds, coalesced,
+    /// not lost): bounds what a guest can make the daemon spend.
+    #[arg(long, default_value_t = crate::config::DEFAULT_MAX_EVENTS_PER_SEC)]
+    max_events_per_sec: u32,
+    /// vCPU thread-name pattern, `{N}` = vCPU index (repeatable; default: "vcpu{N}" and
+    /// "CPU {N}/KVM").
+    #[arg(long = "vcpu-thread-pattern")]
+    thread_patterns: Vec<String>,
+}
+
+/// The write end of the shutdown pipe, for the signal handler (-1 until installed).
+static SHUTDOWN_PIPE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_shutdown_signal(sig: libc::c_int) {
+    let fd = SHUTDOWN_PIPE.load(Ordering::Relaxed);
+    let byte = sig as u8;
+    // SAFETY: write(2) is async-signal-safe; `byte` lives for the call, and a failed write
+    // (pipe full: a shutdown is already pending) is harmless.
+    unsafe { libc::write(fd, std::ptr::addr_of!(byte).cast(), 1) };
+}
+
+/// Installs handlers for SIGTERM and SIGINT that write the signal number to a pipe, and
+/// returns the pipe's read end. A handler (not a blocked signal and `sigwait`) works
+/// whichever thread the kernel delivers the signal to, also in processes whose other threads
+/// this code did not start.
+fn install_shutdown_handlers() -> Result<std::fs::File, String> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into `fds`, which has room for them.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    SHUTDOWN_PIPE.store(fds[1], Ordering::Relaxed);
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: an all-zero sigaction is valid (empty mask, no flags); the handler is set
+        // below and has the plain (int) signature sa_handler expects.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = on_shutdown_signal as *const () as usize;
+        action.sa_flags = libc::SA_RESTART;
+        // SAFETY: `action` is initialised and outlives the call; the old action is not asked for.
+        if unsafe { libc::sigaction(sig, &action, std::ptr::null_mut()) } != 0 {
+            return Err(format!(
+                "installing the handler of signal {sig}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    // SAFETY: fds[0] is the pipe's read end, just created and owned by nothing else.
+    Ok(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fds[0]) })
+}
+
+/// Waits (sleeping in poll, never spinning) for a shutdown signal; its number.
+fn wait_for_signal(pipe: &mut std::fs::File) -> i32 {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    loop {
+        let mut poll = libc::pollfd {
+            fd: pipe.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no timeout.
+        unsafe { libc::poll(&mut poll, 1, -1) };
+        let mut byte = [0u8];
+        if let Ok(1) = pipe.read(&mut byte) {
+            return i32::from(byte[0]);
+        }
+    }
+}
+
+/// Runs the daemon with the command line `args` (the program name first) until SIGTERM or
+/// SIGINT (it installs handlers for them).
+pub fn main_process<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .try_init();
+    let args = match Args::try_parse_from(args) {
+        Ok(args) => args,
+        Err(err) => {
+            let _ = err.print();
+            return if err.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let backend = BackendConfig {
+        max_vcpus: args.max_vcpus,
+        budgets: BudgetsUs {
+            spin_window: args.spin_window_us,
+            wait_after: args.wait_after_us,
+            wait_after_min: args.wait_after_min_us,
+            wait_after_max: args.wait_after_max_us,
+        },
+        yield_mode: match args.yield_mode {
+            YieldArg::Off => YieldMode::Off,
+            YieldArg::Deboost => YieldMode::Deboost,
+            YieldArg::Confined => YieldMode::Confined,
+        },
+        thread_patterns: if args.thread_patterns.is_empty() {
+            DEFAULT_THREAD_PATTERNS
+                .iter()
+                .map(|p| p.to_string())
+                .collect()
+        } else {
+            args.thread_patterns
+        },
+        adjust_for: Duration::from_micros(args.adjust_us),
+        max_events_per_sec: args.max_events_per_sec,
+        ..BackendConfig::default()
+    };
+    let mut shutdown = match install_shutdown_handlers() {
+        Ok(pipe) => pipe,
+        Err(e) => {
+            eprintln!("pvspind: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = match Server::start(&ServerConfig {
+        sockets: args.sockets,
+        control: args.control,
+        backend,
+    }) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("pvspind: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let sig = wait_for_signal(&mut shutdown);
+    log::info!("signal {sig}: shutting down");
+    server.shutdown();
+    log::info!("stopped");
+    ExitCode::SUCCESS
+}
