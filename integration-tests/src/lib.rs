@@ -137,6 +137,22 @@ impl TestVm {
     }
 }
 
+/// The child side of a test that runs the example VMM as a child process of its own test
+/// binary: when the environment variable `env` is set (the VMM's arguments, separated by
+/// `\x1f`), runs the example VMM's process entry point with them and exits with its code;
+/// otherwise returns at once (the parent's run of the same test).
+pub fn run_vmm_child_if_asked(env: &str) {
+    let Ok(args) = std::env::var(env) else {
+        return;
+    };
+    let args = std::iter::once("pvspin-vmm".to_string())
+        .chain(args.split('\x1f').map(str::to_string))
+        .collect::<Vec<_>>();
+    let code = pvspin_vmm::cli::main_process(args);
+    #[allow(clippy::exit)] // the child's result is its exit code
+    std::process::exit(code);
+}
+
 /// Runs `f`, aborting the whole test process if it has not returned within `limit`: a
 /// real-guest test must never wait on a guest without a bound.
 pub fn with_watchdog<T>(

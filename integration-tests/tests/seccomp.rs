@@ -40,15 +40,7 @@ const QUICK: [&str; 7] = [
 /// otherwise.
 #[test]
 fn vmm_process() {
-    let Ok(args) = std::env::var(CHILD_ARGS) else {
-        return;
-    };
-    let args = std::iter::once("pvspin-vmm".to_string())
-        .chain(args.split('\x1f').map(str::to_string))
-        .collect::<Vec<_>>();
-    let code = pvspin_vmm::cli::main_process(args);
-    #[allow(clippy::exit)] // the child's result is its exit code
-    std::process::exit(code);
+    pvspin_integration_tests::run_vmm_child_if_asked(CHILD_ARGS);
 }
 
 fn spawn_vmm(args: &[&str]) -> Child {

@@ -338,15 +338,7 @@ const CHILD_ARGS: &str = "PVSPIN_VHOST_TEST_VMM_ARGS";
 /// otherwise.
 #[test]
 fn vmm_process() {
-    let Ok(args) = std::env::var(CHILD_ARGS) else {
-        return;
-    };
-    let args = std::iter::once("pvspin-vmm".to_string())
-        .chain(args.split('\x1f').map(str::to_string))
-        .collect::<Vec<_>>();
-    let code = pvspin_vmm::cli::main_process(args);
-    #[allow(clippy::exit)] // the child's result is its exit code
-    std::process::exit(code);
+    pvspin_integration_tests::run_vmm_child_if_asked(CHILD_ARGS);
 }
 
 /// A VMM child process running `args`, killed when dropped.

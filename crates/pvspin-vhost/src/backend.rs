@@ -346,38 +346,34 @@ impl PvspinBackend {
             tel.spin_without_page();
             return;
         };
+        // One load of a guest-line field; a page the memory no longer covers is bad input.
+        let field = |offset: usize| -> Option<u32> {
+            match memory
+                .memory()
+                .load(GuestAddress(gpa + offset as u64), Ordering::Acquire)
+            {
+                Ok(v) => Some(v),
+                Err(err) => {
+                    tel.bad_input(
+                        BadInput::HintRead,
+                        format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
+                    );
+                    None
+                }
+            }
+        };
         // The ABI: a notifying vCPU has said in its page that it spins (or waits). An event
         // without that is vhost-user-backend's one pass over each queue it enables, or a
         // stray notify: acting on it would deboost a vCPU that waits for nothing.
-        let state: u32 = match memory.memory().load(
-            GuestAddress(gpa + hint::SPIN_STATE as u64),
-            Ordering::Acquire,
-        ) {
-            Ok(v) => v,
-            Err(err) => {
-                tel.bad_input(
-                    BadInput::HintRead,
-                    format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
-                );
-                return;
-            }
+        let Some(state) = field(hint::SPIN_STATE) else {
+            return;
         };
         if state != hint::SPIN_SPINNING && state != hint::SPIN_WAITING {
             tel.spin_not_spinning();
             return;
         }
-        let value: u32 = match memory.memory().load(
-            GuestAddress(gpa + hint::WAITING_FOR as u64),
-            Ordering::Acquire,
-        ) {
-            Ok(v) => v,
-            Err(err) => {
-                tel.bad_input(
-                    BadInput::HintRead,
-                    format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
-                );
-                return;
-            }
+        let Some(value) = field(hint::WAITING_FOR) else {
+            return;
         };
         tel.spin_notification(vcpu);
         let target = match SpinNotify::decode(value).waiting_for {
