@@ -17,6 +17,7 @@ pub mod report;
 pub mod seccomp;
 pub mod vcpu;
 pub mod vhost;
+pub mod virtio_mmio;
 pub mod vmm;
 
 pub use config::{ConfigError, PvMode, RunConfig};

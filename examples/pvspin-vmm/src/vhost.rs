@@ -39,6 +39,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::memory::GuestMemory;
+use crate::virtio_mmio::{MmioEffect, MmioRegisters, QUEUE_NOTIFY, STATUS_DRIVER_OK};
 
 /// How often the VMM tries to reconnect to a lost backend.
 pub const RECONNECT_EVERY: Duration = Duration::from_millis(100);
@@ -48,9 +49,6 @@ const QUEUE_NUM_MAX: u16 = 256;
 const FIRST_KICK_GSI: u32 = 24;
 
 const VIRTIO_F_VERSION_1: u64 = 1 << virtio::F_VERSION_1;
-const STATUS_FEATURES_OK: u32 = 8;
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_NEEDS_RESET: u32 = 0x40;
 
 /// Why the device could not be set up or started.
 #[derive(Debug, thiserror::Error)]
@@ -124,17 +122,6 @@ pub struct FrontendSummary {
     pub bad_accesses: u64,
 }
 
-/// One queue as the driver configured it, with its eventfds when the VM uses the queue.
-#[derive(Debug, Default)]
-struct Queue {
-    num: u16,
-    ready: bool,
-    desc: u64,
-    driver: u64,
-    device: u64,
-    fds: Option<(EventFd, EventFd)>,
-}
-
 /// A connected backend.
 struct Link {
     frontend: Frontend,
@@ -201,17 +188,13 @@ impl Link {
     }
 }
 
-/// The device's state: the transport registers and the backend link.
+/// The device's state: the transport registers, the queues' eventfds and the backend link.
 #[derive(Debug)]
 struct State {
     link: Option<Link>,
-    config: [u8; virtio::config::SIZE],
-    status: u32,
-    device_features_sel: u32,
-    driver_features_sel: u32,
-    driver_features: u64,
-    queue_sel: u32,
-    queues: Vec<Queue>,
+    regs: MmioRegisters,
+    /// Per queue index: the kick and call eventfds, when the VM uses the queue.
+    fds: Vec<Option<(EventFd, EventFd)>>,
 }
 
 /// The pvspin virtio device of one VM, with its vhost-user link.
@@ -268,12 +251,11 @@ impl VhostPvspin {
                     .map_err(|err| VhostError::Memory(err.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let mut queues: Vec<Queue> = (0..virtio::num_queues(max_vcpus))
-            .map(|_| Queue::default())
-            .collect();
+        let mut fds: Vec<Option<(EventFd, EventFd)>> =
+            (0..virtio::num_queues(max_vcpus)).map(|_| None).collect();
         let mut routes = pvspin_kvm::irqchip::default_irqchip_routes();
         let notify = IoEventAddress::Mmio(base + QUEUE_NOTIFY);
-        for (index, queue) in queues.iter_mut().enumerate() {
+        for (index, queue_fds) in fds.iter_mut().enumerate() {
             let used = match virtio::queue_role(max_vcpus, index) {
                 Some(QueueRole::Control) => true,
                 Some(QueueRole::Kick(v) | QueueRole::Spin(v)) => v < vcpus,
@@ -304,7 +286,7 @@ impl VhostPvspin {
                         source,
                     })?;
             }
-            queue.fds = Some((kick, call));
+            *queue_fds = Some((kick, call));
         }
         let table = KvmIrqRouting::from_entries(&routes)
             .map_err(|err| VhostError::Backend(format!("routing table: {err:?}")))?;
@@ -321,14 +303,15 @@ impl VhostPvspin {
             memory,
             regions,
             state: Mutex::new(State {
+                regs: MmioRegisters::new(
+                    virtio::DEVICE_ID,
+                    link.virtio_features,
+                    config.to_vec(),
+                    QUEUE_NUM_MAX,
+                    fds.iter().map(Option::is_some).collect(),
+                ),
                 link: Some(link),
-                config,
-                status: 0,
-                device_features_sel: 0,
-                driver_features_sel: 0,
-                driver_features: 0,
-                queue_sel: 0,
-                queues,
+                fds,
             }),
             stats: FrontendStats::default(),
         });
@@ -366,146 +349,42 @@ impl VhostPvspin {
     /// A guest read of `data.len()` bytes at `addr` (inside [`Self::window`]).
     pub fn read(&self, addr: u64, data: &mut [u8]) {
         let offset = addr - self.base;
-        let state = self.state();
-        if offset >= CONFIG {
-            let start = (offset - CONFIG) as usize;
-            match state.config.get(start..start + data.len()) {
-                Some(bytes) => data.copy_from_slice(bytes),
-                None => {
-                    data.fill(0);
-                    self.bad_access("config read", offset);
-                }
-            }
-            return;
+        if let Err(why) = self.state().regs.read(offset, data) {
+            self.bad_access(why, offset);
         }
-        if data.len() != 4 {
-            data.fill(0);
-            self.bad_access("register read of the wrong width", offset);
-            return;
-        }
-        let device_features = state
-            .link
-            .as_ref()
-            .map_or(VIRTIO_F_VERSION_1, |link| link.virtio_features);
-        let queue = state.queues.get(state.queue_sel as usize);
-        let value: u32 = match offset {
-            0x000 => 0x7472_6976,
-            0x004 => 2,
-            0x008 => virtio::DEVICE_ID,
-            0x00c => 0x5053_5650, // "PVSP"
-            0x010 => match state.device_features_sel {
-                0 => device_features as u32,
-                1 => (device_features >> 32) as u32,
-                _ => 0,
-            },
-            0x034 => queue.map_or(0, |q| {
-                if q.fds.is_some() {
-                    u32::from(QUEUE_NUM_MAX)
-                } else {
-                    0
-                }
-            }),
-            0x044 => queue.map_or(0, |q| u32::from(q.ready)),
-            0x060 => 0,
-            0x070 => state.status,
-            0x0fc => 0,
-            _ => {
-                self.bad_access("read of an unknown register", offset);
-                0
-            }
-        };
-        data.copy_from_slice(&value.to_le_bytes());
     }
 
     /// A guest write of `data` at `addr` (inside [`Self::window`]).
     pub fn write(&self, addr: u64, data: &[u8]) {
         let offset = addr - self.base;
-        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
-            self.bad_access("write of the wrong width", offset);
-            return;
-        };
-        let value = u32::from_le_bytes(bytes);
         let mut state = self.state();
-        let sel = state.queue_sel as usize;
-        let set_low = |field: &mut u64| *field = (*field & !0xffff_ffff) | u64::from(value);
-        let set_high = |field: &mut u64| *field = (*field & 0xffff_ffff) | (u64::from(value) << 32);
-        match offset {
-            0x014 => state.device_features_sel = value,
-            0x020 => match state.driver_features_sel {
-                0 => set_low(&mut state.driver_features),
-                1 => set_high(&mut state.driver_features),
-                _ => {}
-            },
-            0x024 => state.driver_features_sel = value,
-            0x030 => state.queue_sel = value,
-            0x038 | 0x044 | 0x080 | 0x084 | 0x090 | 0x094 | 0x0a0 | 0x0a4 => {
-                let Some(queue) = state.queues.get_mut(sel).filter(|q| q.fds.is_some()) else {
-                    self.bad_access(
-                        "queue register write for a queue that does not exist",
-                        offset,
+        match state.regs.write(offset, data) {
+            MmioEffect::None => {}
+            MmioEffect::Bad(why) => self.bad_access(why, offset),
+            MmioEffect::Start => {
+                if let Err(err) = self.start(&mut state) {
+                    log::error!(
+                        "pvspin virtio device: starting the backend's queues failed: {err}"
                     );
-                    return;
-                };
-                match offset {
-                    0x038 => queue.num = u16::try_from(value).unwrap_or(0).min(QUEUE_NUM_MAX),
-                    0x044 => queue.ready = value == 1,
-                    0x080 => set_low(&mut queue.desc),
-                    0x084 => set_high(&mut queue.desc),
-                    0x090 => set_low(&mut queue.driver),
-                    0x094 => set_high(&mut queue.driver),
-                    0x0a0 => set_low(&mut queue.device),
-                    _ => set_high(&mut queue.device),
+                    self.stats.start_failures.fetch_add(1, Ordering::Relaxed);
+                    state.regs.start_failed();
                 }
             }
-            // Notifications reach the backend through the ioeventfds; one that arrives here
-            // names a queue the VM does not use.
-            0x050 => self.bad_access("notification of a queue that does not exist", offset),
-            0x064 => {}
-            0x070 => self.write_status(&mut state, value),
-            _ => self.bad_access("write of an unknown register", offset),
-        }
-    }
-
-    fn write_status(&self, state: &mut State, value: u32) {
-        if value == 0 {
-            // Reset: the backend stops its rings; the driver starts over.
-            if let Some(link) = state.link.as_mut() {
-                for (index, queue) in state.queues.iter().enumerate() {
-                    if queue.ready && queue.fds.is_some() {
+            MmioEffect::Reset => {
+                // The backend stops its rings; the driver starts over (the registers are
+                // reset already, so every queue the VM has is disabled).
+                let State { link, fds, .. } = &mut *state;
+                if let Some(link) = link.as_mut() {
+                    for index in fds
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, f)| f.as_ref().map(|_| i))
+                    {
                         let _ = link.frontend.set_vring_enable(index, false);
                     }
                 }
             }
-            for queue in &mut state.queues {
-                *queue = Queue {
-                    fds: queue.fds.take(),
-                    ..Queue::default()
-                };
-            }
-            state.status = 0;
-            state.driver_features = 0;
-            return;
         }
-        let mut value = value;
-        let offered = state
-            .link
-            .as_ref()
-            .map_or(VIRTIO_F_VERSION_1, |link| link.virtio_features);
-        if value & STATUS_FEATURES_OK != 0 && state.status & STATUS_FEATURES_OK == 0 {
-            let acceptable = state.driver_features & !offered == 0
-                && state.driver_features & VIRTIO_F_VERSION_1 != 0;
-            if !acceptable {
-                value &= !STATUS_FEATURES_OK;
-            }
-        }
-        if value & STATUS_DRIVER_OK != 0 && state.status & STATUS_DRIVER_OK == 0 {
-            if let Err(err) = self.start(state) {
-                log::error!("pvspin virtio device: starting the backend's queues failed: {err}");
-                self.stats.start_failures.fetch_add(1, Ordering::Relaxed);
-                value |= STATUS_NEEDS_RESET;
-            }
-        }
-        state.status = value;
     }
 
     fn hva(&self, gpa: u64) -> Result<u64, VhostError> {
@@ -517,11 +396,11 @@ impl VhostPvspin {
 
     /// Gives the backend the device state: features, memory, every ready queue.
     fn start(&self, state: &mut State) -> Result<(), VhostError> {
-        let link = state
-            .link
+        let State { link, regs, fds } = state;
+        let link = link
             .as_mut()
             .ok_or_else(|| VhostError::Backend("no backend connected".into()))?;
-        let features = state.driver_features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let features = regs.driver_features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         let frontend = &mut link.frontend;
         frontend
             .set_features(features)
@@ -529,8 +408,8 @@ impl VhostPvspin {
         frontend
             .set_mem_table(&self.regions)
             .map_err(request("SET_MEM_TABLE"))?;
-        for (index, queue) in state.queues.iter().enumerate() {
-            let (true, Some((kick, call))) = (queue.ready, queue.fds.as_ref()) else {
+        for (index, queue) in regs.ready_queues() {
+            let Some((kick, call)) = fds.get(index).and_then(Option::as_ref) else {
                 continue;
             };
             let ring = VringConfigData {
@@ -572,10 +451,10 @@ impl VhostPvspin {
     /// Wakes every vCPU once through its kick queue's irqfd (a spurious wake-up, which the
     /// ABI allows): covers a kick a lost backend had taken but not answered.
     fn wake_all(&self, state: &State) {
-        for (index, queue) in state.queues.iter().enumerate() {
+        for (index, queue_fds) in state.fds.iter().enumerate() {
             if let (Some(QueueRole::Kick(_)), Some((_, call))) = (
                 virtio::queue_role(self.max_vcpus, index),
-                queue.fds.as_ref(),
+                queue_fds.as_ref(),
             ) {
                 let _ = call.write(1);
             }
@@ -585,13 +464,12 @@ impl VhostPvspin {
     /// The kick queues' indices and eventfds (for the relay).
     fn kick_queue_fds(state: &State, max_vcpus: u32) -> Vec<(u32, i32)> {
         state
-            .queues
+            .fds
             .iter()
             .enumerate()
             .filter_map(
-                |(index, queue)| match virtio::queue_role(max_vcpus, index) {
-                    Some(QueueRole::Kick(_)) => queue
-                        .fds
+                |(index, queue_fds)| match virtio::queue_role(max_vcpus, index) {
+                    Some(QueueRole::Kick(_)) => queue_fds
                         .as_ref()
                         .map(|(kick, _)| (index as u32, kick.as_raw_fd())),
                     _ => None,
@@ -632,14 +510,16 @@ impl VhostPvspin {
             }
         };
         let mut state = self.state();
-        if config != state.config {
+        if config.as_slice() != state.regs.config()
+            || link.virtio_features != state.regs.device_features()
+        {
             log::warn!(
                 "pvspin virtio device: the new backend's configuration differs; not using it"
             );
             return false;
         }
         state.link = Some(link);
-        if state.status & STATUS_DRIVER_OK != 0 {
+        if state.regs.status() & STATUS_DRIVER_OK != 0 {
             if let Err(err) = self.start(&mut state) {
                 log::warn!("pvspin virtio device: replaying the device state failed: {err}");
                 state.link = None;
@@ -658,11 +538,7 @@ impl VhostPvspin {
     /// Relays one kick while no backend is connected.
     fn relay(&self, queue: u32) {
         let state = self.state();
-        if let Some((kick, call)) = state
-            .queues
-            .get(queue as usize)
-            .and_then(|q| q.fds.as_ref())
-        {
+        if let Some((kick, call)) = state.fds.get(queue as usize).and_then(Option::as_ref) {
             if kick.read().is_ok() {
                 let _ = call.write(1);
                 self.stats.relayed_kicks.fetch_add(1, Ordering::Relaxed);
@@ -675,11 +551,6 @@ impl VhostPvspin {
         self.vcpus
     }
 }
-
-/// Offset of `QueueNotify`.
-const QUEUE_NOTIFY: u64 = 0x050;
-/// Offset of the configuration space.
-const CONFIG: u64 = 0x100;
 
 /// Event-loop data of the backend socket and the reconnect timer (queue indices are below).
 const SOCKET_DATA: u32 = u32::MAX;
