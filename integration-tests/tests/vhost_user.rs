@@ -299,16 +299,28 @@ fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
         let socket = scratch.path("vm.sock");
         let control = scratch.path("control.sock");
         let daemon = Daemon::start(&[&socket], &control, 4);
-        let config = pingpong_config(&socket, 400_000, true);
+        // Long enough that the kill, the outage and the reconnection fall inside the run on a
+        // much faster host too (here about 13 s in a debug build).
+        let config = pingpong_config(&socket, 300_000, true);
         let vm = std::thread::spawn(move || run(&config));
-        std::thread::sleep(Duration::from_millis(1_500));
+        // Kill the daemon once it has served the guest's kicks for a while (not after a fixed
+        // time: the run's speed depends on the host).
+        let start = Instant::now();
+        while daemon_kicks(&daemon.json()) < 2_000 && !vm.is_finished() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the guest did not start kicking"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert!(
             !vm.is_finished(),
             "the run ended before the backend was killed"
         );
         daemon.kill();
-        // The guest runs on relayed kicks while no backend is there.
-        std::thread::sleep(Duration::from_millis(1_000));
+        // The guest runs on relayed kicks while no backend is there (the frontend tries to
+        // reconnect every 100 ms and fails).
+        std::thread::sleep(Duration::from_millis(300));
         assert!(
             !vm.is_finished(),
             "the run ended before the backend came back"
