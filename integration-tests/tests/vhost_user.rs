@@ -438,8 +438,9 @@ fn one_daemon_serves_two_vms_and_a_crashed_vm_costs_the_other_nothing() {
         let (a, b) = (scratch.path("a.sock"), scratch.path("b.sock"));
         let daemon = Daemon::start(&[&a, &b], &scratch.path("control.sock"), 4);
         // Both at once, each under the example's seccomp filters (the CLI's default).
-        let first = VmmChild::spawn(&vm_args(&a, 100_000));
-        let second = VmmChild::spawn(&vm_args(&b, 100_000));
+        // About 0.7 s each at native speed here: they overlap.
+        let first = VmmChild::spawn(&vm_args(&a, 1_000_000));
+        let second = VmmChild::spawn(&vm_args(&b, 1_000_000));
         let (status, out) = first.finish("VM a");
         assert!(status.success(), "VM a failed: {out}");
         let (status, out) = second.finish("VM b");
@@ -454,8 +455,24 @@ fn one_daemon_serves_two_vms_and_a_crashed_vm_costs_the_other_nothing() {
 
         // A VM killed mid-run (no clean-up: its socket just closes) while the other runs.
         let victim = VmmChild::spawn(&vm_args(&a, 10_000_000));
-        let survivor = VmmChild::spawn(&vm_args(&b, 200_000));
-        std::thread::sleep(Duration::from_millis(1_000));
+        let mut survivor = VmmChild::spawn(&vm_args(&b, 2_000_000));
+        // Kill the victim while both are connected and the survivor still runs.
+        let start = Instant::now();
+        while daemon.json()["host"]["connections_active"].as_u64() != Some(2) {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the two VMs did not both connect"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            survivor
+                .0
+                .try_wait()
+                .expect("polling the survivor")
+                .is_none(),
+            "the surviving VM ended before the other was killed"
+        );
         drop(victim);
         let (status, out) = survivor.finish("the surviving VM");
         assert!(status.success(), "the surviving VM failed: {out}");
