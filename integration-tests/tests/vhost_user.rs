@@ -299,34 +299,11 @@ fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
         let socket = scratch.path("vm.sock");
         let control = scratch.path("control.sock");
         let daemon = Daemon::start(&[&socket], &control, 4);
-        // Long enough that the kill, the outage and the reconnection fall inside the run on a
-        // much faster host too (here about 13 s in a debug build).
+        // In process (no seccomp). Long enough that the kill, the outage and the reconnection
+        // fall inside the run on a much faster host too (here about 13 s in a debug build).
         let config = pingpong_config(&socket, 300_000, true);
         let vm = std::thread::spawn(move || run(&config));
-        // Kill the daemon once it has served the guest's kicks for a while (not after a fixed
-        // time: the run's speed depends on the host).
-        let start = Instant::now();
-        while daemon_kicks(&daemon.json()) < 2_000 && !vm.is_finished() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the guest did not start kicking"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(
-            !vm.is_finished(),
-            "the run ended before the backend was killed"
-        );
-        daemon.kill();
-        // The guest runs on relayed kicks while no backend is there (the frontend tries to
-        // reconnect every 100 ms and fails).
-        std::thread::sleep(Duration::from_millis(300));
-        assert!(
-            !vm.is_finished(),
-            "the run ended before the backend came back"
-        );
-        let _ = std::fs::remove_file(&control);
-        let daemon = Daemon::start(&[&socket], &control, 4);
+        let daemon = kill_and_restart(daemon, &socket, &control, || vm.is_finished());
         let report = vm
             .join()
             .expect("the VMM thread")
@@ -339,7 +316,76 @@ fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
         // The restarted daemon served kicks again.
         let kicks = daemon_kicks(&daemon.json());
         assert!(kicks > 0, "kicks did not resume through the new backend");
+
+        // The same through the command line, whose threads run under seccomp filters
+        // (`--seccomp enforce`): relaying and reconnecting need no syscall they lack.
+        let args: Vec<String> = [
+            "run",
+            "--workload",
+            "pingpong",
+            "--pv",
+            "kick",
+            "--vcpus",
+            "2",
+            "--cs-mode",
+            "user",
+            "--iterations",
+            "300000",
+            "--cs-work",
+            "0",
+            "--ncs-work",
+            "2000",
+            "--quiet",
+            "--pv-backend",
+            &format!("vhost-user:{}", socket.display()),
+        ]
+        .map(str::to_string)
+        .to_vec();
+        let mut child = VmmChild::spawn(&args);
+        let daemon = kill_and_restart(daemon, &socket, &control, || {
+            child.0.try_wait().ok().flatten().is_some()
+        });
+        let (status, out) = child.finish("the VMM under seccomp across a backend restart");
+        assert!(status.success(), "{out}");
+        let report: serde_json::Value = out
+            .lines()
+            .find(|line| line.starts_with('{'))
+            .and_then(|line| serde_json::from_str(line).ok())
+            .unwrap_or_else(|| panic!("no JSON report in {out}"));
+        let frontend = &report["vhost_user"];
+        assert!(frontend["backend_losses"].as_u64() >= Some(1), "{frontend}");
+        assert!(frontend["relayed_kicks"].as_u64() > Some(0), "{frontend}");
+        assert!(frontend["connects"].as_u64() >= Some(2), "{frontend}");
+        drop(daemon);
     });
+}
+
+/// Kills `daemon` once it has served this guest 2,000 kicks (not after a fixed time:
+/// the run's speed depends on the host), leaves the guest without a backend for 300 ms (the
+/// frontend relays kicks and fails to reconnect every 100 ms), then starts a new daemon on the
+/// same socket. `finished` says whether the run already ended, which would make the test
+/// vacuous: it fails then.
+fn kill_and_restart(
+    daemon: Daemon,
+    socket: &Path,
+    control: &Path,
+    mut finished: impl FnMut() -> bool,
+) -> Daemon {
+    let start = Instant::now();
+    let before = daemon_kicks(&daemon.json());
+    while daemon_kicks(&daemon.json()) < before + 2_000 && !finished() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the guest did not start kicking"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!finished(), "the run ended before the backend was killed");
+    daemon.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!finished(), "the run ended before the backend came back");
+    let _ = std::fs::remove_file(control);
+    Daemon::start(&[socket], control, 4)
 }
 
 /// The environment variable that turns this binary into the example VMM: its arguments,
