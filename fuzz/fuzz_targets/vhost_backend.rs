@@ -137,18 +137,7 @@ fuzz_target!(|data: &[u8]| {
                 let _ = m.write_slice(&r.to_bytes(), GuestAddress(REQ_AT));
                 // Usually also post it as a well-formed chain, so registrations happen.
                 if let (Some(ring), true) = (control_ring.as_mut(), op[1] & 0x40 == 0) {
-                    let chain = [
-                        Desc {
-                            addr: REQ_AT,
-                            len: ControlRequest::SIZE as u32,
-                            write: false,
-                        },
-                        Desc {
-                            addr: STATUS_AT,
-                            len: 4,
-                            write: true,
-                        },
-                    ];
+                    let chain = Desc::control_chain(REQ_AT, STATUS_AT);
                     let _ = ring.add_chain(&*m, &chain);
                 }
             }

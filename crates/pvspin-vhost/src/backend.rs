@@ -756,18 +756,7 @@ mod tests {
     }
 
     fn good_chain() -> [Desc; 2] {
-        [
-            Desc {
-                addr: REQ_AT,
-                len: ControlRequest::SIZE as u32,
-                write: false,
-            },
-            Desc {
-                addr: STATUS_AT,
-                len: 4,
-                write: true,
-            },
-        ]
+        Desc::control_chain(REQ_AT, STATUS_AT)
     }
 
     fn register(vcpu: u32, gpa: u64, khz: u64) -> ControlRequest {

@@ -46,6 +46,25 @@ pub struct Desc {
     pub write: bool,
 }
 
+impl Desc {
+    /// The well-formed control chain: a device-readable request at `request` and a 4-byte
+    /// device-writable status at `status`.
+    pub fn control_chain(request: u64, status: u64) -> [Desc; 2] {
+        [
+            Desc {
+                addr: request,
+                len: pvspin_abi::virtio::ControlRequest::SIZE as u32,
+                write: false,
+            },
+            Desc {
+                addr: status,
+                len: 4,
+                write: true,
+            },
+        ]
+    }
+}
+
 impl SplitRing {
     /// Bytes a ring of `size` takes from its base: table, avail ring, used ring (page aligned).
     pub fn footprint(size: u16) -> u64 {

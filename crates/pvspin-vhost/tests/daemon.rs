@@ -247,18 +247,7 @@ impl Vm {
         self.mem
             .write_obj(0xffff_ffffu32, GuestAddress(STATUS_AT))
             .unwrap();
-        let descs = [
-            Desc {
-                addr: REQ_AT,
-                len: ControlRequest::SIZE as u32,
-                write: false,
-            },
-            Desc {
-                addr: STATUS_AT,
-                len: 4,
-                write: true,
-            },
-        ];
+        let descs = Desc::control_chain(REQ_AT, STATUS_AT);
         let mem = &self.mem;
         let q = self.queues[0].as_mut().expect("control queue not set up");
         let before = q.ring.used_idx(mem).unwrap();
