@@ -240,6 +240,9 @@ pub enum ConfigError {
     /// The vhost-user backend serves the virtio device's kicks, time budgets only.
     #[error("--pv-backend vhost-user needs --pv kick or kick+yield, --kick-path in-kernel (the kick queues are irqfds on the in-kernel irqchip), --budgets time and no --sched slots")]
     VhostUserNeeds,
+    /// Options of pvspin in this process, which a vhost-user run does not use.
+    #[error("--pv-backend vhost-user: {0} acts on pvspin in this process, which a vhost-user run does not use (pvspind has its own options: --yield, --adjust-us, --max-events-per-sec)")]
+    InProcessOnly(&'static str),
     /// The hostile workload acts through spin notifications.
     #[error("--workload abuse needs --pv kick+yield and at least 2 vCPUs")]
     AbuseNeedsNotifications,
@@ -333,6 +336,20 @@ impl RunConfig {
                 || self.kick_path != pvspin::KickPath::InKernel)
         {
             return Err(ConfigError::VhostUserNeeds);
+        }
+        if self.vhost_user.is_some() {
+            let in_process_only = [
+                (self.actuator != pvspin::DEFAULT_ACTUATOR, "--actuator"),
+                (
+                    self.confinement != pvspin::Confinement::Auto,
+                    "--boosts unconfined",
+                ),
+                (self.boost_deadline_us.is_some(), "--boost-deadline-us"),
+                (self.park_spin_us != 0, "--park-spin-us"),
+            ];
+            if let Some((_, option)) = in_process_only.iter().find(|(set, _)| *set) {
+                return Err(ConfigError::InProcessOnly(option));
+            }
         }
         if self.run_slots.is_some()
             && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
@@ -512,6 +529,48 @@ mod tests {
         }
         .validate(1024)
         .is_err());
+    }
+
+    #[test]
+    fn vhost_user_runs_refuse_what_they_cannot_use() {
+        let vhost = RunConfig {
+            pv: PvMode::KickYield,
+            vhost_user: Some("/run/pvspind.sock".into()),
+            ..RunConfig::default()
+        };
+        assert_eq!(vhost.validate(8), Ok(()));
+        let check = |config: RunConfig| config.validate(8).unwrap_err();
+        for refused in [
+            RunConfig {
+                pv: PvMode::Off,
+                ..vhost.clone()
+            },
+            RunConfig {
+                kick_path: pvspin::KickPath::Userspace,
+                ..vhost.clone()
+            },
+            RunConfig {
+                budgets: BudgetMode::Spins,
+                ..vhost.clone()
+            },
+            RunConfig {
+                run_slots: Some(0),
+                kick_path: pvspin::KickPath::Userspace,
+                ..vhost.clone()
+            },
+        ] {
+            assert_eq!(check(refused), ConfigError::VhostUserNeeds);
+        }
+        let fifo = RunConfig {
+            actuator: "fifo",
+            ..vhost.clone()
+        };
+        assert_eq!(check(fifo), ConfigError::InProcessOnly("--actuator"));
+        let spin = RunConfig {
+            park_spin_us: 50,
+            ..vhost
+        };
+        assert!(check(spin).to_string().contains("--park-spin-us"));
     }
 
     #[test]
