@@ -356,7 +356,25 @@ fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
         assert!(frontend["backend_losses"].as_u64() >= Some(1), "{frontend}");
         assert!(frontend["relayed_kicks"].as_u64() > Some(0), "{frontend}");
         assert!(frontend["connects"].as_u64() >= Some(2), "{frontend}");
-        drop(daemon);
+
+        // The new backend knows none of the hint pages; the device's ConfigGeneration tells
+        // the guest, which registers them again, and its spin notifications count again.
+        let mut config = lock_config(&socket, LockKind::Ticket, PvMode::KickYield, 4, true);
+        config.iterations = 60_000;
+        let vm = std::thread::spawn(move || run(&config));
+        let daemon = kill_and_restart(daemon, &socket, &control, || vm.is_finished());
+        let report = vm
+            .join()
+            .expect("the VMM thread")
+            .unwrap_or_else(|e| panic!("lock workload across a backend restart: {e}"));
+        assert_eq!(report.counter, report.expected);
+        let json = daemon.json();
+        let totals = &json["host"]["totals"];
+        assert!(
+            totals["hint_page_registrations"].as_u64() >= Some(4),
+            "the guest did not register its pages with the new backend: {json}"
+        );
+        assert!(totals["spin_notifications"].as_u64() > Some(0), "{json}");
     });
 }
 

@@ -515,6 +515,10 @@ pub mod virtio {
     //!
     //! **Configuration space** (read-only, little-endian): [`config`].
     //!
+    //! **Restarts.** Hint-page registrations live in the device's backend. When the transport's
+    //! configuration generation changes (virtio-mmio `ConfigGeneration`, virtio-pci
+    //! `config_generation`), the device may have lost them: the driver registers its pages again.
+    //!
     //! **Waiting** needs nothing from the device: `pv_wait` is `HLT` (kernel mode), as in
     //! [`crate::doorbell`]'s §3.2 pattern. The device has no WAIT command.
 

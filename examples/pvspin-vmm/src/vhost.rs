@@ -527,6 +527,9 @@ impl VhostPvspin {
             }
         }
         self.stats.connects.fetch_add(1, Ordering::Relaxed);
+        // The new backend has none of the driver's hint-page registrations: a new
+        // ConfigGeneration tells the driver to register again.
+        state.regs.bump_config_generation();
         self.wake_all(&state);
         log::info!(
             "pvspin virtio device: reconnected to {}",

@@ -66,6 +66,7 @@ pub struct MmioRegisters {
     driver_features: u64,
     queue_sel: u32,
     queues: Vec<QueueRegs>,
+    config_generation: u32,
 }
 
 impl MmioRegisters {
@@ -91,7 +92,14 @@ impl MmioRegisters {
             driver_features: 0,
             queue_sel: 0,
             queues,
+            config_generation: 0,
         }
+    }
+
+    /// Changes `ConfigGeneration`: the device's state behind the configuration changed (the
+    /// pvspin device: a new backend, which has none of the driver's hint-page registrations).
+    pub fn bump_config_generation(&mut self) {
+        self.config_generation = self.config_generation.wrapping_add(1);
     }
 
     /// The device status.
@@ -161,7 +169,8 @@ impl MmioRegisters {
             },
             0x034 => queue.map_or(0, |_| u32::from(self.queue_num_max)),
             0x044 => queue.map_or(0, |q| u32::from(q.ready)),
-            0x060 | 0x0fc => 0,
+            0x060 => 0,
+            0x0fc => self.config_generation,
             0x070 => self.status,
             _ => return Err("read of an unknown register"),
         };
@@ -232,6 +241,7 @@ impl MmioRegisters {
     fn write_status(&mut self, value: u32) -> MmioEffect {
         if value == 0 {
             let was_started = self.status & STATUS_DRIVER_OK != 0;
+            let generation = self.config_generation;
             *self = Self::new(
                 self.device_id,
                 self.device_features,
@@ -239,6 +249,7 @@ impl MmioRegisters {
                 self.queue_num_max,
                 std::mem::take(&mut self.present),
             );
+            self.config_generation = generation;
             return if was_started {
                 MmioEffect::Reset
             } else {
@@ -325,9 +336,11 @@ mod tests {
         assert_eq!(w(&mut r, 0x070, on), MmioEffect::Start);
         r.start_failed();
         assert_ne!(read32(&r, 0x070) & STATUS_NEEDS_RESET, 0);
+        r.bump_config_generation();
         assert_eq!(w(&mut r, 0x070, 0), MmioEffect::Reset);
         assert_eq!(r.ready_queues().count(), 0);
         assert_eq!(read32(&r, 0x070), 0);
+        assert_eq!(read32(&r, 0x0fc), 1, "a reset keeps the generation");
     }
 
     #[test]

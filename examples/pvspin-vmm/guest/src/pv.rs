@@ -301,6 +301,13 @@ impl PvPlatform for Platform {
             if let (true, Some(page), Some(queue)) =
                 (VIRTIO_SPIN.load(Ordering::Relaxed), page(cpu), spin_queue(max, cpu))
             {
+                // Now and then (an MMIO read exits): a restarted backend has forgotten the
+                // hint pages, and the device's ConfigGeneration says so.
+                if let Some(count) = SPIN_NOTIFICATIONS.get(cpu as usize) {
+                    if count.fetch_add(1, Ordering::Relaxed) % REGISTRATION_CHECK_EVERY == 0 {
+                        crate::virtio::reregister_if_needed(hint_page_gpa);
+                    }
+                }
                 page.store32(hint::WAITING_FOR, encode(wait));
                 page.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
                 crate::virtio::notify(notify, queue);
@@ -405,6 +412,19 @@ pub fn discover() -> Result<PvspinInfo, PvUnavailable> {
     Ok(info)
 }
 
+/// GPA of vCPU `i`'s hint page (identity-mapped), 0 for none.
+fn hint_page_gpa(i: u32) -> u64 {
+    HINT_PAGES
+        .get(i as usize)
+        .map_or(0, |p| p as *const HintPage as u64)
+}
+
+/// Spin notifications per vCPU through the virtio device, and how often one of them checks
+/// whether the hint pages must be registered again.
+static SPIN_NOTIFICATIONS: [AtomicU32; MAX_PV_VCPUS as usize] =
+    [const { AtomicU32::new(0) }; MAX_PV_VCPUS as usize];
+const REGISTRATION_CHECK_EVERY: u32 = 64;
+
 /// Turns PV kicks on through the pvspin virtio device at `base` (vCPU 0 brings it up and
 /// registers every vCPU's hint page; the others wait for it). Waiters halt with `hlt` in
 /// kernel mode and with the example VMM's halt port in user mode or when `wait_port` asks.
@@ -417,12 +437,7 @@ pub fn enable_virtio(
     wait_port: bool,
     spin_notify: bool,
 ) -> bool {
-    let page_gpa = |i: u32| {
-        HINT_PAGES
-            .get(i as usize)
-            .map_or(0, |p| p as *const HintPage as u64)
-    };
-    let Some(device) = crate::virtio::setup(vcpu, base, vcpus, tsc_khz, page_gpa) else {
+    let Some(device) = crate::virtio::setup(vcpu, base, vcpus, tsc_khz, hint_page_gpa) else {
         return false;
     };
     if spin_notify && !(device.spin_notify && device.hint_pages) {

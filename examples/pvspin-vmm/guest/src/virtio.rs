@@ -8,7 +8,7 @@
 //! a VMM exit; the backend answers on the same queue's interrupt, which the VMM routes to the
 //! target as a REMRD MSI (`pv_unhalted`).
 
-use core::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{fence, AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use pvspin_abi::virtio::{
     config, kick_queue, spin_queue, ControlRequest, CONTROL_QUEUE, DEVICE_ID, F_HINT_PAGES,
@@ -31,6 +31,7 @@ const QUEUE_READY: usize = 0x044;
 /// `QueueNotify`: the doorbell every kick writes.
 pub const QUEUE_NOTIFY: usize = 0x050;
 const STATUS: usize = 0x070;
+const CONFIG_GENERATION: usize = 0x0fc;
 const QUEUE_DESC_LOW: usize = 0x080;
 const QUEUE_DRIVER_LOW: usize = 0x090;
 const QUEUE_DEVICE_LOW: usize = 0x0a0;
@@ -147,6 +148,15 @@ pub struct Device {
 static NOTIFY: AtomicU64 = AtomicU64::new(0);
 static MAX_VCPUS: AtomicU32 = AtomicU32::new(0);
 static FEATURES: AtomicU32 = AtomicU32::new(0);
+/// The device's register window.
+static BASE: AtomicU64 = AtomicU64::new(0);
+/// `ConfigGeneration` when the hint pages were last registered.
+static GENERATION: AtomicU32 = AtomicU32::new(0);
+/// What registrations need again after a backend restart.
+static VCPUS: AtomicU32 = AtomicU32::new(0);
+static TSC_KHZ: AtomicU64 = AtomicU64::new(0);
+/// Held by the vCPU using the control queue (one request in flight at a time).
+static CONTROL_BUSY: AtomicBool = AtomicBool::new(false);
 
 fn read(base: u64, offset: usize) -> u32 {
     // SAFETY: `base` is the device's MMIO window (identity-mapped, uncached by the VMM's
@@ -176,7 +186,11 @@ pub fn setup(
     hint_page: impl Fn(u32) -> u64,
 ) -> Option<Device> {
     if vcpu == 0 {
-        let ok = bring_up(base, vcpus) && register_pages(vcpus, tsc_khz, hint_page);
+        VCPUS.store(vcpus, Ordering::Relaxed);
+        TSC_KHZ.store(tsc_khz, Ordering::Relaxed);
+        BASE.store(base, Ordering::Relaxed);
+        GENERATION.store(read(base, CONFIG_GENERATION), Ordering::Relaxed);
+        let ok = bring_up(base, vcpus) && register_pages(vcpus, tsc_khz, &hint_page);
         STATE.store(if ok { STATE_UP } else { STATE_FAILED }, Ordering::Release);
     }
     loop {
@@ -324,16 +338,40 @@ fn control(request: ControlRequest) -> Option<u32> {
     None
 }
 
-fn register_pages(vcpus: u32, tsc_khz: u64, hint_page: impl Fn(u32) -> u64) -> bool {
+fn register_pages(vcpus: u32, tsc_khz: u64, hint_page: &impl Fn(u32) -> u64) -> bool {
     if FEATURES.load(Ordering::Relaxed) & (1 << F_HINT_PAGES) == 0 {
         return true;
     }
-    (0..vcpus).all(|vcpu| {
+    if CONTROL_BUSY.swap(true, Ordering::Acquire) {
+        return false;
+    }
+    let ok = (0..vcpus).all(|vcpu| {
         control(ControlRequest {
             op: OP_REGISTER_HINT_PAGE,
             vcpu,
             gpa: hint_page(vcpu),
             arg: tsc_khz,
         }) == Some(STATUS_OK)
-    })
+    });
+    CONTROL_BUSY.store(false, Ordering::Release);
+    ok
+}
+
+/// Registers every hint page again if the device's `ConfigGeneration` changed since they were
+/// registered (the VMM changes it when a new backend took over, which knows none of them).
+/// One MMIO read (an exit to the VMM); callers use it now and then, on a slow path. Another
+/// vCPU already registering makes this a no-op.
+pub fn reregister_if_needed(hint_page: impl Fn(u32) -> u64) {
+    let base = BASE.load(Ordering::Relaxed);
+    if base == 0 {
+        return;
+    }
+    let generation = read(base, CONFIG_GENERATION);
+    if generation == GENERATION.load(Ordering::Relaxed) {
+        return;
+    }
+    let vcpus = VCPUS.load(Ordering::Relaxed);
+    if register_pages(vcpus, TSC_KHZ.load(Ordering::Relaxed), &hint_page) {
+        GENERATION.store(generation, Ordering::Relaxed);
+    }
 }
