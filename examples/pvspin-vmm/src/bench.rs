@@ -354,6 +354,10 @@ impl fmt::Display for BenchTable {
     }
 }
 
+/// In `--pv-backend vhost-user:PATH` of a multi-VM bench: the VM's index (each VM needs a socket
+/// of its own).
+pub const VM_PLACEHOLDER: &str = "{vm}";
+
 /// One run of case `k` as `vms` VMs at once, each a child process of this one running the same
 /// command line with `--child-case k --child-vm i`. The run's time is the slowest VM's.
 fn run_vms(k: usize, case: &mut CaseResult, vms: u32, timeout_ms: u64) -> Result<(), RunError> {
@@ -481,13 +485,30 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
     for case in &cases {
         case.variant.config(&base, case.hogs).validate(u32::MAX)?;
     }
+    // A vhost-user socket serves one VM at a time: VMs run side by side need one each.
+    let vhost_variant = cases.iter().any(|c| c.variant.vhost);
+    if let (true, true, Some(path)) = (options.vms > 1, vhost_variant, &base.vhost_user) {
+        if !path.to_string_lossy().contains(VM_PLACEHOLDER) {
+            return Err(RunError::Refused(format!(
+                "--vms {} with vhost-user variants needs a socket per VM: put {VM_PLACEHOLDER} in the \
+                 --pv-backend path (replaced by the VM's index), and serve each with pvspind",
+                options.vms
+            )));
+        }
+    }
     if let Some((k, vm_index)) = options.child {
         let case = cases
             .get(k)
             .ok_or(RunError::Refused(format!("no case {k}")))?;
         // The case's hogs belong to the first VM only.
         let hogs = if vm_index == 0 { case.hogs } else { 0 };
-        let report = vmm::run(&case.variant.config(&base, hogs))?;
+        let mut config = case.variant.config(&base, hogs);
+        config.vhost_user = config.vhost_user.map(|path| {
+            path.to_string_lossy()
+                .replace(VM_PLACEHOLDER, &vm_index.to_string())
+                .into()
+        });
+        let report = vmm::run(&config)?;
         crate::cli::print_stdout(&report.to_json());
         return Ok(BenchTable {
             title: String::new(),
