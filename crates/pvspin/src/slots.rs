@@ -2,7 +2,7 @@
 //! hooks, with the guest's critical sections read from its hint page and forced exits
 //! through the VMM's interrupter.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_msr_entry, Msrs};
@@ -41,10 +41,13 @@ impl SlotSignals for Signals {
 /// KVM's steal-time MSR (`MSR_KVM_STEAL_TIME`): the area's GPA, bit 0 = enabled.
 const MSR_KVM_STEAL_TIME: u32 = 0x4b56_4d03;
 /// `struct kvm_steal_time`: the `preempted` byte's offset.
-const STEAL_TIME_PREEMPTED: u64 = 16;
+const STEAL_TIME_PREEMPTED: u64 = pvspin_track::steal::PREEMPTED_OFFSET as u64;
 /// `KVM_VCPU_PREEMPTED`, the bit KVM sets when it deschedules a runnable vCPU (bit 1,
 /// `KVM_VCPU_FLUSH_TLB`, is the guest's: it asks KVM to flush at the next entry).
-const KVM_VCPU_PREEMPTED: u8 = 1;
+const KVM_VCPU_PREEMPTED: u8 = pvspin_track::steal::KVM_VCPU_PREEMPTED;
+/// While a vCPU's steal-time area is unknown, `MSR_KVM_STEAL_TIME` is read at one slot loss in
+/// this many: a guest that never enables steal time must not cost an ioctl per exit.
+const STEAL_TIME_READ_EVERY: u32 = 64;
 
 /// The steal-time area's GPA in an `MSR_KVM_STEAL_TIME` value, if the guest enabled it
 /// (64-byte aligned; bits 1..5 reserved).
@@ -62,6 +65,8 @@ pub(crate) struct SlotState {
     memory: Option<Arc<dyn GuestPageMap>>,
     /// Per vCPU: its steal-time area's GPA + 1 (0: unknown or none).
     steal_time: Vec<AtomicU64>,
+    /// Per vCPU: slot losses while its steal-time area was unknown (paces the MSR reads).
+    steal_time_misses: Vec<AtomicU32>,
     /// Waits shown to the guest through the steal-time `preempted` byte.
     marks: AtomicU64,
 }
@@ -83,6 +88,7 @@ impl SlotState {
             },
             memory,
             steal_time: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
+            steal_time_misses: (0..vcpus).map(|_| AtomicU32::new(0)).collect(),
             marks: AtomicU64::new(0),
         })
     }
@@ -94,14 +100,22 @@ impl SlotState {
         }
     }
 
-    /// After a run that cost `v` its slot: learns its steal-time area from
-    /// `MSR_KVM_STEAL_TIME` (one `KVM_GET_MSRS`, only when it is not known yet and the vCPU
-    /// will wait), so that the wait can be shown to the guest.
+    /// After a run that cost `v` its slot (the caller knows it will wait): learns its
+    /// steal-time area from `MSR_KVM_STEAL_TIME`, so that the wait can be shown to the guest.
+    /// One `KVM_GET_MSRS` while the area is unknown, then one in every
+    /// [`STEAL_TIME_READ_EVERY`] losses until the guest enables it.
     pub(crate) fn learn_steal_time(&self, v: usize, vcpu: &VcpuFd) {
-        let Some(slot) = self.steal_time.get(v) else {
+        let (Some(slot), Some(misses)) = (self.steal_time.get(v), self.steal_time_misses.get(v))
+        else {
             return;
         };
-        if self.memory.is_none() || slot.load(Ordering::Relaxed) != 0 || self.slots.holds(v) {
+        if self.memory.is_none() || slot.load(Ordering::Relaxed) != 0 {
+            return;
+        }
+        // Only this vCPU's thread counts its misses.
+        let miss = misses.load(Ordering::Relaxed);
+        misses.store(miss.wrapping_add(1), Ordering::Relaxed);
+        if miss % STEAL_TIME_READ_EVERY != 0 {
             return;
         }
         let entry = kvm_msr_entry {
