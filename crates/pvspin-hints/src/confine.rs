@@ -140,6 +140,20 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
         }
         Err(err) => return not(format!("reading {}/cgroup.procs: {err}", dir.display())),
     }
+    // Processes of a child cgroup compete with this one's threads too (in its cpu group when
+    // the child has no cpu controller, by weight against them in v1): boosting the VMM's
+    // threads would take CPU from them.
+    match std::fs::read_dir(&dir) {
+        Ok(entries) => {
+            if let Some(child) = entries.flatten().find(|e| e.path().is_dir()) {
+                return not(format!(
+                    "cpu cgroup {path} has a child cgroup ({}): boosts would take CPU from its processes",
+                    child.file_name().to_string_lossy()
+                ));
+            }
+        }
+        Err(err) => return not(format!("listing {}: {err}", dir.display())),
+    }
     Verdict::Confined { cgroup: dir }
 }
 
@@ -215,6 +229,12 @@ mod tests {
             assert!(!v.allows_nice(), "{v:?}");
             let no_controller = tree(v1, "42\n", false);
             assert!(!check_at(&Confinement::Auto, text, 42, no_controller.path()).allows_nice());
+            // A child cgroup's processes would compete with the boosted threads.
+            let with_child = tree(v1, "42\n", true);
+            let sub = if v1 { "cpu/vms/vm1/child" } else { "vms/vm1/child" };
+            std::fs::create_dir_all(with_child.path().join(sub)).unwrap();
+            let v = check_at(&Confinement::Auto, text, 42, with_child.path());
+            assert!(matches!(&v, Verdict::NotConfined { reason } if reason.contains("child")));
         }
         let root = tree(false, "42\n", true);
         let v = check_at(&Confinement::Auto, "0::/\n", 42, root.path());
