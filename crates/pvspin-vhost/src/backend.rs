@@ -234,8 +234,10 @@ impl PvspinBackend {
     /// device state.
     pub fn stop(&self) {
         self.inner.stopping.store(true, Ordering::Release);
-        self.inner.timer.notify_all();
+        // `forget` takes the lock the timer waits under, so the timer is either waiting (and
+        // woken next) or sees `stopping` before it waits: no lost wake-up.
         self.forget();
+        self.inner.timer.notify_all();
     }
 
     /// Closes the exit-event descriptors vhost-user-backend leaves open. Call it only after

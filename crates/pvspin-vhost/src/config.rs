@@ -123,17 +123,6 @@ pub enum YieldMode {
     Confined,
 }
 
-impl YieldMode {
-    /// The name used on the command line and in telemetry.
-    pub fn name(self) -> &'static str {
-        match self {
-            YieldMode::Off => "off",
-            YieldMode::Deboost => "deboost",
-            YieldMode::Confined => "confined",
-        }
-    }
-}
-
 /// Default vCPU thread-name patterns: the example VMM's and QEMU's. `{N}` is the vCPU index.
 pub const DEFAULT_THREAD_PATTERNS: [&str; 2] = ["vcpu{N}", "CPU {N}/KVM"];
 

@@ -423,6 +423,8 @@ fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBoo
             continue;
         }
         let Ok((stream, _)) = listener.accept() else {
+            // Readable but not acceptable (out of descriptors): do not spin on it.
+            std::thread::sleep(Duration::from_millis(100));
             continue;
         };
         if let Err(err) = answer_control(&stream, host) {

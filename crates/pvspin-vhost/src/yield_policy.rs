@@ -398,8 +398,14 @@ fn read_small(path: &Path) -> io::Result<String> {
     Ok(s)
 }
 
-/// Whether this process has `CAP_SYS_NICE` in its effective set.
+/// Whether this process has `CAP_SYS_NICE` in its effective set (read once: asked at every
+/// priority change).
 fn has_cap_sys_nice() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(read_cap_sys_nice)
+}
+
+fn read_cap_sys_nice() -> bool {
     const CAP_SYS_NICE: u32 = 23;
     read_small(Path::new("/proc/self/status"))
         .ok()
@@ -452,14 +458,8 @@ impl ThreadActions for ProcThreads {
     }
 
     fn set_nice(&mut self, tid: u32, nice: i32) -> io::Result<()> {
-        // SAFETY: setpriority only reads its integer arguments; on Linux PRIO_PROCESS with a
-        // thread id changes that one thread.
-        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        let tid = i32::try_from(tid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        pvspin_hints::sched::set_nice(tid, nice)
     }
 
     fn may_lower_to(&mut self, nice: i32) -> bool {
