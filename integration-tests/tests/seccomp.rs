@@ -459,6 +459,7 @@ fn watchdog_and_control_rules_stop_what_they_do_not_need() {
 
 #[test]
 fn pvspin_confines_its_boost_watchdog_with_the_vmms_filter() {
+    const TEST: &str = "pvspin_confines_its_boost_watchdog_with_the_vmms_filter";
     #[derive(Debug)]
     struct NoInterrupter;
     impl pvspin::VcpuInterrupter for NoInterrupter {
@@ -482,11 +483,13 @@ fn pvspin_confines_its_boost_watchdog_with_the_vmms_filter() {
     let pvspin = match build(program(ThreadKind::BoostWatchdog)) {
         Ok(pvspin) => pvspin,
         Err(pvspin::ConfigError::Actuator { reason, .. }) if reason.contains("CAP_SYS_NICE") => {
-            eprintln!("SKIPPED: nice boosts are not permitted here: {reason}");
+            eprintln!("SKIPPED {TEST}: nice boosts are not permitted here: {reason}");
+            pvspin_integration_tests::record("cap_sys_nice", TEST, Some(&reason));
             return;
         }
         Err(err) => panic!("{err}"),
     };
+    pvspin_integration_tests::record("cap_sys_nice", TEST, None);
     let confined = thread_modes(std::process::id())
         .remove("pvspin-boost-wd")
         .expect("the watchdog thread runs");

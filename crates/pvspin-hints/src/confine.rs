@@ -231,7 +231,11 @@ mod tests {
             assert!(!check_at(&Confinement::Auto, text, 42, no_controller.path()).allows_nice());
             // A child cgroup's processes would compete with the boosted threads.
             let with_child = tree(v1, "42\n", true);
-            let sub = if v1 { "cpu/vms/vm1/child" } else { "vms/vm1/child" };
+            let sub = if v1 {
+                "cpu/vms/vm1/child"
+            } else {
+                "vms/vm1/child"
+            };
             std::fs::create_dir_all(with_child.path().join(sub)).unwrap();
             let v = check_at(&Confinement::Auto, text, 42, with_child.path());
             assert!(matches!(&v, Verdict::NotConfined { reason } if reason.contains("child")));

@@ -14,9 +14,9 @@
 //! read but not answered is not lost: the guest re-checks after any wake), and tries to
 //! reconnect every [`RECONNECT_EVERY`]. After a reconnection it replays the device state
 //! (features, memory table, every ready queue) and stops relaying. A new backend has no
-//! hint-page registrations: the budgets already published stay in guest memory, but spin
-//! notifications are ignored by the backend until the guest registers again (this example's
-//! guest registers at boot only).
+//! hint-page registrations: the budgets already published stay in guest memory, and the VMM
+//! changes the device's `ConfigGeneration`, which tells the guest to register again (until
+//! it does, the backend ignores its spin notifications).
 
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -45,8 +45,6 @@ use crate::virtio_mmio::{MmioEffect, MmioRegisters, QUEUE_NOTIFY, STATUS_DRIVER_
 pub const RECONNECT_EVERY: Duration = Duration::from_millis(100);
 /// The largest queue the device offers (`QueueNumMax`).
 const QUEUE_NUM_MAX: u16 = 256;
-/// First GSI of the kick queues' irqfds (after the IOAPIC's 24 pins).
-const FIRST_KICK_GSI: u32 = 24;
 
 const VIRTIO_F_VERSION_1: u64 = 1 << virtio::F_VERSION_1;
 
@@ -275,7 +273,8 @@ impl VhostPvspin {
                     source,
                 })?;
             if let Some(QueueRole::Kick(v)) = virtio::queue_role(max_vcpus, index) {
-                let gsi = FIRST_KICK_GSI + v;
+                // The kick queues' irqfds take the GSIs after the IOAPIC's pins.
+                let gsi = pvspin_kvm::irqchip::FIRST_FREE_GSI + v;
                 routes.push(
                     pvspin_kvm::irqchip::remrd_route(gsi, v)
                         .map_err(|err| VhostError::Backend(err.to_string()))?,

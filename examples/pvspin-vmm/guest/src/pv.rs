@@ -37,6 +37,10 @@ pub static USER_MODE: AtomicBool = AtomicBool::new(false);
 /// Waiters use the doorbell's WAIT command instead of `hlt` (always in user mode).
 static WAIT_DOORBELL: AtomicBool = AtomicBool::new(false);
 
+/// The wait carries the spin notification in its own exit (the doorbell's WAIT; not the
+/// example VMM's halt port, which tells the virtio device nothing), so no separate SPIN.
+static WAIT_NOTIFIES: AtomicBool = AtomicBool::new(false);
+
 /// The time budgets of the hint pages are in use (else ABI 0.2 spin counts).
 static TIME_BUDGETS: AtomicBool = AtomicBool::new(false);
 
@@ -98,7 +102,7 @@ fn register_hint_page(vcpu: u32) -> bool {
     let Some(page) = HINT_PAGES.get(vcpu as usize) else {
         return false;
     };
-    let pfn = (page as *const HintPage as u64) / pvspin_abi::doorbell::SHARED_PAGE_SIZE;
+    let pfn = hint_page_gpa(vcpu) / pvspin_abi::doorbell::SHARED_PAGE_SIZE;
     outl(
         DOORBELL.load(Ordering::Relaxed) + SHARED_PAGE_OFFSET,
         u32::try_from(pfn).unwrap_or(0),
@@ -225,11 +229,7 @@ impl PvPlatform for Platform {
             local.store(page.load64(hint::WAIT_AFTER_TSC), Ordering::Relaxed);
         }
         // A waiter that waits with WAIT notifies in that same exit: no separate SPIN.
-        // (The example's halt port, used with the virtio device, carries nothing to the
-        // device: there waiters notify through their spin queue as in kernel mode.)
-        let notify_after = if WAIT_DOORBELL.load(Ordering::Relaxed)
-            && VIRTIO_NOTIFY.load(Ordering::Relaxed) == 0
-        {
+        let notify_after = if WAIT_NOTIFIES.load(Ordering::Relaxed) {
             u64::MAX
         } else {
             page.load64(hint::SPIN_WINDOW_TSC)
@@ -303,8 +303,11 @@ impl PvPlatform for Platform {
             {
                 // Now and then (an MMIO read exits): a restarted backend has forgotten the
                 // hint pages, and the device's ConfigGeneration says so.
+                // Only this vCPU writes its count: no locked add.
                 if let Some(count) = SPIN_NOTIFICATIONS.get(cpu as usize) {
-                    if count.fetch_add(1, Ordering::Relaxed) % REGISTRATION_CHECK_EVERY == 0 {
+                    let n = count.load(Ordering::Relaxed);
+                    count.store(n.wrapping_add(1), Ordering::Relaxed);
+                    if n % REGISTRATION_CHECK_EVERY == 0 {
                         crate::virtio::reregister_if_needed(hint_page_gpa);
                     }
                 }
@@ -336,14 +339,6 @@ pub fn critical_section(vcpu: u32, inside: bool) {
 /// section and waiting for `target` with a huge wait behind it, then sends a SPIN
 /// notification naming `target` (which is running, not holding anything).
 pub fn abuse(vcpu: u32, target: u32, round: u64) {
-    if let Some(p) = HINT_PAGES.get(vcpu as usize) {
-        p.store32(hint::CS_DEPTH, 1);
-        p.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
-        p.store32(hint::WAITING_FOR, target);
-        if let Some(a) = p.u64_at(hint::LAST_WAIT_TSC) {
-            a.store(u64::MAX - round, Ordering::Relaxed);
-        }
-    }
     let notify = SpinNotify {
         waiting_for: u16::try_from(target).ok(),
         next_owner: true,
@@ -351,12 +346,22 @@ pub fn abuse(vcpu: u32, target: u32, round: u64) {
         lock_hash: round as u16,
     };
     let virtio = VIRTIO_NOTIFY.load(Ordering::Relaxed);
-    if virtio != 0 {
-        // Through the virtio device: the notification in the page, then its spin queue, and a
-        // kick of `target` on top (a guest that notifies in a loop, for the daemon's pacing).
-        if let Some(p) = HINT_PAGES.get(vcpu as usize) {
-            p.store32(hint::WAITING_FOR, notify.encode());
+    if let Some(p) = HINT_PAGES.get(vcpu as usize) {
+        p.store32(hint::CS_DEPTH, 1);
+        p.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
+        // The virtio device reads the notification from the page; the doorbell host gets it
+        // in the OUT below.
+        p.store32(
+            hint::WAITING_FOR,
+            if virtio != 0 { notify.encode() } else { target },
+        );
+        if let Some(a) = p.u64_at(hint::LAST_WAIT_TSC) {
+            a.store(u64::MAX - round, Ordering::Relaxed);
         }
+    }
+    if virtio != 0 {
+        // Through the virtio device: its spin queue, and a kick of `target` on top (a guest
+        // that notifies in a loop, for the daemon's pacing).
         let max = VIRTIO_MAX_VCPUS.load(Ordering::Relaxed);
         if let Some(queue) = spin_queue(max, vcpu) {
             crate::virtio::notify(virtio, queue);
@@ -469,6 +474,7 @@ pub fn enable_v03(vcpu: u32, info: &PvspinInfo, spin_budgets: bool, wait_doorbel
             return false;
         }
         WAIT_DOORBELL.store(true, Ordering::Relaxed);
+        WAIT_NOTIFIES.store(true, Ordering::Relaxed);
     }
     if !spin_budgets {
         if info.features & FEATURE_SHARED_PAGE == 0 || !register_hint_page(vcpu) {
