@@ -19,9 +19,8 @@
 //!
 //! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
 //!
-//! [`slots`] is the run-slot policy: at most S vCPUs run guest code at once, the lock holder
-//! and kicked vCPUs first, the others parked on the VMM's own waits; [`confine`] says whether
-//! priority boosts stay inside the VM's CPU share.
+//! [`confine`] says whether priority boosts stay inside the VM's CPU share. The run-slot
+//! scheduler is the crate `pvspin-slots`.
 //!
 //! **Not implemented yet:** affinity actuators. The side-by-side measurement of the three
 //! actuators needs the example VMM and its guests.
@@ -36,8 +35,6 @@ pub mod confine;
 pub mod page;
 #[cfg(not(loom))]
 pub mod sched;
-pub mod slots;
-mod sync;
 
 #[cfg(not(loom))]
 pub use actuator::{
@@ -50,7 +47,6 @@ pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHoo
 pub use confine::{Confinement, Verdict};
 #[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
-pub use slots::{EnterOutcome, RunSlots, SlotConfig, SlotError, SlotSignals, SlotStats};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

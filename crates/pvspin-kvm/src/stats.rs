@@ -685,6 +685,36 @@ impl StatsFd {
     }
 }
 
+impl StatsFd {
+    /// A reader of the one-value stat `name` (e.g. the instant `blocking`), for polling it
+    /// cheaply: each [`StatValue::read`] is one 8-byte `pread`. `None` when the fd has no such
+    /// stat, or it is a histogram.
+    pub fn value_reader(&self, name: &str) -> Option<std::io::Result<StatValue>> {
+        let desc = self.layout.descriptor(name)?;
+        if desc.size != 1 {
+            return None;
+        }
+        let at = u64::from(self.layout.header.data_offset) + u64::from(desc.offset);
+        Some(self.file.try_clone().map(|file| StatValue { file, at }))
+    }
+}
+
+/// One value of a stats fd ([`StatsFd::value_reader`]), readable from any thread.
+#[derive(Debug)]
+pub struct StatValue {
+    file: File,
+    at: u64,
+}
+
+impl StatValue {
+    /// The value now (the raw `u64`, unscaled).
+    pub fn read(&self) -> Result<u64> {
+        let mut b = [0u8; 8];
+        read_at(&self.file, &mut b, self.at, "value")?;
+        Ok(u64::from_ne_bytes(b))
+    }
+}
+
 fn read_at(file: &File, buf: &mut [u8], at: u64, what: &'static str) -> Result<()> {
     file.read_exact_at(buf, at)
         .map_err(|source| StatsError::Io { what, source })

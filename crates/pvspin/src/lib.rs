@@ -95,10 +95,13 @@
 //! mode too, and the WAIT carries its notification. With directed yield and hint pages, a
 //! boost trial (`pvspin_yield::trial`) decides from the wait reports whether boosting a
 //! waited-for vCPU that the host sees running pays off.
-//! With [`PvSpinBuilder::run_slots`] (userspace kick path) pvspin decides which vCPUs run: at
-//! most S in guest code at once, the kicked vCPU taking its kicker's slot, a holder inside a
-//! critical section (its hint page's `CS_DEPTH`) kept once past its quantum, the others
-//! parked in `before_run` with `NOT_RUNNING` on their hint pages (`pvspin_hints::slots`).
+//! With [`PvSpinBuilder::run_slots`] pvspin decides which vCPUs run: at most S in guest code at
+//! once, the kicked vCPU taking its kicker's slot, a holder inside a critical section (its hint
+//! page's `CS_DEPTH`) kept once past its quantum, the others parked in `before_run` with
+//! `NOT_RUNNING` on their hint pages (crate `pvspin_slots`). On the in-kernel and signal-msi
+//! paths halts stay inside KVM: a halt watcher thread reads KVM's per-vCPU `blocking`
+//! statistic, lends a halted holder's slot to a waiter and gives a vCPU that KVM woke a slot
+//! back at once.
 //! Directed yield's boosts are used only where they stay inside the VM's CPU share
 //! ([`Confinement`]).
 //!
@@ -106,8 +109,9 @@
 //! (its `preempted` byte, which KVM clears at the next entry), so a stock Linux guest's
 //! `vcpu_is_preempted` sees the slots' decisions.
 //!
-//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; run slots on
-//! the MSI kick paths (halts there stay inside KVM, unseen); the boost still cannot end when the
+//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; on the
+//! in-kernel path a kick stays inside KVM, so a kicked vCPU is seen only when the halt watcher
+//! next polls (there is no hand-over from its kicker); the boost still cannot end when the
 //! holder releases its lock (the host does not see the release), which is why boosting can
 //! cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
@@ -130,11 +134,11 @@ pub use interrupt::{SignalInterrupter, VcpuThread};
 pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine;
-pub use pvspin_hints::slots::{entitled_cpus, SlotConfig, SlotStats};
 pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_hints::{Confinement, Verdict};
 pub use pvspin_kick::{KickPath, KickStats, Reject};
+pub use pvspin_slots::{entitled_cpus, SlotConfig, SlotStats};
 pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
 pub use pvspin_yield::{PolicyConfig, WindowConfig};
@@ -179,7 +183,7 @@ pub trait VcpuInterrupter: Send + Sync + Debug {
 }
 
 /// Invalid configuration given to the builder or the hooks.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// `vcpus` was never set.
     #[error("the number of vCPUs must be set (PvSpinBuilder::vcpus)")]
@@ -231,7 +235,10 @@ pub enum ConfigError {
     HintPages(String),
     /// The run-slot configuration broke a rule.
     #[error("run slots: {0}")]
-    RunSlots(String),
+    RunSlots(#[from] pvspin_slots::SlotError),
+    /// The run slots' halt watcher thread could not start.
+    #[error("run slots: {0}")]
+    HaltWatcher(#[from] pvspin_slots::WatchError),
     /// An ordering or combination rule of the embedding API, named.
     #[error("rule: {0}")]
     Rule(&'static str),
@@ -451,9 +458,13 @@ impl PvSpinBuilder {
     /// `NOT_RUNNING`. A kicked vCPU, or one a waiter names, goes first; a vCPU inside a
     /// critical section (its hint page's `CS_DEPTH`) keeps its slot once past its quantum;
     /// otherwise round robin, an overdue vCPU forced out through the [`VcpuInterrupter`].
-    /// Needs the userspace kick path, where pvspin sees every halt and kick (on the MSI paths
-    /// halts stay inside KVM, holding their slot). See `pvspin_hints::slots` for the bound on
-    /// a vCPU's wait. With hint pages (pvspin's access to guest memory), a vCPU that waits
+    /// Needs a kick path. On the in-kernel and signal-msi paths halts stay inside KVM: `build`
+    /// starts a halt watcher thread (`pvspin-slot-watch`, under [`helper_thread_filter`](Self::helper_thread_filter)) that
+    /// polls KVM's `blocking` statistic of the holders every
+    /// `config.halt_watch_interval` while someone waits, and `configure_vcpu` refuses a host
+    /// without that statistic. See `pvspin_slots::policy` for the bound on a vCPU's wait and
+    /// on how long more vCPUs than slots run.
+    /// With hint pages (pvspin's access to guest memory), a vCPU that waits
     /// for a slot is also shown preempted in its KVM steal-time area, if its guest registered
     /// one (learned from `MSR_KVM_STEAL_TIME`, or given with
     /// [`PvSpin::set_steal_time_gpa`]): KVM sets that byte itself only when it deschedules a
@@ -472,13 +483,15 @@ impl PvSpinBuilder {
     }
 
     /// Installs `filter` (seccomp, with `seccompiler::apply_filter`) as the first thing on
-    /// every helper thread pvspin starts that outlives [`build`](Self::build): today the boost
-    /// watchdog `pvspin-boost-wd` of the `nice` and `fifo` directed-yield actuators. The filter
-    /// must allow [`seccomp::baseline_rules`] and
-    /// [`seccomp::rules`]`(`[`seccomp::ThreadKind::BoostWatchdog`]`)` merged with whatever the
-    /// VMM's logger needs. If it cannot be installed the thread stops before doing anything
-    /// else and `build` fails with [`ConfigError::Actuator`] (no step-down to another
-    /// actuator). The short-lived probe thread (`pvspin-probe`) runs and ends inside
+    /// every helper thread pvspin starts that outlives [`build`](Self::build): the boost
+    /// watchdog `pvspin-boost-wd` of the `nice` and `fifo` directed-yield actuators and the
+    /// run slots' halt watcher `pvspin-slot-watch` (in-kernel and signal-msi paths). The filter
+    /// must allow [`seccomp::baseline_rules`],
+    /// [`seccomp::rules`]`(`[`seccomp::ThreadKind::BoostWatchdog`]`)` and
+    /// [`seccomp::rules`]`(`[`seccomp::ThreadKind::SlotWatcher`]`)` for the threads it
+    /// starts, merged with whatever the VMM's logger needs. If it cannot be installed the
+    /// thread stops before doing anything else and `build` fails with
+    /// [`ConfigError::Actuator`] or [`ConfigError::HaltWatcher`] (no step-down). The short-lived probe thread (`pvspin-probe`) runs and ends inside
     /// `build`, so it is covered by whatever the thread calling `build` runs under.
     pub fn helper_thread_filter(mut self, filter: Arc<seccompiler::BpfProgram>) -> Self {
         self.helper_thread_filter = Some(filter);
@@ -563,24 +576,26 @@ impl PvSpinBuilder {
             )?)),
             None => None,
         };
-        let run_slots = match self.run_slots {
-            None => None,
-            Some(_) if self.kick.map(|k| k.path) != Some(KickPath::Userspace) => {
+        let run_slots = match (self.run_slots, self.kick) {
+            (None, _) => None,
+            (Some(_), None) => {
                 return Err(ConfigError::Rule(
-                    "run slots need the userspace kick path (PvSpinBuilder::kick): pvspin must \
-                     see every halt and kick, and on the MSI paths halts stay inside KVM",
+                    "run slots need a kick path (PvSpinBuilder::kick): the slots gate the \
+                     vCPU threads through the hooks and force exits through the interrupter",
                 ))
             }
-            Some(cfg) => Some(Arc::new(
-                slots::SlotState::new(
+            (Some(cfg), Some(kick)) => {
+                cfg.validate(vcpus)?;
+                Some(Arc::new(slots::SlotState::new(
                     vcpus,
                     cfg,
                     hints.clone(),
                     self.hints.as_ref().map(|h| h.memory.clone()),
                     interrupter.clone(),
-                )
-                .map_err(|e| ConfigError::RunSlots(e.to_string()))?,
-            )),
+                    kick.path != KickPath::Userspace,
+                    self.helper_thread_filter.clone().map(seccomp::start_hook),
+                )?))
+            }
         };
         let lapic_in_kernel = match (self.kick, &paravirt) {
             (Some(kick), _) => Some(kick.needs_lapic()),
@@ -862,6 +877,7 @@ impl PvSpin {
     pub fn shutdown(&self) {
         if let Some(slots) = &self.run_slots {
             slots.slots.shutdown();
+            slots.stop_watcher();
         }
         if let Some(kick) = self.kick.get() {
             kick.device.shutdown();
@@ -968,6 +984,9 @@ impl PvSpin {
             None => None,
         };
         self.stats.open_vcpu(index, vcpu);
+        if let Some(slots) = &self.run_slots {
+            slots.open_vcpu(index, vcpu)?;
+        }
         if let Some(hints) = &self.hints {
             // Budgets are published in guest TSC cycles; without the frequency they read 0
             // (spin not at all), so a host that cannot tell it is refused here.
@@ -1067,6 +1086,7 @@ impl PvSpin {
                     s.slots.config().slots,
                     s.stats(),
                     s.steal_time_marks(),
+                    s.watch_stats(),
                 )
             }),
             hints: self
@@ -1106,11 +1126,11 @@ mod tests {
     #[test]
     fn builder_refuses_invalid_configuration_naming_the_rule() {
         let interrupter = Arc::new(CountingInterrupter::default());
-        assert_eq!(
+        assert!(matches!(
             PvSpin::builder().build().unwrap_err(),
             ConfigError::MissingVcpus
-        );
-        assert_eq!(
+        ));
+        assert!(matches!(
             PvSpin::builder()
                 .vcpus(0)
                 .interrupter(interrupter.clone())
@@ -1120,7 +1140,7 @@ mod tests {
                 got: 0,
                 max: MAX_VCPUS
             }
-        );
+        ));
         assert!(PvSpin::builder()
             .vcpus(MAX_VCPUS + 1)
             .interrupter(interrupter.clone())
@@ -1128,27 +1148,27 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("between 1 and 4096"));
-        assert_eq!(
+        assert!(matches!(
             PvSpin::builder().vcpus(2).build().unwrap_err(),
             ConfigError::MissingInterrupter
-        );
+        ));
         let err = PvSpin::builder()
             .vcpus(2)
             .interrupter(interrupter.clone())
             .paravirt(PlanRequest::new(Placement::Shared, 4))
             .build()
             .unwrap_err();
-        assert_eq!(
+        assert!(matches!(
             err,
             ConfigError::PlanVcpus {
                 plan: 4,
                 builder: 2
             }
-        );
+        ));
         assert!(err.to_string().starts_with("rule:"), "{err}");
         let mut request = PlanRequest::new(Placement::Shared, 2);
         request.disable_fix_hypercall_quirk = Some(true);
-        assert_eq!(
+        assert!(matches!(
             PvSpin::builder()
                 .vcpus(2)
                 .interrupter(interrupter.clone())
@@ -1157,7 +1177,7 @@ mod tests {
                 .build()
                 .unwrap_err(),
             ConfigError::QuirkConflict
-        );
+        ));
         assert_eq!(
             PvSpin::builder()
                 .vcpus(2)
@@ -1174,13 +1194,13 @@ mod tests {
         let interrupter = Arc::new(CountingInterrupter::default());
         let kick = KickOptions::new(KickPath::Userspace);
         let base = || PvSpin::builder().vcpus(2).interrupter(interrupter.clone());
-        assert_eq!(
+        assert!(matches!(
             base()
                 .directed_yield(DirectedYieldOptions::default())
                 .build()
                 .unwrap_err(),
             ConfigError::DirectedYieldNeedsKick
-        );
+        ));
         let err = base()
             .kick(kick)
             .directed_yield(DirectedYieldOptions {

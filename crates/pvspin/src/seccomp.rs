@@ -145,6 +145,13 @@ pub enum ThreadKind {
     /// `sched_setscheduler`), and with `fifo` raises itself to `SCHED_FIFO` once (`gettid`,
     /// `sched_setscheduler`).
     BoostWatchdog,
+    /// The run slots' halt watcher `pvspin-slot-watch` (`pvspin_slots::watch`) that `build`
+    /// starts for run slots on the in-kernel and signal-msi kick paths: reads KVM's `blocking`
+    /// statistic of the watched vCPUs (`pread64`), sleeps between polls (`clock_nanosleep`,
+    /// `nanosleep`) and on a condition variable (`futex`), and forces a vCPU out of `KVM_RUN`
+    /// through the interrupter ([`SignalInterrupter`](crate::SignalInterrupter): `tgkill`,
+    /// `getpid`).
+    SlotWatcher,
     /// A VMM thread that calls [`PvSpin`](crate::PvSpin)'s run-time methods after setup
     /// (`telemetry`, `shutdown`, `interrupt`, the statistics getters) and drops it at the end:
     /// reads KVM's statistics fds (`pread64`), releases parked vCPU threads and joins the
@@ -156,17 +163,19 @@ pub enum ThreadKind {
 
 impl ThreadKind {
     /// Every kind.
-    pub const ALL: [ThreadKind; 3] = [
+    pub const ALL: [ThreadKind; 4] = [
         ThreadKind::Vcpu,
         ThreadKind::BoostWatchdog,
+        ThreadKind::SlotWatcher,
         ThreadKind::Control,
     ];
 
-    /// A short name (`vcpu`, `boost-watchdog`, `control`).
+    /// A short name (`vcpu`, `boost-watchdog`, `slot-watcher`, `control`).
     pub fn name(self) -> &'static str {
         match self {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::BoostWatchdog => "boost-watchdog",
+            ThreadKind::SlotWatcher => "slot-watcher",
             ThreadKind::Control => "control",
         }
     }
@@ -255,6 +264,15 @@ fn needs(kind: ThreadKind) -> Vec<Need> {
             any(libc::SYS_gettid, "gettid"),
             arg_in(libc::SYS_setpriority, "setpriority", 0, vec![prio_process]),
             any(libc::SYS_sched_setscheduler, "sched_setscheduler"),
+        ],
+        ThreadKind::SlotWatcher => vec![
+            any(libc::SYS_pread64, "pread64"),
+            any(libc::SYS_futex, "futex"),
+            any(libc::SYS_clock_nanosleep, "clock_nanosleep"),
+            any(libc::SYS_nanosleep, "nanosleep"),
+            any(libc::SYS_tgkill, "tgkill"),
+            any(libc::SYS_getpid, "getpid"),
+            any(libc::SYS_clock_gettime, "clock_gettime"),
         ],
         ThreadKind::Control => vec![
             any(libc::SYS_pread64, "pread64"),
@@ -527,6 +545,6 @@ mod tests {
     #[test]
     fn kinds_have_names() {
         let names: Vec<String> = ThreadKind::ALL.iter().map(|k| k.to_string()).collect();
-        assert_eq!(names, ["vcpu", "boost-watchdog", "control"]);
+        assert_eq!(names, ["vcpu", "boost-watchdog", "slot-watcher", "control"]);
     }
 }

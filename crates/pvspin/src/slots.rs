@@ -1,24 +1,32 @@
-//! Run slots inside the embedding API: the policy (`pvspin_hints::slots`) driven from the
-//! hooks, with the guest's critical sections read from its hint page and forced exits
-//! through the VMM's interrupter.
+//! Run slots inside the embedding API: the policy (`pvspin_slots`) driven from the hooks, with
+//! the guest's critical sections read from its hint page, forced exits through the VMM's
+//! interrupter and, on the in-kernel and signal-msi paths, halts inside KVM seen through KVM's
+//! per-vCPU `blocking` statistic by the halt watcher.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use kvm_bindings::{kvm_msr_entry, Msrs};
 use kvm_ioctls::VcpuFd;
-use pvspin_hints::slots::{EnterOutcome, RunSlots, SlotConfig, SlotSignals, SlotStats};
 use pvspin_hints::GuestPageMap;
+use pvspin_kvm::stats::{StatValue, StatsFd};
+use pvspin_slots::steal::MSR_KVM_STEAL_TIME;
+use pvspin_slots::{
+    EnterOutcome, HaltProbe, HaltWatcher, RunSlots, SlotConfig, SlotSignals, SlotStats,
+    StealTimeMarks, WatchStats,
+};
 
 use crate::hints::HintState;
 use crate::kick::KickState;
 use crate::VcpuInterrupter;
 
+/// The KVM statistic that says a vCPU blocks in KVM's halt (an instant boolean).
+pub(crate) const BLOCKING_STAT: &str = "blocking";
+
 /// What the policy asks of the VM.
 #[derive(Debug)]
 struct Signals {
     hints: Option<Arc<HintState>>,
-    kick: std::sync::OnceLock<Arc<KickState>>,
+    kick: OnceLock<Arc<KickState>>,
     interrupter: Arc<dyn VcpuInterrupter>,
 }
 
@@ -38,84 +46,98 @@ impl SlotSignals for Signals {
     }
 }
 
-/// KVM's steal-time MSR (`MSR_KVM_STEAL_TIME`): the area's GPA, bit 0 = enabled.
-const MSR_KVM_STEAL_TIME: u32 = 0x4b56_4d03;
-/// `struct kvm_steal_time`: the `preempted` byte's offset.
-const STEAL_TIME_PREEMPTED: u64 = pvspin_track::steal::PREEMPTED_OFFSET as u64;
-/// `KVM_VCPU_PREEMPTED`, the bit KVM sets when it deschedules a runnable vCPU (bit 1,
-/// `KVM_VCPU_FLUSH_TLB`, is the guest's: it asks KVM to flush at the next entry).
-const KVM_VCPU_PREEMPTED: u8 = pvspin_track::steal::KVM_VCPU_PREEMPTED;
-/// While a vCPU's steal-time area is unknown, `MSR_KVM_STEAL_TIME` is read at one slot loss in
-/// this many: a guest that never enables steal time must not cost an ioctl per exit.
-const STEAL_TIME_READ_EVERY: u32 = 64;
+/// Per vCPU, KVM's `blocking` statistic, opened at `configure_vcpu`.
+#[derive(Debug)]
+struct KvmBlocking(Vec<OnceLock<StatValue>>);
 
-/// The steal-time area's GPA in an `MSR_KVM_STEAL_TIME` value, if the guest enabled it
-/// (64-byte aligned; bits 1..5 reserved).
-pub(crate) fn steal_time_gpa(msr: u64) -> Option<u64> {
-    (msr & 1 == 1).then_some(msr & !0x3f)
+impl HaltProbe for KvmBlocking {
+    fn halted(&self, v: usize) -> Option<bool> {
+        self.0.get(v)?.get()?.read().ok().map(|b| b != 0)
+    }
 }
 
 /// The run slots of one VM.
 #[derive(Debug)]
 pub(crate) struct SlotState {
-    pub(crate) slots: RunSlots,
-    signals: Signals,
-    /// Guest memory (the hint pages' map), to show a waiting vCPU as preempted in its KVM
-    /// steal-time area.
-    memory: Option<Arc<dyn GuestPageMap>>,
-    /// Per vCPU: its steal-time area's GPA + 1 (0: unknown or none).
-    steal_time: Vec<AtomicU64>,
-    /// Per vCPU: slot losses while its steal-time area was unknown (paces the MSR reads).
-    steal_time_misses: Vec<AtomicU32>,
-    /// Waits shown to the guest through the steal-time `preempted` byte.
-    marks: AtomicU64,
+    pub(crate) slots: Arc<RunSlots>,
+    signals: Arc<Signals>,
+    marks: StealTimeMarks,
+    /// On the MSI paths: what the halt watcher reads.
+    blocking: Option<Arc<KvmBlocking>>,
+    watcher: Mutex<Option<HaltWatcher>>,
+    /// The watcher's counters when it stopped.
+    watch_final: Mutex<Option<WatchStats>>,
 }
 
 impl SlotState {
+    /// `halts_in_kvm`: the VM's halts stay inside KVM (in-kernel LAPIC), so a halt watcher is
+    /// started (`start` runs first on its thread).
     pub(crate) fn new(
         vcpus: usize,
         cfg: SlotConfig,
         hints: Option<Arc<HintState>>,
         memory: Option<Arc<dyn GuestPageMap>>,
         interrupter: Arc<dyn VcpuInterrupter>,
-    ) -> Result<Self, pvspin_hints::SlotError> {
+        halts_in_kvm: bool,
+        start: Option<pvspin_hints::ThreadStartHook>,
+    ) -> Result<Self, crate::ConfigError> {
+        let slots = Arc::new(RunSlots::new(vcpus, cfg)?);
+        let signals = Arc::new(Signals {
+            hints,
+            kick: OnceLock::new(),
+            interrupter,
+        });
+        let (blocking, watcher) = if halts_in_kvm {
+            let blocking = Arc::new(KvmBlocking((0..vcpus).map(|_| OnceLock::new()).collect()));
+            let watcher =
+                HaltWatcher::spawn(slots.clone(), blocking.clone(), signals.clone(), start)?;
+            (Some(blocking), Some(watcher))
+        } else {
+            (None, None)
+        };
         Ok(Self {
-            slots: RunSlots::new(vcpus, cfg)?,
-            signals: Signals {
-                hints,
-                kick: std::sync::OnceLock::new(),
-                interrupter,
-            },
-            memory,
-            steal_time: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
-            steal_time_misses: (0..vcpus).map(|_| AtomicU32::new(0)).collect(),
-            marks: AtomicU64::new(0),
+            slots,
+            signals,
+            marks: StealTimeMarks::new(vcpus, memory),
+            blocking,
+            watcher: Mutex::new(watcher),
+            watch_final: Mutex::new(None),
         })
+    }
+
+    /// On the MSI paths, opens vCPU `v`'s `blocking` statistic for the halt watcher; refused,
+    /// naming the rule, where KVM has none.
+    pub(crate) fn open_vcpu(&self, v: usize, vcpu: &VcpuFd) -> Result<(), crate::ConfigError> {
+        let Some(blocking) = &self.blocking else {
+            return Ok(());
+        };
+        let no_stat = || {
+            crate::ConfigError::Rule(
+                "run slots on the in-kernel and signal-msi kick paths need KVM's per-vCPU binary \
+             statistic `blocking` (KVM_GET_STATS_FD): halts there never leave KVM_RUN",
+            )
+        };
+        let fd = StatsFd::for_vcpu(vcpu).map_err(|_| no_stat())?;
+        let reader = fd
+            .value_reader(BLOCKING_STAT)
+            .ok_or_else(no_stat)?
+            .map_err(|_| no_stat())?;
+        if let Some(cell) = blocking.0.get(v) {
+            let _ = cell.set(reader);
+        }
+        Ok(())
     }
 
     /// Where vCPU `v`'s steal-time area is (`None`: it has none).
     pub(crate) fn set_steal_time_gpa(&self, v: usize, gpa: Option<u64>) {
-        if let Some(slot) = self.steal_time.get(v) {
-            slot.store(gpa.map_or(0, |g| g.saturating_add(1)), Ordering::Relaxed);
-        }
+        self.marks.set_gpa(v, gpa);
     }
 
     /// After a run that cost `v` its slot (the caller knows it will wait): learns its
-    /// steal-time area from `MSR_KVM_STEAL_TIME`, so that the wait can be shown to the guest.
-    /// One `KVM_GET_MSRS` while the area is unknown, then one in every
-    /// [`STEAL_TIME_READ_EVERY`] losses until the guest enables it.
+    /// steal-time area from `MSR_KVM_STEAL_TIME` (paced by [`StealTimeMarks::wants_msr`]),
+    /// so that the wait can be shown to the guest.
     pub(crate) fn learn_steal_time(&self, v: usize, vcpu: &VcpuFd) {
-        let (Some(slot), Some(misses)) = (self.steal_time.get(v), self.steal_time_misses.get(v))
-        else {
-            return;
-        };
-        if self.memory.is_none() || slot.load(Ordering::Relaxed) != 0 {
-            return;
-        }
-        // Only this vCPU's thread counts its misses.
-        let miss = misses.load(Ordering::Relaxed);
-        misses.store(miss.wrapping_add(1), Ordering::Relaxed);
-        if miss % STEAL_TIME_READ_EVERY != 0 {
+        if !self.marks.wants_msr(v) {
             return;
         }
         let entry = kvm_msr_entry {
@@ -126,47 +148,13 @@ impl SlotState {
             return;
         };
         if vcpu.get_msrs(&mut msrs) == Ok(1) {
-            if let Some(gpa) = steal_time_gpa(msrs.as_slice()[0].data) {
-                slot.store(gpa.saturating_add(1), Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Shows vCPU `v` preempted to a guest that registered steal time: sets `preempted` if
-    /// it is clear (the guest's own `vcpu_is_preempted`, as when KVM deschedules a runnable
-    /// vCPU). KVM clears the byte when the vCPU next enters the guest (`record_steal_time`
-    /// exchanges it for 0 and honours a `KVM_VCPU_FLUSH_TLB` the guest added meanwhile), so
-    /// pvspin never clears it itself: a stale mark cannot outlive the wait.
-    fn mark_preempted(&self, v: usize) {
-        let (Some(memory), Some(slot)) = (&self.memory, self.steal_time.get(v)) else {
-            return;
-        };
-        let Some(gpa) = slot.load(Ordering::Relaxed).checked_sub(1) else {
-            return;
-        };
-        let byte = gpa + STEAL_TIME_PREEMPTED;
-        let page = byte & !(pvspin_abi::doorbell::SHARED_PAGE_SIZE - 1);
-        let Some(base) = memory.host_page(page) else {
-            return;
-        };
-        let offset = usize::try_from(byte - page).unwrap_or(0);
-        // SAFETY: `host_page` returned a mapping of the whole 4 KiB page that stays mapped
-        // while the map lives (the `GuestPageMap` contract), and `offset` < 4096.
-        let ptr = unsafe { base.as_ptr().add(offset) };
-        // SAFETY: `ptr` is a valid byte of guest memory (above); the guest and KVM access it
-        // with atomic operations too.
-        let preempted = unsafe { AtomicU8::from_ptr(ptr) };
-        if preempted
-            .compare_exchange(0, KVM_VCPU_PREEMPTED, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            self.marks.fetch_add(1, Ordering::Relaxed);
+            self.marks.learn_from_msr(v, msrs.as_slice()[0].data);
         }
     }
 
     /// Waits shown through the steal-time `preempted` byte.
     pub(crate) fn steal_time_marks(&self) -> u64 {
-        self.marks.load(Ordering::Relaxed)
+        self.marks.marks()
     }
 
     pub(crate) fn set_kick(&self, kick: Arc<KickState>) {
@@ -174,18 +162,18 @@ impl SlotState {
     }
 
     /// Before `KVM_RUN`: waits for a slot, showing the guest meanwhile (hint page
-    /// `NOT_RUNNING`) that this vCPU does not run.
+    /// `NOT_RUNNING`, steal-time `preempted`) that this vCPU does not run.
     pub(crate) fn enter(&self, v: usize) -> EnterOutcome {
         let since = self.slots.now_ns();
-        if let Some(outcome) = self.slots.try_enter(v, since, &self.signals) {
+        if let Some(outcome) = self.slots.try_enter(v, since, &*self.signals) {
             return outcome;
         }
         let page = self.signals.hints.as_ref().and_then(|h| h.pages.get(v));
         if let Some(page) = page {
             page.set_not_running(true);
         }
-        self.mark_preempted(v);
-        let outcome = self.slots.enter(v, &self.signals);
+        self.marks.mark_preempted(v);
+        let outcome = self.slots.enter(v, &*self.signals);
         if let Some(page) = page {
             page.set_not_running(false);
         }
@@ -194,66 +182,39 @@ impl SlotState {
 
     /// After `KVM_RUN`: gives the slot up when due; returns whether `v` still holds it.
     pub(crate) fn exited(&self, v: usize) -> bool {
-        self.slots.exited(v, &self.signals)
+        self.slots.exited(v, &*self.signals)
     }
 
     pub(crate) fn stats(&self) -> SlotStats {
         self.slots.stats()
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Debug)]
-    struct NoInterrupter;
-    impl VcpuInterrupter for NoInterrupter {
-        fn interrupt(&self, _: usize) {}
+    /// The halt watcher's counters, on the MSI paths.
+    pub(crate) fn watch_stats(&self) -> Option<WatchStats> {
+        let running = self
+            .watcher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(HaltWatcher::stats);
+        running.or(*self
+            .watch_final
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
     }
 
-    #[test]
-    fn steal_time_msr_values() {
-        assert_eq!(steal_time_gpa(0), None);
-        assert_eq!(steal_time_gpa(0x1_2340), None, "not enabled");
-        assert_eq!(steal_time_gpa(0x1_2341), Some(0x1_2340));
-        assert_eq!(
-            steal_time_gpa(0x1_2343),
-            Some(0x1_2340),
-            "reserved bits ignored"
-        );
-    }
-
-    /// A wait sets `preempted` only if it is clear, and never touches the guest's flush bit.
-    #[test]
-    fn a_waiting_vcpu_is_marked_preempted_once() {
-        let map = Arc::new(pvspin_hints::BufferPageMap::new(2));
-        let state = SlotState::new(
-            2,
-            SlotConfig::new(1),
-            None,
-            Some(map.clone()),
-            Arc::new(NoInterrupter),
-        )
-        .unwrap();
-        state.mark_preempted(1);
-        assert_eq!(
-            state.steal_time_marks(),
-            0,
-            "no area known: nothing written"
-        );
-        state.set_steal_time_gpa(1, Some(0x1040));
-        let word = || map.word(0x1040 + 16).load(Ordering::Relaxed) as u8;
-        state.mark_preempted(1);
-        assert_eq!(word(), KVM_VCPU_PREEMPTED);
-        assert_eq!(state.steal_time_marks(), 1);
-        // KVM cleared it at entry; the guest's PV TLB flush bit alone is left alone.
-        map.word(0x1040 + 16).store(2, Ordering::Relaxed);
-        state.mark_preempted(1);
-        assert_eq!(word(), 2);
-        assert_eq!(state.steal_time_marks(), 1);
-        state.set_steal_time_gpa(1, Some(0x9000));
-        state.mark_preempted(1);
-        assert_eq!(state.steal_time_marks(), 1, "outside guest memory: ignored");
+    /// Stops the halt watcher (at shutdown; the slots stop it too), keeping its counters.
+    pub(crate) fn stop_watcher(&self) {
+        let watcher = self
+            .watcher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(watcher) = watcher {
+            *self
+                .watch_final
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(watcher.stats());
+        }
     }
 }

@@ -335,7 +335,8 @@ pub struct VmArgs {
     pub boosts: BoostsArg,
     /// Who decides which vCPUs run: the host scheduler alone (`default`), or pvspin's run
     /// slots (`slots`: at most --slots vCPUs in guest code at once, lock holders and kicked
-    /// vCPUs first; needs --kick-path userspace).
+    /// vCPUs first; any kick path: on in-kernel and signal-msi, halts inside KVM are seen
+    /// through KVM's `blocking` statistic).
     #[arg(long, value_enum, default_value_t = SchedArg::Default)]
     pub sched: SchedArg,
     /// With --sched slots: how many (0: the CPUs this process may use).
@@ -344,6 +345,10 @@ pub struct VmArgs {
     /// With --sched slots: the quantum in us (default: pvspin's, 2000).
     #[arg(long)]
     pub slot_quantum_us: Option<u64>,
+    /// With --sched slots on the in-kernel and signal-msi paths: how often the halt watcher
+    /// reads whether vCPUs block in KVM, in us (default: pvspin's, 100).
+    #[arg(long)]
+    pub halt_watch_us: Option<u64>,
     /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
@@ -521,6 +526,7 @@ impl VmArgs {
             seccomp_violation: self.seccomp_violation,
             run_slots: (self.sched == SchedArg::Slots).then_some(self.slots),
             slot_quantum_us: self.slot_quantum_us,
+            halt_watch_us: self.halt_watch_us,
             vhost_user: match &self.pv_backend {
                 PvBackendArg::InProcess => None,
                 PvBackendArg::VhostUser(path) => Some(path.clone()),

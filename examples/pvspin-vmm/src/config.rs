@@ -66,6 +66,9 @@ pub struct RunConfig {
     pub run_slots: Option<u32>,
     /// Run slots: the quantum in us (`None`: pvspin's default).
     pub slot_quantum_us: Option<u64>,
+    /// Run slots on the in-kernel and signal-msi paths: the halt watcher's interval in us
+    /// (`None`: pvspin's default).
+    pub halt_watch_us: Option<u64>,
     /// PV kicks through the pvspin virtio device served by the vhost-user backend at this
     /// socket (`--pv-backend vhost-user:PATH`), instead of pvspin in this process.
     pub vhost_user: Option<std::path::PathBuf>,
@@ -163,6 +166,7 @@ impl Default for RunConfig {
             confinement: pvspin::Confinement::Auto,
             run_slots: None,
             slot_quantum_us: None,
+            halt_watch_us: None,
             vhost_user: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
@@ -234,9 +238,9 @@ pub enum ConfigError {
     /// Ping-pong measures kicks, so it needs PV and a partner.
     #[error("--workload pingpong needs --pv kick and at least 2 vCPUs")]
     PingPongNeedsPv,
-    /// Run slots see halts and kicks on the userspace path only.
-    #[error("--sched slots needs --pv kick or kick+yield with --kick-path userspace")]
-    SlotsNeedUserspaceKicks,
+    /// Run slots gate the vCPU threads through pvspin's hooks, which a kick path brings.
+    #[error("--sched slots needs --pv kick or kick+yield")]
+    SlotsNeedKicks,
     /// The vhost-user backend serves the virtio device's kicks, time budgets only.
     #[error("--pv-backend vhost-user needs --pv kick or kick+yield, --kick-path in-kernel (the kick queues are irqfds on the in-kernel irqchip), --budgets time and no --sched slots")]
     VhostUserNeeds,
@@ -351,10 +355,8 @@ impl RunConfig {
                 return Err(ConfigError::InProcessOnly(option));
             }
         }
-        if self.run_slots.is_some()
-            && (self.pv == PvMode::Off || self.kick_path != pvspin::KickPath::Userspace)
-        {
-            return Err(ConfigError::SlotsNeedUserspaceKicks);
+        if self.run_slots.is_some() && self.pv == PvMode::Off {
+            return Err(ConfigError::SlotsNeedKicks);
         }
         if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
             return Err(ConfigError::AbuseNeedsNotifications);

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | `vcpuN` | the VMM thread | first thing on the thread, before its first `KVM_RUN` | [`ThreadKind::Vcpu`] |
 //! | `hogN` | the VMM thread | first thing on the thread | none |
-//! | `pvspin-boost-wd` | pvspin, in `build` | first thing on the thread (`PvSpinBuilder::helper_thread_filter`) | [`ThreadKind::BoostWatchdog`] |
+//! | `pvspin-boost-wd`, `pvspin-slot-watch` | pvspin, in `build` | first thing on the thread (`PvSpinBuilder::helper_thread_filter`) | [`ThreadKind::BoostWatchdog`], [`ThreadKind::SlotWatcher`] |
 //! | `vmm` (the run's own thread) | [`crate::vmm::run`] | after setup, once every vCPU and hog thread runs | [`ThreadKind::Control`] |
 //! | the binary's main thread (`run` only) | | once the `vmm` thread has started | none |
 //!
@@ -180,7 +180,11 @@ pub fn thread_rules(thread: VmmThread, vhost_user: bool) -> Result<RuleMap, Secc
     seccomp::merge(&mut map, own_rules(thread, vhost_user));
     match thread {
         VmmThread::Vcpu => seccomp::merge_into(&mut map, ThreadKind::Vcpu)?,
-        VmmThread::BoostWatchdog => seccomp::merge_into(&mut map, ThreadKind::BoostWatchdog)?,
+        VmmThread::BoostWatchdog => {
+            // One filter for pvspin's helper threads: the boost watchdog and the slot watcher.
+            seccomp::merge_into(&mut map, ThreadKind::BoostWatchdog)?;
+            seccomp::merge_into(&mut map, ThreadKind::SlotWatcher)?;
+        }
         VmmThread::Vmm => seccomp::merge_into(&mut map, ThreadKind::Control)?,
         VmmThread::Hog | VmmThread::Main => {}
     }

@@ -478,6 +478,9 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             slots.quantum = Duration::from_micros(us);
             slots.cs_extension = slots.cs_extension.min(slots.quantum);
         }
+        if let Some(us) = config.halt_watch_us {
+            slots.halt_watch_interval = Duration::from_micros(us);
+        }
         builder = builder.run_slots(slots);
     }
     let pvspin = builder

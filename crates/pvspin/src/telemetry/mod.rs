@@ -41,7 +41,7 @@
 //! | `pvspin_boost_trial_epochs_total{boosting}`, `pvspin_boost_trial_boosting`, `pvspin_boost_trial_mean_wait_seconds{boosting}` | with directed yield's boost trial; the mean once measured |
 //! | `pvspin_hint_page_registrations_total`, `pvspin_hint_page_bad_registrations_total`, `pvspin_hint_wait_reports_total`, `pvspin_waits_total` | with hint pages ([`HintStats`]) |
 //! | `pvspin_waits_kick_pending_total`, `pvspin_waits_timed_out_total` | with hint pages, userspace path only |
-//! | `pvspin_run_slots`, `pvspin_run_slot_<what>_total` (`grants`, `waits`, `prioritized_grants`, `hand_overs`, `preemptions`, `extensions`, `steal_time_marks`), `pvspin_run_slot_max_wait_seconds`, `pvspin_run_slot_max_held` | with run slots ([`SlotTelemetry`]) |
+//! | `pvspin_run_slots`, `pvspin_run_slot_<what>_total` (`grants`, `waits`, `prioritized_grants`, `hand_overs`, `preemptions`, `extensions`, `steal_time_marks`, `lends`, `reclaims`, `watch_polls`, `watch_reads`, `watch_read_errors`), `pvspin_run_slot_max_wait_seconds`, `pvspin_run_slot_max_over_seconds`, `pvspin_run_slot_max_held` | with run slots ([`SlotTelemetry`]) |
 //! | `kvm_vm_<stat>` | when KVM has a VM stats fd |
 //!
 //! KVM stats: cumulative stats are counters (`_total`), instant and peak stats gauges,
@@ -327,7 +327,7 @@ pub struct VmTelemetry {
     pub vcpus: Vec<VcpuTelemetry>,
 }
 
-/// The run slots' counters ([`pvspin_hints::slots::SlotStats`]) and their slot count.
+/// The run slots' counters ([`pvspin_slots::SlotStats`]) and their slot count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SlotTelemetry {
     /// Slots.
@@ -350,11 +350,35 @@ pub struct SlotTelemetry {
     pub max_held: u64,
     /// Waits shown to the guest through its KVM steal-time `preempted` byte.
     pub steal_time_marks: u64,
+    /// Slots of vCPUs halted inside KVM lent to waiters (in-kernel and signal-msi paths).
+    pub lends: u64,
+    /// vCPUs that KVM woke while their slot was lent, given a slot back at once.
+    pub reclaims: u64,
+    /// The longest run with more slot holders than slots, ns.
+    pub max_over_ns: u64,
+    /// The halt watcher's polls and `blocking` reads, and reads that failed.
+    pub watch_polls: u64,
+    /// `blocking` statistic reads.
+    pub watch_reads: u64,
+    /// `blocking` statistic reads that failed.
+    pub watch_read_errors: u64,
 }
 
 impl SlotTelemetry {
-    pub(crate) fn new(slots: usize, s: pvspin_hints::slots::SlotStats, marks: u64) -> Self {
+    pub(crate) fn new(
+        slots: usize,
+        s: pvspin_slots::SlotStats,
+        marks: u64,
+        watch: Option<pvspin_slots::WatchStats>,
+    ) -> Self {
+        let w = watch.unwrap_or_default();
         Self {
+            lends: s.lends,
+            reclaims: s.reclaims,
+            max_over_ns: s.max_over_ns,
+            watch_polls: w.polls,
+            watch_reads: w.reads,
+            watch_read_errors: w.read_errors,
             slots,
             grants: s.grants,
             waits: s.waits,

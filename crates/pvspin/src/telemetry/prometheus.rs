@@ -282,6 +282,31 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
                 "Waits for a run slot shown to the guest through its steal-time preempted byte.",
                 r.steal_time_marks,
             ),
+            (
+                "lends",
+                "Run slots of vCPUs halted inside KVM lent to waiters.",
+                r.lends,
+            ),
+            (
+                "reclaims",
+                "vCPUs that KVM woke while their run slot was lent, given one back.",
+                r.reclaims,
+            ),
+            (
+                "watch_polls",
+                "Polls of the run-slot halt watcher.",
+                r.watch_polls,
+            ),
+            (
+                "watch_reads",
+                "Reads of KVM's blocking statistic by the halt watcher.",
+                r.watch_reads,
+            ),
+            (
+                "watch_read_errors",
+                "Reads of KVM's blocking statistic that failed.",
+                r.watch_read_errors,
+            ),
         ] {
             out.counter(&format!("pvspin_run_slot_{what}_total"), help, &[], value);
         }
@@ -292,6 +317,14 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
             "",
             &[],
             &format!("{}", r.max_wait_ns as f64 / 1e9),
+        );
+        out.sample(
+            "pvspin_run_slot_max_over_seconds",
+            "gauge",
+            "The longest run with more run-slot holders than slots.",
+            "",
+            &[],
+            &format!("{}", r.max_over_ns as f64 / 1e9),
         );
         out.sample(
             "pvspin_run_slot_max_held",
