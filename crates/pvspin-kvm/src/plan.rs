@@ -19,12 +19,13 @@
 //! and without `KVM_HINTS_REALTIME` the guest keeps the unfair test-and-set `virt_spin_lock`;
 //! with `PV_UNHALT` and without `REALTIME` (and more than one CPU) it uses PV qspinlock (wait =
 //! HLT, kick = `KVM_HC_KICK_CPU`); with `REALTIME` it uses native qspinlock, **but** kernels
-//! from a 2019 rework (between v4.19 and v5.4) up to upstream 960550503965 (2025; "Prefer native
-//! qspinlock for dedicated vCPUs irrespective of PV_UNHALT", backported to the stable trees in
-//! November 2025) check `PV_UNHALT` first and keep test-and-set when it is absent, `REALTIME`
-//! or not ([`GuestKernel::Legacy`]). `PV_TLB_FLUSH` and `PV_SCHED_YIELD` are used only with
-//! `STEAL_TIME`, without `REALTIME` and with more than one CPU (and, from 6.1, without MWAIT in
-//! the guest's CPUID). `POLL_CONTROL` is used only by `cpuidle-haltpoll`, which loads only with
+//! from 5.9 (the `nopvspin` series reordered `kvm_spinlock_init`) up to upstream 960550503965
+//! (mainline 6.18; "Prefer native qspinlock for dedicated vCPUs irrespective of PV_UNHALT",
+//! in the 5.10, 5.15, 6.1, 6.6, 6.12 and 6.17 stable lines from November/December 2025) check
+//! `PV_UNHALT` first and keep test-and-set when it is absent, `REALTIME` or not
+//! ([`GuestKernel::Legacy`]; [`GuestKernel::from_release`] tells a release's family).
+//! `PV_TLB_FLUSH` and `PV_SCHED_YIELD` are used only with `STEAL_TIME` and without `REALTIME`
+//! (and, from 5.17, with more than one CPU and without MWAIT in the guest's CPUID). `POLL_CONTROL` is used only by `cpuidle-haltpoll`, which loads only with
 //! `REALTIME`. KVM strips `PV_UNHALT` when HLT exits are disabled, and a HLT that never exits
 //! cannot be woken by a kick.
 //!
@@ -87,8 +88,8 @@
 //!   KVM `kvm_pv_kick_cpu_op` delivers to the in-kernel LAPIC only; Linux `kvm_wait` halts with
 //!   interrupts off).
 //! * `KVM_HINTS_REALTIME` without `PV_UNHALT` is refused unless the guest is declared
-//!   [`GuestKernel::Modern`] (guest-version rule: Linux `kvm_spinlock_init` from a 2019 rework,
-//!   between v4.19 and v5.4, up to 960550503965).
+//!   [`GuestKernel::Modern`] (guest-version rule: Linux `kvm_spinlock_init` from 5.9 up to
+//!   960550503965).
 //! * `KVM_HINTS_REALTIME` without dedicated placement is refused (its meaning is "vCPUs are never
 //!   preempted for an unlimited time", `Documentation/virt/kvm/x86/cpuid.rst`).
 //! * Disabling HLT, PAUSE or CSTATE exits without dedicated placement is refused: a vCPU that
@@ -578,7 +579,7 @@ pub enum PlanError {
     #[error("rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)")]
     PvUnhaltNeedsInKernelLapic,
     /// `REALTIME` without `PV_UNHALT` for guests that may be legacy.
-    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from the 2019 kvm_spinlock_init rework (after v4.19) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel LAPIC{why}) or declare GuestKernel::Modern")]
+    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from 5.9 (the kvm_spinlock_init reorder) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel LAPIC{why}) or declare GuestKernel::Modern")]
     RealtimeWithoutPvUnhalt {
         /// The declared guest family.
         guest_kernel: GuestKernel,
