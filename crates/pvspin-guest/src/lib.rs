@@ -25,6 +25,13 @@
 //! - [`PvQueuedLock`]: MCS queued lock with per-vCPU nodes in state Running/Halted; the
 //!   unlocker hands over to its successor and kicks it only if it is Halted, only at unlock
 //!   time (the pv qspinlock's `vcpu_halted` protocol, without lock stealing).
+//! - [`StockQueuedLock`] (`PvQueuedLock<StockFlavor>`): Linux's pv qspinlock as a stock KVM
+//!   guest runs it: lock byte, pending byte and MCS tail, one steal attempt, `pv_wait_early`,
+//!   the queue head marks the lock `SLOW` and hashes itself before it halts, the hand-over to a
+//!   halted successor hashes it instead of kicking (`pv_kick_node`), and only the unlock of a
+//!   `SLOW` lock kicks. No spin notifications, budgets or hint pages; the one read beyond the
+//!   kick and the halt is [`PvOps::vcpu_is_preempted`] at the queue head (see
+//!   `pv_queued`'s module docs for where and why).
 //! - [`PvOps`]: the backend trait (pv_wait, pv_kick, cpu id). [`PvDomain`]: the backend, the
 //!   [`SpinConfig`] and the per-vCPU state of `N` vCPUs (waiting slots, MCS nodes, counters),
 //!   no allocation. [`PvStatic`] / [`pv_static!`] / [`StaticPv`]: bind PV locks to a static
@@ -134,9 +141,9 @@
 //!
 //! # Not implemented yet
 //!
-//! Hint-page writes (need the ABI), lock stealing in the queued lock,
-//! and checking a preempted predecessor before halting (Linux's `pv_wait_early`, reverted
-//! there too). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
+//! Hint-page writes (need the ABI) and lock stealing in the pvspin queued lock
+//! ([`StockQueuedLock`] has Linux's one steal attempt and `pv_wait_early`; the check of a
+//! preempted predecessor before halting, which Linux reverted, is in neither). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
 //! nothing here uses floats or `core::fmt` number formatting.
 #![no_std]
 #![deny(missing_docs)]
@@ -165,7 +172,9 @@ pub use pv::{
     Pv, PvConfigError, PvCpu, PvDomain, PvOps, PvStatic, PvStats, PvStatsSnapshot, RawPvLock,
     SpinBudget, SpinConfig, SpinWait, StaticPv, MAX_CPUS, NODES_PER_CPU,
 };
-pub use pv_queued::{McsNode, PvQueuedLock};
+pub use pv_queued::{
+    McsNode, PvQueuedLock, PvspinFlavor, QueuedFlavor, StockFlavor, StockQueuedLock,
+};
 pub use pv_ticket::PvTicketLock;
 pub use sync::AtomicU8;
 pub use tas::TasLock;
@@ -175,6 +184,8 @@ pub use ticket::TicketLock;
 pub type StaticPvTicketLock<D> = StaticPv<PvTicketLock, D>;
 /// A [`PvQueuedLock`] on the static domain `D`, usable in a [`SpinMutex`].
 pub type StaticPvQueuedLock<D> = StaticPv<PvQueuedLock, D>;
+/// A [`StockQueuedLock`] on the static domain `D`, usable in a [`SpinMutex`].
+pub type StaticStockQueuedLock<D> = StaticPv<StockQueuedLock, D>;
 /// A [`PvBackoffTicketLock`] on the static domain `D`, usable in a [`SpinMutex`].
 pub type StaticPvBackoffTicketLock<D> = StaticPv<PvBackoffTicketLock, D>;
 
@@ -517,7 +528,7 @@ mod tests {
     use crate::tests_common::hammer;
     use crate::{
         PvConfigError, PvDomain, SpinConfig, SpinMutex, StaticPvBackoffTicketLock,
-        StaticPvQueuedLock, StaticPvTicketLock,
+        StaticPvQueuedLock, StaticPvTicketLock, StaticStockQueuedLock,
     };
 
     const TEST_CONFIG: SpinConfig = SpinConfig {
@@ -537,6 +548,7 @@ mod tests {
         assert_eq!(*COUNTER.lock(), 1);
         hammer::<StaticPvTicketLock<TestPv>>(3, 300);
         hammer::<StaticPvQueuedLock<TestPv>>(3, 300);
+        hammer::<StaticStockQueuedLock<TestPv>>(3, 300);
         hammer::<StaticPvBackoffTicketLock<TestPv>>(3, 300);
         assert_eq!(DOMAIN.ops().stats().timeouts, 0);
         assert_eq!(DOMAIN.bad_cpu_count(), 0);

@@ -18,7 +18,9 @@
 //! ticket unlocker without its `fence(SeqCst)` (found with three CPUs); the ticket unlocker
 //! skipping the scan when one more ticket is out; the queued waiter or the queued unlocker
 //! without its fence; the bare handshake without the re-check; the host latch forgetting a
-//! kick that arrived between the waiter's check and its park. The three-CPU backoff models
+//! kick that arrived between the waiter's check and its park; the stock queued lock's
+//! hand-over to a halted successor without marking the lock SLOW, or without its fence (both
+//! found with three CPUs). The four stock models take about 17 s. The three-CPU backoff models
 //! reach the backoff: a backoff spin phase claiming the lock after any backoff, without reading
 //! `owner`, made loom report two holders.
 
@@ -29,7 +31,7 @@ use std::vec::Vec;
 use crate::host::{bind_current_thread, HostPvOps};
 use crate::pv::{PvDomain, PvOps, RawPvLock, SpinConfig};
 use crate::sync::{fence, AtomicU8, Ordering};
-use crate::{PvBackoffTicketLock, PvQueuedLock, PvTicketLock};
+use crate::{PvBackoffTicketLock, PvQueuedLock, PvTicketLock, StockQueuedLock};
 
 /// The smallest threshold: one look at the lock, then the halt path.
 const CONFIG: SpinConfig = SpinConfig {
@@ -216,4 +218,30 @@ fn loom_pv_backoff_three_cpus() {
 #[test]
 fn loom_pv_backoff_three_cpus_spurious() {
     lock_model(3, 2, PvBackoffTicketLock::new);
+}
+
+// The stock flavor of the queued lock (Linux's pv qspinlock): the steal attempt, the queue
+// head's SLOW mark and hash, the hand-over that hashes a halted successor instead of kicking
+// it, and the unlock that kicks a SLOW lock's hashed head. With two CPUs the waiter is the
+// queue head; with three the last one also waits on its node, behind a head that may be
+// halted (pv_wait_early).
+
+#[test]
+fn loom_stock_queued_two_cpus() {
+    lock_model(2, 0, StockQueuedLock::new_stock);
+}
+
+#[test]
+fn loom_stock_queued_two_cpus_spurious() {
+    lock_model(2, 2, StockQueuedLock::new_stock);
+}
+
+#[test]
+fn loom_stock_queued_three_cpus() {
+    lock_model(3, 0, StockQueuedLock::new_stock);
+}
+
+#[test]
+fn loom_stock_queued_three_cpus_spurious() {
+    lock_model(3, 2, StockQueuedLock::new_stock);
 }

@@ -84,9 +84,20 @@ pub trait PvOps: Sync {
     }
 
     /// Whether `cpu` is known not to be running (waiting, or not run by the host: pvspin's
-    /// hint page). A waiter whose lock waits on such a CPU stops spinning early, as Linux's PV
-    /// qspinlock does with `vcpu_is_preempted`. Default: never known.
+    /// hint page). A waiter whose lock waits on such a CPU stops spinning early, as Linux's
+    /// owner-spinning locks do with `vcpu_is_preempted` (its pv qspinlock did too, in
+    /// `pv_wait_early`, until that was reverted). Default: never known.
     fn is_not_running(&self, cpu: u32) -> bool {
+        let _ = cpu;
+        false
+    }
+
+    /// Whether KVM says `cpu`'s vCPU is preempted: Linux's `vcpu_is_preempted`, which a stock
+    /// KVM guest reads from bit 0 of the `preempted` byte of `cpu`'s steal-time area (offset 16
+    /// of `struct kvm_steal_time`, registered with `MSR_KVM_STEAL_TIME`). Only the
+    /// [stock flavor](crate::StockFlavor) of the queued lock asks, at its queue head (see
+    /// there). Default: never preempted, as on a host without steal time.
+    fn vcpu_is_preempted(&self, cpu: u32) -> bool {
         let _ = cpu;
         false
     }
@@ -218,6 +229,8 @@ pub struct PvStats {
     spurious: AtomicU64,
     kicks: AtomicU64,
     no_kick: AtomicU64,
+    wait_early: AtomicU64,
+    preempted: AtomicU64,
 }
 
 impl PvStats {
@@ -228,6 +241,8 @@ impl PvStats {
             spurious: AtomicU64::new(0),
             kicks: AtomicU64::new(0),
             no_kick: AtomicU64::new(0),
+            wait_early: AtomicU64::new(0),
+            preempted: AtomicU64::new(0),
         }
     }
 
@@ -251,6 +266,12 @@ impl PvStats {
     pub(crate) fn no_kick(&self) {
         Self::bump(&self.no_kick);
     }
+    pub(crate) fn wait_early(&self) {
+        Self::bump(&self.wait_early);
+    }
+    pub(crate) fn preempted(&self) {
+        Self::bump(&self.preempted);
+    }
 
     /// A snapshot of the counters.
     pub fn snapshot(&self) -> PvStatsSnapshot {
@@ -261,6 +282,8 @@ impl PvStats {
             spurious: load(&self.spurious),
             kicks: load(&self.kicks),
             no_kick: load(&self.no_kick),
+            wait_early: load(&self.wait_early),
+            preempted: load(&self.preempted),
         }
     }
 }
@@ -277,8 +300,16 @@ pub struct PvStatsSnapshot {
     pub spurious: u64,
     /// Kicks sent by unlockers on this vCPU.
     pub kicks: u64,
-    /// Contended unlocks that found the next waiter running, so sent no kick.
+    /// Contended unlocks that found the next waiter running, so sent no kick (the stock
+    /// queued lock: queue-head hand-overs to a running successor).
     pub no_kick: u64,
+    /// Stock queued lock: node waits that stopped spinning and halted early because the
+    /// predecessor's node was not running (Linux's `pv_wait_early`).
+    pub wait_early: u64,
+    /// Stock queued lock: queue-head spins cut short because the vCPU that handed over the
+    /// queue head (the holder, unless the lock was stolen) was preempted
+    /// ([`PvOps::vcpu_is_preempted`]).
+    pub preempted: u64,
 }
 
 impl PvStatsSnapshot {
@@ -290,6 +321,8 @@ impl PvStatsSnapshot {
             spurious: self.spurious.saturating_add(other.spurious),
             kicks: self.kicks.saturating_add(other.kicks),
             no_kick: self.no_kick.saturating_add(other.no_kick),
+            wait_early: self.wait_early.saturating_add(other.wait_early),
+            preempted: self.preempted.saturating_add(other.preempted),
         }
     }
 }

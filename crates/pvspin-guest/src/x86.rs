@@ -58,6 +58,12 @@ pub trait PvPlatform: Sync {
         false
     }
 
+    /// [`PvOps::vcpu_is_preempted`] (a stock guest: the `preempted` byte of `cpu`'s KVM
+    /// steal-time area). Default: never preempted.
+    fn vcpu_is_preempted(&self, _cpu: u32) -> bool {
+        false
+    }
+
     /// Called right before this vCPU waits (halt or WAIT): e.g. publish "waiting" in its hint
     /// page. Default: nothing.
     fn before_wait(&self) {}
@@ -172,6 +178,10 @@ impl<P: PvPlatform> PvOps for HaltPvOps<P> {
 
     fn is_not_running(&self, cpu: u32) -> bool {
         self.platform.is_not_running(cpu)
+    }
+
+    fn vcpu_is_preempted(&self, cpu: u32) -> bool {
+        self.platform.vcpu_is_preempted(cpu)
     }
 
     fn kick(&self, cpu: u32) {

@@ -8,7 +8,7 @@ use std::fmt;
 use pvspin_vmm_proto::LockKind;
 
 use crate::cli::VmArgs;
-use crate::config::{PvMode, RunConfig};
+use crate::config::{GuestKind, PvMode, RunConfig};
 use crate::vmm::{self, RunError};
 
 /// One configuration to compare.
@@ -31,14 +31,33 @@ pub struct Variant {
     /// Kicks through the vhost-user backend of the bench's `--pv-backend` (`/vhost`); the
     /// other variants run pvspin in process, so both sit side by side in one table.
     pub vhost: bool,
+    /// The guest (`@stock`, `@pvspin`; `None`: the run's `--guest`), so stock and
+    /// pvspin-aware guests sit side by side in one table.
+    pub guest: Option<GuestKind>,
 }
 
 impl Variant {
-    /// `lock:pv[/option...][:path[:actuator]]`, e.g. `ticket:off`, `queued:kick:userspace`,
-    /// `ticket:kick/spins` (ABI 0.2 spin budgets), `ticket:kick/doorbell` (WAIT in kernel
-    /// mode), `ticket:kick/hlt`.
+    /// `lock:pv[/option...][:path[:actuator]][@guest]`, e.g. `ticket:off`,
+    /// `queued:kick:userspace`, `ticket:kick/spins` (ABI 0.2 spin budgets),
+    /// `ticket:kick/doorbell` (WAIT in kernel mode), `ticket:kick/hlt`, `queued:kick@stock`
+    /// (a stock Linux guest's pv qspinlock), `queued:kick:signal-msi@pvspin`.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let (text_base, options) = match text.split_once('/') {
+        let (variant, guest) = match text.rsplit_once('@') {
+            Some((variant, "stock")) => (variant, Some(GuestKind::Stock)),
+            Some((variant, "pvspin")) => (variant, Some(GuestKind::Pvspin)),
+            Some((_, other)) => {
+                return Err(format!("{text:?}: unknown guest {other:?} (stock, pvspin)"))
+            }
+            None => (text, None),
+        };
+        let mut parsed = Self::parse_variant(text, variant)?;
+        parsed.guest = guest;
+        Ok(parsed)
+    }
+
+    /// [`parse`](Self::parse) without the guest; `text` is the whole variant, for messages.
+    fn parse_variant(text: &str, variant: &str) -> Result<Self, String> {
+        let (text_base, options) = match variant.split_once('/') {
             Some((base, rest)) => {
                 // Options sit on the pv part: split them off up to the next ':'.
                 let (opts, tail) = rest.split_once(':').unwrap_or((rest, ""));
@@ -49,7 +68,7 @@ impl Variant {
                 };
                 (base, Some(opts.to_string()))
             }
-            None => (text.to_string(), None),
+            None => (variant.to_string(), None),
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
         for opt in options.iter().flat_map(|o| o.split('/')) {
@@ -130,6 +149,7 @@ impl Variant {
             budgets,
             slots,
             vhost,
+            guest: None,
         })
     }
 
@@ -156,6 +176,13 @@ impl Variant {
 
     /// The name `parse` accepts.
     pub fn name(&self) -> String {
+        let guest = self
+            .guest
+            .map_or(String::new(), |g| format!("@{}", g.name()));
+        format!("{}{guest}", self.name_without_guest())
+    }
+
+    fn name_without_guest(&self) -> String {
         let lock = vmm::lock_name(self.lock);
         match self.pv {
             PvMode::Off => format!("{lock}:off"),
@@ -198,6 +225,7 @@ impl Variant {
             } else {
                 None
             },
+            guest: self.guest.unwrap_or(base.guest),
             hogs,
             ..base.clone()
         }
@@ -454,6 +482,7 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             budgets: None,
             slots: None,
             vhost: base.vhost_user.is_some(),
+            guest: None,
         }]
     } else {
         options.variants.clone()
@@ -610,6 +639,44 @@ mod tests {
         assert!(Variant::parse("ticket:maybe").is_err());
         assert!(Variant::parse("ticket:kick:carrier-pigeon").is_err());
         assert!(Variant::parse("ticket:off:in-kernel:x").is_err());
+    }
+
+    #[test]
+    fn variants_pick_the_guest_and_stock_rules_apply_per_variant() {
+        for name in [
+            "queued:kick:in-kernel@stock",
+            "queued:kick:signal-msi@pvspin",
+            "ticket:off@stock",
+            "queued:kick/spins:in-kernel@stock",
+        ] {
+            assert_eq!(Variant::parse(name).unwrap().name(), name);
+        }
+        assert_eq!(
+            Variant::parse("queued:kick@stock").unwrap().name(),
+            "queued:kick:in-kernel@stock"
+        );
+        assert!(Variant::parse("queued:kick@linux").is_err());
+        assert!(Variant::parse("queued:kick:userspace@").is_err());
+        let base = RunConfig::default();
+        let stock = Variant::parse("queued:kick@stock").unwrap();
+        let pvspin = Variant::parse("queued:kick@pvspin").unwrap();
+        let default = Variant::parse("queued:kick").unwrap();
+        assert_eq!(stock.config(&base, 0).guest, GuestKind::Stock);
+        assert_eq!(pvspin.config(&base, 0).guest, GuestKind::Pvspin);
+        let stock_base = RunConfig {
+            guest: GuestKind::Stock,
+            ..base.clone()
+        };
+        assert_eq!(default.config(&stock_base, 0).guest, GuestKind::Stock);
+        // One table, both guests, each with its own spin threshold.
+        assert_eq!(stock.config(&base, 2).guest_spin_threshold(), 1 << 15);
+        assert_eq!(pvspin.config(&base, 2).guest_spin_threshold(), 128);
+        assert_eq!(stock.config(&base, 2).validate(8), Ok(()));
+        // A stock guest has no PV ticket lock and needs the in-kernel LAPIC.
+        for refused in ["ticket:kick@stock", "queued:kick:userspace@stock"] {
+            let variant = Variant::parse(refused).unwrap();
+            assert!(variant.config(&base, 0).validate(8).is_err(), "{refused}");
+        }
     }
 
     #[test]

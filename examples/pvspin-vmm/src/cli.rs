@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 use crate::bench::{self, BenchOptions};
-use crate::config::RunConfig;
+use crate::config::{GuestKind, RunConfig, STOCK_SPIN_THRESHOLD};
 use crate::vmm;
 
 /// Runs pvspin guest workloads on /dev/kvm.
@@ -120,6 +120,28 @@ pub enum LockArg {
     /// Ticket lock whose waiters back off in proportion to their place in the queue, with an
     /// auto-tuned unit (what the origin threads tried before PV ticket locks).
     Backoff,
+}
+
+/// Which guest the guest program behaves as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GuestArg {
+    /// pvspin-aware: pvspin's PV locks, hint pages, time budgets, spin notifications.
+    Pvspin,
+    /// A stock Linux guest on KVM: Linux's pv qspinlock (--lock queued), halts in KVM (hlt; in
+    /// user mode the doorbell's WAIT without a notification, the stand-in for hlt), kicks with
+    /// the doorbell's KICK on the in-kernel or signal-msi path (KVM_HC_KICK_CPU's stand-in),
+    /// reads its predecessor's KVM steal-time preempted byte at the queue head; nothing else
+    /// of pvspin's ABI.
+    Stock,
+}
+
+impl From<GuestArg> for GuestKind {
+    fn from(arg: GuestArg) -> Self {
+        match arg {
+            GuestArg::Pvspin => GuestKind::Pvspin,
+            GuestArg::Stock => GuestKind::Stock,
+        }
+    }
 }
 
 /// Guest privilege level of the lock workload.
@@ -253,16 +275,21 @@ pub struct VmArgs {
     /// Paravirtual locks.
     #[arg(long, value_enum, default_value_t = PvArg::Off)]
     pub pv: PvArg,
+    /// What the guest is: pvspin-aware, or a stock Linux guest (with --pv kick: --lock queued,
+    /// --kick-path in-kernel or signal-msi).
+    #[arg(long, value_enum, default_value_t = GuestArg::Pvspin)]
+    pub guest: GuestArg,
     /// How a kick wakes a halted vCPU (with --pv kick).
     #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
     pub kick_path: KickPathArg,
     /// What directed yield does (with --pv kick+yield).
     #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
     pub actuator: ActuatorArg,
-    /// PV locks with `--budgets spins`: spins before a waiter halts (about 0.5 us each on
-    /// emulating hosts); with time budgets only a cap.
-    #[arg(long, default_value_t = 128)]
-    pub spin_threshold: u32,
+    /// PV locks: spins before a waiter halts (about 0.5 us each in emulated kernel mode). A
+    /// pvspin-aware guest with `--budgets spins` (default 128; with time budgets only a cap);
+    /// a stock guest (default 32768, Linux's SPIN_THRESHOLD).
+    #[arg(long)]
+    pub spin_threshold: Option<u32>,
     /// PV waiters: how they wait.
     #[arg(long, value_enum, default_value_t = WaitArg::Auto)]
     pub wait: WaitArg,
@@ -464,9 +491,12 @@ pub struct BenchArgs {
     /// Runs per case (cases are interleaved run by run, so noise spreads evenly).
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
-    /// Variants to compare side by side, `lock:pv[:kick-path[:actuator]]` (e.g.
-    /// `ticket:off,ticket:kick,queued:kick:userspace`); the first is the baseline. Default:
-    /// the one --lock/--pv/--kick-path describe.
+    /// Variants to compare side by side, `lock:pv[/option...][:kick-path[:actuator]][@guest]`
+    /// (e.g. `ticket:off,ticket:kick,queued:kick:userspace`; options `spins`, `time`, `hlt`,
+    /// `doorbell`, `slots`, `vhost`; `@stock` or `@pvspin` picks the guest, default --guest,
+    /// so `queued:kick@pvspin,queued:kick@stock` compares a pvspin-aware and a stock guest in
+    /// one table); the first is the baseline. Default: the one --lock/--pv/--kick-path/--guest
+    /// describe.
     #[arg(long, value_delimiter = ',', value_parser = crate::bench::Variant::parse)]
     pub variants: Vec<crate::bench::Variant>,
     /// VMs per run: each its own process, all running the same case at once (co-tenants and
@@ -505,7 +535,9 @@ impl VmArgs {
                 PvArg::KickYield => crate::config::PvMode::KickYield,
             },
             kick_path: self.kick_path.into(),
-            spin_threshold: self.spin_threshold,
+            guest: self.guest.into(),
+            spin_threshold: self.spin_threshold.unwrap_or(128),
+            stock_spin_threshold: self.spin_threshold.unwrap_or(STOCK_SPIN_THRESHOLD),
             actuator: self.actuator.name(),
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
@@ -678,6 +710,42 @@ mod tests {
         );
         assert_eq!(main_with_args(["pvspin-vmm", "run", "--vcpus", "-1"]), 2);
         assert_eq!(main_with_args(["pvspin-vmm", "frobnicate"]), 2);
+    }
+
+    #[test]
+    fn guest_option_and_its_spin_threshold_default() {
+        let parse = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["pvspin-vmm", "run"].iter().chain(args)).unwrap();
+            let Command::Run(args) = cli.command else {
+                panic!("expected run")
+            };
+            args.vm.config(0)
+        };
+        let pvspin = parse(&[]);
+        assert_eq!(pvspin.guest, GuestKind::Pvspin);
+        assert_eq!(pvspin.guest_spin_threshold(), 128);
+        let stock = parse(&["--guest", "stock", "--pv", "kick", "--lock", "queued"]);
+        assert_eq!(stock.guest, GuestKind::Stock);
+        assert_eq!(stock.guest_spin_threshold(), 1 << 15);
+        assert_eq!(stock.validate(8), Ok(()));
+        let set = parse(&["--guest", "stock", "--spin-threshold", "64"]);
+        assert_eq!((set.guest_spin_threshold(), set.spin_threshold), (64, 64));
+        // A refused stock run is a usage error (exit code 2), before /dev/kvm is opened.
+        assert_eq!(
+            main_with_args([
+                "pvspin-vmm",
+                "run",
+                "--guest",
+                "stock",
+                "--pv",
+                "kick",
+                "--lock",
+                "ticket",
+                "--seccomp",
+                "off",
+            ]),
+            2
+        );
     }
 
     #[test]

@@ -39,8 +39,15 @@ pub struct RunConfig {
     pub pv: PvMode,
     /// How kicks wake halted vCPUs (with `pv: Kick`).
     pub kick_path: pvspin::KickPath,
-    /// PV locks: spins before a waiter halts.
+    /// Which guest behaviour the guest program runs: pvspin-aware, or a stock Linux guest's.
+    pub guest: GuestKind,
+    /// A pvspin-aware guest's PV locks: spins before a waiter halts (with spin budgets; with
+    /// time budgets only a cap).
     pub spin_threshold: u32,
+    /// A stock guest's PV lock: spins before a waiter halts, and before the queue head marks
+    /// the lock slow and halts (Linux's `SPIN_THRESHOLD`, [`STOCK_SPIN_THRESHOLD`], unless
+    /// `--spin-threshold` says otherwise).
+    pub stock_spin_threshold: u32,
     /// With `pv: KickYield`: the directed-yield actuator, `"yield"`, `"nice"` or `"fifo"`.
     pub actuator: &'static str,
     /// KVM's per-VM halt-polling limit in ns (`None`: the host's default).
@@ -79,6 +86,33 @@ pub struct RunConfig {
     /// filter is installed, to show that the filter stops it.
     pub seccomp_violation: bool,
 }
+
+/// Which guest the guest program behaves as (`--guest`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GuestKind {
+    /// A pvspin-aware guest: pvspin's PV locks, hint pages, budgets, spin notifications.
+    #[default]
+    Pvspin,
+    /// A stock Linux guest on KVM: Linux's pv qspinlock (`--lock queued`), halts in KVM
+    /// (`hlt`; in user mode the doorbell's WAIT without a notification, the stand-in for the
+    /// kernel's `hlt`), kicks with the doorbell's KICK (the stand-in for `KVM_HC_KICK_CPU`,
+    /// on the in-kernel or signal-msi path), registers steal time and reads the `preempted`
+    /// bytes; nothing else of pvspin's ABI.
+    Stock,
+}
+
+impl GuestKind {
+    /// The name `--guest` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            GuestKind::Pvspin => "pvspin",
+            GuestKind::Stock => "stock",
+        }
+    }
+}
+
+/// Linux's `SPIN_THRESHOLD` (`1 << 15` spins of `cpu_relax`): a stock guest's default.
+pub const STOCK_SPIN_THRESHOLD: u32 = 1 << 15;
 
 /// What the run's seccomp filters do with a syscall they do not allow.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -153,7 +187,9 @@ impl Default for RunConfig {
             guest_kernel: pvspin::GuestKernel::Unknown,
             pv: PvMode::Off,
             kick_path: pvspin::KickPath::InKernel,
+            guest: GuestKind::Pvspin,
             spin_threshold: 128,
+            stock_spin_threshold: STOCK_SPIN_THRESHOLD,
             actuator: pvspin::DEFAULT_ACTUATOR,
             halt_poll_ns: None,
             park_spin_us: 0,
@@ -263,6 +299,15 @@ pub enum ConfigError {
         /// Ceiling.
         max: u64,
     },
+    /// A stock guest halts in KVM, so its kicks need the in-kernel LAPIC.
+    #[error("--guest stock needs --kick-path in-kernel or signal-msi: a stock guest halts inside KVM (hlt, or in user mode WAIT as its stand-in), which needs the in-kernel LAPIC, and kicks as KVM_HC_KICK_CPU does (a REMRD MSI)")]
+    StockGuestNeedsInKernelLapic,
+    /// Linux has a PV version of the queued spinlock only.
+    #[error("--guest stock with --pv kick needs --lock queued (Linux's pv qspinlock; Linux has no PV ticket or backoff lock); with --pv off any lock runs plain")]
+    StockGuestNoPvLock,
+    /// An option only a pvspin-aware guest has a use for.
+    #[error("--guest stock: {0} needs a pvspin-aware guest (a stock guest uses only the doorbell's KICK, WAIT as its user-mode halt, and KVM steal time)")]
+    StockGuestCannot(&'static str),
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -322,11 +367,16 @@ impl RunConfig {
                 max: MAX_PV_VCPUS,
             });
         }
-        if self.spin_threshold == 0 || self.spin_threshold > MAX_SPIN_THRESHOLD {
-            return Err(ConfigError::SpinThreshold {
-                got: self.spin_threshold,
-                max: MAX_SPIN_THRESHOLD,
-            });
+        for threshold in [self.spin_threshold, self.stock_spin_threshold] {
+            if threshold == 0 || threshold > MAX_SPIN_THRESHOLD {
+                return Err(ConfigError::SpinThreshold {
+                    got: threshold,
+                    max: MAX_SPIN_THRESHOLD,
+                });
+            }
+        }
+        if self.guest == GuestKind::Stock {
+            self.validate_stock()?;
         }
         if self.workload == Workload::PingPong
             && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
@@ -385,6 +435,46 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The stock guest's rules (`--guest stock`).
+    fn validate_stock(&self) -> Result<(), ConfigError> {
+        let pvspin_only = [
+            (
+                self.pv == PvMode::KickYield,
+                "--pv kick+yield (spin notifications; a stock guest sends none, use --pv kick)",
+            ),
+            (
+                self.wait == WaitMode::Doorbell,
+                "--wait doorbell (a stock kernel halts with hlt)",
+            ),
+            (
+                self.vhost_user.is_some(),
+                "--pv-backend vhost-user (pvspin's virtio device)",
+            ),
+            (self.workload == Workload::PingPong, "--workload pingpong"),
+            (self.workload == Workload::Abuse, "--workload abuse"),
+        ];
+        if let Some((_, option)) = pvspin_only.iter().find(|(set, _)| *set) {
+            return Err(ConfigError::StockGuestCannot(option));
+        }
+        if self.pv.kicks() {
+            if self.kick_path == pvspin::KickPath::Userspace {
+                return Err(ConfigError::StockGuestNeedsInKernelLapic);
+            }
+            if self.lock != LockKind::Queued {
+                return Err(ConfigError::StockGuestNoPvLock);
+            }
+        }
+        Ok(())
+    }
+
+    /// The spin threshold the run's guest uses.
+    pub fn guest_spin_threshold(&self) -> u32 {
+        match self.guest {
+            GuestKind::Pvspin => self.spin_threshold,
+            GuestKind::Stock => self.stock_spin_threshold,
+        }
+    }
+
     /// Guest memory in bytes.
     pub fn mem_bytes(&self) -> u64 {
         self.mem_mib << 20
@@ -404,6 +494,10 @@ impl RunConfig {
 
     /// The guest's [`pvspin_vmm_proto::BootParams::pv_flags`].
     pub fn pv_flags(&self) -> u32 {
+        if self.guest == GuestKind::Stock {
+            // Nothing of pvspin's options: no budgets, no CS_DEPTH, its own way to wait.
+            return pvspin_vmm_proto::PV_FLAG_STOCK_GUEST;
+        }
         let mut flags = 0;
         match self.wait {
             WaitMode::Auto => {}
@@ -573,6 +667,142 @@ mod tests {
             ..vhost
         };
         assert!(check(spin).to_string().contains("--park-spin-us"));
+    }
+
+    #[test]
+    fn stock_guest_runs_the_pv_qspinlock_on_the_msi_paths_and_any_lock_plain() {
+        let stock = RunConfig {
+            guest: GuestKind::Stock,
+            lock: LockKind::Queued,
+            pv: PvMode::Kick,
+            ..RunConfig::default()
+        };
+        for kick_path in [pvspin::KickPath::InKernel, pvspin::KickPath::SignalMsi] {
+            for user_mode in [false, true] {
+                let config = RunConfig {
+                    kick_path,
+                    user_mode,
+                    ..stock.clone()
+                };
+                assert_eq!(config.validate(8), Ok(()), "{kick_path:?} user {user_mode}");
+            }
+        }
+        for lock in [
+            LockKind::Ticket,
+            LockKind::Tas,
+            LockKind::Backoff,
+            LockKind::Queued,
+        ] {
+            let plain = RunConfig {
+                lock,
+                pv: PvMode::Off,
+                ..stock.clone()
+            };
+            assert_eq!(plain.validate(8), Ok(()), "{lock:?}");
+        }
+        // Linux's default threshold, and only the stock guest's flag.
+        assert_eq!(stock.guest_spin_threshold(), STOCK_SPIN_THRESHOLD);
+        assert_eq!(stock.pv_flags(), pvspin_vmm_proto::PV_FLAG_STOCK_GUEST);
+        let slots = RunConfig {
+            run_slots: Some(0),
+            budgets: BudgetMode::Spins,
+            ..stock.clone()
+        };
+        assert_eq!(slots.pv_flags(), pvspin_vmm_proto::PV_FLAG_STOCK_GUEST);
+        assert_eq!(RunConfig::default().guest_spin_threshold(), 128);
+    }
+
+    #[test]
+    fn stock_guest_refusals_are_named() {
+        let stock = RunConfig {
+            guest: GuestKind::Stock,
+            lock: LockKind::Queued,
+            pv: PvMode::Kick,
+            ..RunConfig::default()
+        };
+        let check = |config: RunConfig| config.validate(8).unwrap_err();
+        assert_eq!(
+            check(RunConfig {
+                kick_path: pvspin::KickPath::Userspace,
+                ..stock.clone()
+            }),
+            ConfigError::StockGuestNeedsInKernelLapic
+        );
+        for lock in [LockKind::Ticket, LockKind::Backoff] {
+            assert_eq!(
+                check(RunConfig {
+                    lock,
+                    ..stock.clone()
+                }),
+                ConfigError::StockGuestNoPvLock,
+                "{lock:?}"
+            );
+        }
+        // The tas lock has no PV variant in either guest.
+        assert_eq!(
+            check(RunConfig {
+                lock: LockKind::Tas,
+                ..stock.clone()
+            }),
+            ConfigError::NoPvVariant
+        );
+        let yield_ = check(RunConfig {
+            pv: PvMode::KickYield,
+            ..stock.clone()
+        });
+        assert!(
+            matches!(yield_, ConfigError::StockGuestCannot(o) if o.starts_with("--pv kick+yield")),
+            "{yield_}"
+        );
+        let doorbell = check(RunConfig {
+            wait: WaitMode::Doorbell,
+            ..stock.clone()
+        });
+        assert!(
+            doorbell.to_string().contains("--wait doorbell"),
+            "{doorbell}"
+        );
+        let vhost = check(RunConfig {
+            vhost_user: Some("/run/pvspind.sock".into()),
+            ..stock.clone()
+        });
+        assert!(matches!(vhost, ConfigError::StockGuestCannot(_)), "{vhost}");
+        let pingpong = check(RunConfig {
+            workload: Workload::PingPong,
+            ..stock.clone()
+        });
+        assert_eq!(
+            pingpong,
+            ConfigError::StockGuestCannot("--workload pingpong")
+        );
+        assert!(matches!(
+            check(RunConfig {
+                stock_spin_threshold: 0,
+                ..stock.clone()
+            }),
+            ConfigError::SpinThreshold { got: 0, .. }
+        ));
+        // The same options are fine for a pvspin-aware guest.
+        for config in [
+            RunConfig {
+                kick_path: pvspin::KickPath::Userspace,
+                ..stock.clone()
+            },
+            RunConfig {
+                lock: LockKind::Ticket,
+                ..stock.clone()
+            },
+            RunConfig {
+                pv: PvMode::KickYield,
+                ..stock.clone()
+            },
+        ] {
+            let pvspin = RunConfig {
+                guest: GuestKind::Pvspin,
+                ..config
+            };
+            assert_eq!(pvspin.validate(8), Ok(()), "{pvspin:?}");
+        }
     }
 
     #[test]

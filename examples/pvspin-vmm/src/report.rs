@@ -108,6 +108,8 @@ pub struct RunReport {
     pub wall_seconds: f64,
     /// Guest accesses to ports no device decodes.
     pub unknown_port_accesses: u64,
+    /// The guest's behaviour (`--guest`): `pvspin` (pvspin-aware) or `stock`.
+    pub guest: &'static str,
     /// Whether the guest's locks were paravirtual, and how kicks travelled.
     pub pv: &'static str,
     /// PV locks (summed over vCPUs): waiters past the spin threshold.
@@ -118,6 +120,15 @@ pub struct RunReport {
     pub pv_kicks: u64,
     /// PV locks: wake-ups that found the lock not yet theirs.
     pub pv_spurious_wakeups: u64,
+    /// Stock guest's pv qspinlock: node waits that halted early because the predecessor's node
+    /// was not running (Linux's `pv_wait_early`).
+    pub pv_wait_early: u64,
+    /// Stock guest's pv qspinlock: queue-head spins cut short because the predecessor's vCPU
+    /// was preempted (its KVM steal-time `preempted` byte).
+    pub pv_preempted: u64,
+    /// Stock guest: vCPUs whose KVM steal-time area KVM kept (version non-zero at the end),
+    /// i.e. that registered it; `None` for a pvspin-aware guest.
+    pub steal_time_registered: Option<u32>,
     /// Valid kicks that reached the host's kick device in userspace (pvspin's count): every
     /// kick on the signal-msi and userspace paths, only the fallbacks on the in-kernel path,
     /// whose kicks never exit. `None` without PV.
@@ -180,6 +191,7 @@ impl RunReport {
             acquisitions_per_sec: result.acquisitions_per_sec,
             wall_seconds: wall.as_secs_f64(),
             unknown_port_accesses: bus.unknown_port_accesses(),
+            guest: config.guest.name(),
             pv: match (config.pv, config.kick_path) {
                 (crate::config::PvMode::Off, _) => "off",
                 (crate::config::PvMode::Kick, _) if config.vhost_user.is_some() => {
@@ -205,6 +217,9 @@ impl RunReport {
             pv_halts: result.pv_halts,
             pv_kicks: result.pv_kicks,
             pv_spurious_wakeups: result.pv_spurious_wakeups,
+            pv_wait_early: result.pv_wait_early,
+            pv_preempted: result.pv_preempted,
+            steal_time_registered: None,
             host_kicks_in_userspace: None,
             kvm_halt_wakeups: None,
             kick_to_wake: None,
@@ -269,9 +284,10 @@ impl RunReport {
             );
         }
         format!(
-            "pvspin-vmm: lock {} (pv {}) on {} vCPUs with {} hogs, {} x {} acquisitions (cs {}, ncs {}): counter {} {} {}, {:.3} s guest time, {} acquisitions/s, {} halts, {} kicks (wall {:.3} s)",
+            "pvspin-vmm: lock {} (pv {}, {} guest) on {} vCPUs with {} hogs, {} x {} acquisitions (cs {}, ncs {}): counter {} {} {}, {:.3} s guest time, {} acquisitions/s, {} halts, {} kicks (wall {:.3} s)",
             self.lock,
             self.pv,
+            self.guest,
             self.vcpus,
             self.hogs,
             self.vcpus,

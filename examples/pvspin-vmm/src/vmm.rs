@@ -354,7 +354,7 @@ pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
             PvMode::Kick => pvspin_vmm_proto::PV_KICK,
             PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
         },
-        spin_threshold: config.spin_threshold,
+        spin_threshold: config.guest_spin_threshold(),
         user_mode: u32::from(config.user_mode),
         pv_flags: config.pv_flags(),
         virtio_mmio_base: 0,
@@ -382,6 +382,8 @@ pub fn run_and_confine_caller(config: &RunConfig) -> Result<RunReport, RunError>
 }
 
 fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunError> {
+    // Every rule but KVM's vCPU limit, before /dev/kvm is opened (checked again with it).
+    config.validate(u32::MAX)?;
     let filters = Filters::new(config.seccomp, config.vhost_user.is_some())
         .map_err(|err| RunError::Setup(format!("building the seccomp filters: {err}")))?;
     let Some(filters) = filters else {
@@ -441,7 +443,9 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         builder = builder.paravirt(request);
     }
     // With a vhost-user backend pvspin's in-process kick device stays off: the guest kicks
-    // through the virtio device, and this VMM only wires its queues (crate::vhost).
+    // through the virtio device, and this VMM only wires its queues (crate::vhost). A stock
+    // guest (`--guest stock`) gets the same host as a pvspin-aware one: it just uses none of
+    // the hint pages or budgets offered.
     let in_process = config.vhost_user.is_none();
     if config.pv.kicks() && in_process {
         builder = builder
@@ -697,6 +701,16 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     }
     hogs.stop();
     let telemetry = pvspin.telemetry();
+    // A stock guest registers its steal-time areas; KVM bumps an area's version at each
+    // update, so a non-zero version says KVM kept it (and its `preempted` byte) current.
+    let steal_time_registered = (config.guest == crate::config::GuestKind::Stock).then(|| {
+        (0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS))
+            .filter(|&index| {
+                let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index) + 8);
+                vm_memory::Bytes::read_obj::<u32>(&memory, gpa).is_ok_and(|version| version != 0)
+            })
+            .count() as u32
+    });
     let yield_stats = telemetry.directed_yield;
     let slot_stats = telemetry.run_slots;
     let actuator = pvspin.actuator_name().map(str::to_string);
@@ -767,6 +781,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         &bus,
     );
     report.plan = plan_lines;
+    report.steal_time_registered = steal_time_registered;
     report.host_kicks_in_userspace = telemetry.kick.map(|kick| kick.stats.kicks);
     report.kvm_halt_wakeups = telemetry
         .vcpus

@@ -20,11 +20,11 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pvspin_guest::{
     BackoffTicketLock, RawSpinLock, SpinMutex, StaticPvBackoffTicketLock, StaticPvQueuedLock,
-    StaticPvTicketLock, TasLock, TicketLock,
+    StaticPvTicketLock, StaticStockQueuedLock, TasLock, TicketLock,
 };
 use pvspin_vmm_proto::{
     status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_CS_DEPTH,
-    PV_FLAG_SPIN_BUDGETS,
+    PV_FLAG_SPIN_BUDGETS, PV_FLAG_STOCK_GUEST,
     PV_FLAG_WAIT_DOORBELL, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,
     BOOT_VERSION, EXIT_PORT,
 };
@@ -43,6 +43,9 @@ static TICKET_COUNTER: SpinMutex<TicketLock, u64> = SpinMutex::new(0);
 static TAS_COUNTER: SpinMutex<TasLock, u64> = SpinMutex::new(0);
 static PV_TICKET_COUNTER: SpinMutex<StaticPvTicketLock<pv::GuestPv>, u64> = SpinMutex::new(0);
 static PV_QUEUED_COUNTER: SpinMutex<StaticPvQueuedLock<pv::GuestPv>, u64> = SpinMutex::new(0);
+/// A stock guest's queued lock: Linux's pv qspinlock (a plain qspinlock with PV off).
+static STOCK_QUEUED_COUNTER: SpinMutex<StaticStockQueuedLock<pv::GuestPv>, u64> =
+    SpinMutex::new(0);
 static BACKOFF_COUNTER: SpinMutex<BackoffTicketLock, u64> = SpinMutex::new(0);
 /// Rounds done by every vCPU (burn and abuse workloads).
 static ROUNDS: AtomicU64 = AtomicU64::new(0);
@@ -76,7 +79,17 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             let uses_pv_domain =
                 matches!(boot.pv, PV_KICK | PV_KICK_YIELD) || lock == Some(LockKind::Queued);
             prepare(vcpu, &boot, uses_pv_domain);
+            let stock = boot.pv_flags & PV_FLAG_STOCK_GUEST != 0;
             match (lock, boot.pv) {
+                // A stock guest: Linux has a PV version of the queued lock only, and no
+                // directed yield to notify.
+                (Some(LockKind::Queued), PV_OFF | PV_KICK) if stock => {
+                    lock_workload(vcpu, &boot, params, &STOCK_QUEUED_COUNTER)
+                }
+                (_, PV_KICK | PV_KICK_YIELD) if stock => {
+                    outl(EXIT_PORT, status::BAD_PARAMS);
+                    halt_forever()
+                }
                 (Some(LockKind::Ticket), PV_OFF) => {
                     lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
                 }
@@ -173,6 +186,11 @@ fn prepare(vcpu: u32, boot: &BootParams, pv: bool) {
             halt_forever();
         }
     }
+    // A stock kernel registers its steal-time area whenever KVM offers steal time (here, at
+    // CPL 0, before any user mode): its PV lock reads other vCPUs' `preempted` bytes.
+    if boot.pv_flags & PV_FLAG_STOCK_GUEST != 0 {
+        pv::register_steal_time(vcpu);
+    }
     if boot.user_mode != 0 {
         pv::USER_MODE.store(true, Ordering::Relaxed);
         arch::enter_user_mode();
@@ -204,7 +222,17 @@ fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
     let wait_doorbell = boot.user_mode != 0 || boot.pv_flags & PV_FLAG_WAIT_DOORBELL != 0;
     let spin_budgets = boot.pv_flags & PV_FLAG_SPIN_BUDGETS != 0;
     let halt = pv_on;
-    if pv_on && boot.virtio_mmio_base != 0 {
+    if pv_on && boot.pv_flags & PV_FLAG_STOCK_GUEST != 0 {
+        // A stock guest: the doorbell's KICK (and WAIT in user mode, its `hlt`), nothing else.
+        match pv::discover() {
+            Ok(info) if info.nr_vcpus >= boot.vcpus && boot.virtio_mmio_base == 0 => {
+                if boot.pv != PV_KICK || !pv::enable_stock(&info, boot.user_mode != 0) {
+                    return Err(status::NO_PVSPIN);
+                }
+            }
+            _ => return Err(status::NO_PVSPIN),
+        }
+    } else if pv_on && boot.virtio_mmio_base != 0 {
         // The out-of-process backend's device: time budgets only, no WAIT command (user
         // mode halts through the example VMM's halt port).
         if spin_budgets
@@ -361,6 +389,8 @@ fn finish(
             pv_spurious_wakeups: pv_stats.spurious,
             samples_addr,
             samples_len,
+            pv_wait_early: pv_stats.wait_early,
+            pv_preempted: pv_stats.preempted,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

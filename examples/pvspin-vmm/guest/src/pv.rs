@@ -44,6 +44,22 @@ static WAIT_NOTIFIES: AtomicBool = AtomicBool::new(false);
 /// The time budgets of the hint pages are in use (else ABI 0.2 spin counts).
 static TIME_BUDGETS: AtomicBool = AtomicBool::new(false);
 
+/// A stock guest (`PV_FLAG_STOCK_GUEST`): its WAIT carries no notification.
+static STOCK: AtomicBool = AtomicBool::new(false);
+
+/// A WAIT value that says nothing: waiting for no known vCPU, no lock, no spins.
+const NO_NOTIFICATION: u32 = SpinNotify {
+    waiting_for: None,
+    next_owner: false,
+    spun_bucket: 0,
+    lock_hash: 0,
+}
+.encode();
+
+/// This guest registered its KVM steal-time areas (every vCPU does at setup when KVM offers
+/// steal time), so their `preempted` bytes mean something.
+static STEAL_TIME: AtomicBool = AtomicBool::new(false);
+
 /// One vCPU's hint page (pvspin ABI 0.3): host line, guest line, reserved rest.
 #[repr(C, align(4096))]
 pub struct HintPage([AtomicU64; 512]);
@@ -141,17 +157,38 @@ const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
 const KVM_FEATURE_STEAL_TIME: u32 = 1 << 5;
 const MSR_KVM_STEAL_TIME: u32 = 0x4b56_4d03;
 
-fn register_steal_time(vcpu: u32) {
+/// Registers `vcpu`'s KVM steal-time area when KVM offers steal time (at CPL 0); returns
+/// whether it did.
+pub fn register_steal_time(vcpu: u32) -> bool {
     if vcpu >= MAX_PV_VCPUS {
-        return;
+        return false;
     }
     let [max, ebx, ecx, edx] = cpuid(KVM_CPUID_SIGNATURE);
     let kvm = [ebx, ecx, edx] == [0x4b4d_564b, 0x564b_4d56, 0x0000_004d]; // "KVMKVMKVM\0\0\0"
     if !kvm || max < KVM_CPUID_FEATURES || cpuid(KVM_CPUID_FEATURES)[0] & KVM_FEATURE_STEAL_TIME == 0 {
-        return;
+        return false;
     }
     // SAFETY: CPL 0, and KVM advertises the MSR; bit 0 enables the 64-byte-aligned area.
     unsafe { wrmsr(MSR_KVM_STEAL_TIME, pvspin_vmm_proto::steal_time_addr(vcpu) | 1) };
+    STEAL_TIME.store(true, Ordering::Relaxed);
+    true
+}
+
+/// Offset of `preempted` in `struct kvm_steal_time`, and its `KVM_VCPU_PREEMPTED` bit.
+const STEAL_TIME_PREEMPTED: u64 = 16;
+const KVM_VCPU_PREEMPTED: u8 = 1;
+
+/// Linux's `kvm_vcpu_is_preempted(cpu)`: bit 0 of the `preempted` byte of `cpu`'s steal-time
+/// area, which KVM sets when it deschedules the runnable vCPU and clears when it runs it again.
+fn steal_time_preempted(cpu: u32) -> bool {
+    if cpu >= MAX_PV_VCPUS || !STEAL_TIME.load(Ordering::Relaxed) {
+        return false;
+    }
+    let addr = pvspin_vmm_proto::steal_time_addr(cpu) + STEAL_TIME_PREEMPTED;
+    // SAFETY: the steal-time areas are guest RAM, identity-mapped and user-accessible, and KVM
+    // writes the byte while this vCPU reads it: an atomic byte load, like Linux's READ_ONCE.
+    let byte = unsafe { AtomicU8::from_ptr(addr as *mut u8) };
+    byte.load(Ordering::Relaxed) & KVM_VCPU_PREEMPTED != 0
 }
 
 /// This guest's platform for the PV locks.
@@ -240,6 +277,10 @@ impl PvPlatform for Platform {
         }
     }
 
+    fn vcpu_is_preempted(&self, cpu: u32) -> bool {
+        steal_time_preempted(cpu)
+    }
+
     fn is_not_running(&self, cpu: u32) -> bool {
         page(cpu).is_some_and(|p| {
             p.load32(hint::HOST_FLAGS) & hint::NOT_RUNNING != 0
@@ -286,7 +327,13 @@ impl PvPlatform for Platform {
         // The check and the WAIT need no interrupt masking: a kick after the check is
         // remembered by the host (HLT's latch), and a spurious return is allowed.
         if ptr.load(Ordering::SeqCst) == val {
-            outl(WAIT_PORT.load(Ordering::Relaxed), encode(why));
+            // A stock guest's WAIT is only its halt: "waiting for nobody", no notification.
+            let value = if STOCK.load(Ordering::Relaxed) {
+                NO_NOTIFICATION
+            } else {
+                encode(why)
+            };
+            outl(WAIT_PORT.load(Ordering::Relaxed), value);
         }
         true
     }
@@ -482,6 +529,20 @@ pub fn enable_v03(vcpu: u32, info: &PvspinInfo, spin_budgets: bool, wait_doorbel
         }
         TIME_BUDGETS.store(true, Ordering::Relaxed);
     }
+    true
+}
+
+/// Turns on what a stock guest uses of pvspin (`PV_FLAG_STOCK_GUEST`): the doorbell's KICK,
+/// and in user mode (`wait_doorbell`) its WAIT as the stand-in for the kernel's `hlt`. No hint
+/// page, no spin notifications. Fails when the host lacks WAIT and it is needed.
+pub fn enable_stock(info: &PvspinInfo, wait_doorbell: bool) -> bool {
+    if wait_doorbell {
+        if info.features & FEATURE_WAIT == 0 {
+            return false;
+        }
+        WAIT_DOORBELL.store(true, Ordering::Relaxed);
+    }
+    STOCK.store(true, Ordering::Relaxed);
     true
 }
 

@@ -33,7 +33,8 @@ pub const BOOT_PARAMS_ADDR: u64 = 0x8000;
 /// GPA of the first KVM steal-time area (64 bytes per vCPU, for the first [`MAX_PV_VCPUS`]
 /// vCPUs; free memory between the page tables and the boot parameters). A guest with
 /// [`PV_KICK_YIELD`] registers its area with `MSR_KVM_STEAL_TIME` when KVM offers steal time,
-/// and the VMM tells pvspin where it is, so directed yield sees host preemption.
+/// and the VMM tells pvspin where it is, so directed yield sees host preemption; a stock guest
+/// ([`PV_FLAG_STOCK_GUEST`]) registers it too, and reads other vCPUs' `preempted` bytes.
 pub const STEAL_TIME_ADDR: u64 = 0x6000;
 
 /// GPA of vCPU `index`'s steal-time area (64-byte aligned).
@@ -82,7 +83,7 @@ pub const fn min_memory_bytes(vcpus: u32) -> u64 {
 /// [`BootParams::magic`].
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"pvspinbt");
 /// [`BootParams::version`].
-pub const BOOT_VERSION: u32 = 2;
+pub const BOOT_VERSION: u32 = 3;
 
 /// What the guest runs.
 #[repr(u32)]
@@ -198,6 +199,14 @@ pub const PV_FLAG_SPIN_BUDGETS: u32 = 1 << 2;
 /// [`BootParams::pv_flags`]: lock holders mark their critical sections in their hint page
 /// (`CS_DEPTH`), for the host's run slots.
 pub const PV_FLAG_CS_DEPTH: u32 = 1 << 3;
+/// [`BootParams::pv_flags`]: the guest behaves as a stock Linux guest on KVM (`--guest
+/// stock`): its PV lock is Linux's pv qspinlock (`pvspin_guest::StockQueuedLock`), it waits
+/// halted in KVM (`hlt`; in user mode the doorbell's WAIT without a notification, which the
+/// host turns into KVM's halt), kicks with the doorbell's KICK (the stand-in for
+/// `KVM_HC_KICK_CPU`), registers its KVM steal-time area and reads its `preempted` bytes, and
+/// uses nothing else of pvspin's ABI: no hint pages, spin notifications, spin windows or
+/// budgets, no `CS_DEPTH`.
+pub const PV_FLAG_STOCK_GUEST: u32 = 1 << 4;
 
 /// The most vCPUs the guest's PV lock domain has per-vCPU state for.
 pub const MAX_PV_VCPUS: u32 = 16;
@@ -233,7 +242,8 @@ pub struct BootParams {
     /// Lock workload: 1 runs the lock loop, and everything after it, in guest user mode
     /// (CPL 3, IOPL 3 so port I/O still works); 0 in kernel mode.
     pub user_mode: u32,
-    /// PV options ([`PV_FLAG_WAIT_DOORBELL`], [`PV_FLAG_WAIT_HLT`], [`PV_FLAG_SPIN_BUDGETS`]).
+    /// PV options ([`PV_FLAG_WAIT_DOORBELL`], [`PV_FLAG_WAIT_HLT`], [`PV_FLAG_SPIN_BUDGETS`],
+    /// [`PV_FLAG_CS_DEPTH`], [`PV_FLAG_STOCK_GUEST`]).
     pub pv_flags: u32,
     /// GPA of the pvspin virtio device's virtio-mmio registers (0: none). When set, PV locks
     /// kick through that device (pvspin's virtio ABI, served out of process by `pvspind`)
@@ -269,6 +279,12 @@ pub struct RunResult {
     pub samples_addr: u64,
     /// Number of samples there.
     pub samples_len: u64,
+    /// Stock guest's PV lock: node waits that halted early because the predecessor's node was
+    /// not running (Linux's `pv_wait_early`).
+    pub pv_wait_early: u64,
+    /// Stock guest's PV lock: queue-head spins cut short because the predecessor's vCPU was
+    /// preempted (its KVM steal-time `preempted` byte).
+    pub pv_preempted: u64,
 }
 
 /// The most kick-to-wake samples the ping-pong workload keeps.
@@ -313,7 +329,7 @@ const _: () = {
     assert!(size_of::<VcpuSlot>() == 32);
     assert!(size_of::<BootParams>() == 96 + size_of::<RunResult>());
     assert!(VIRTIO_MMIO_ADDR + VIRTIO_MMIO_SIZE <= MAPPED_BYTES);
-    assert!(size_of::<RunResult>() == 80 + 16 * CPUID_QUERIES);
+    assert!(size_of::<RunResult>() == 96 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
