@@ -36,15 +36,28 @@ CASES = [
     ("abusive guest, --vm-cgroup (nice boosts inside it)",
      ["--workload", "abuse", "--pv", "kick+yield", "--vm-cgroup", "--seccomp", "off"],
      "spin-only guest, --vm-cgroup"),
+    # Co-tenant threads pinned one per CPU, as co-tenants pinned to cores are: the arm without
+    # directed yield is the spin-only guest in its own cgroup.
+    ("pinned co-tenant: spin-only guest, --vm-cgroup (no directed yield)",
+     ["--workload", "burn", "--vm-cgroup", "--seccomp", "off"],
+     "pinned co-tenant: spin-only guest, --vm-cgroup (no directed yield)"),
+    ("pinned co-tenant: abusive guest, --vm-cgroup, boosts confined",
+     ["--workload", "abuse", "--pv", "kick+yield", "--vm-cgroup", "--seccomp", "off"],
+     "pinned co-tenant: spin-only guest, --vm-cgroup (no directed yield)"),
+    ("pinned co-tenant: abusive guest, --vm-cgroup, yield only",
+     ["--workload", "abuse", "--pv", "kick+yield", "--actuator", "yield", "--vm-cgroup",
+      "--seccomp", "off"],
+     "pinned co-tenant: spin-only guest, --vm-cgroup (no directed yield)"),
 ]
 
 
-def one(args):
+def one(name, args):
     vm = subprocess.Popen([VMM] + COMMON + args, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
     time.sleep(0.3)
-    cotenant = subprocess.run([VMM, "cotenant", "--threads", "2", "--ms", str(COTENANT_MS)],
-                              capture_output=True, text=True, check=True)
+    pin = ["--pin"] if name.startswith("pinned") else []
+    cotenant = subprocess.run([VMM, "cotenant", "--threads", "2", "--ms", str(COTENANT_MS)]
+                              + pin, capture_output=True, text=True, check=True)
     units = json.loads(cotenant.stdout.strip().splitlines()[-1])["units_per_sec"]
     start = time.monotonic()
     _, status, usage = os.wait4(vm.pid, 0)
@@ -58,7 +71,7 @@ def main():
     results = {name: ([], []) for name, _, _ in CASES}
     for run in range(RUNS):
         for name, args, _ in CASES:
-            units, vm_cpus = one(args)
+            units, vm_cpus = one(name, args)
             results[name][0].append(units)
             results[name][1].append(vm_cpus)
             print(f"run {run + 1} {name}: co-tenant {units / 1e9:.3f} G units/s, "

@@ -448,7 +448,11 @@ impl RunSlots {
     fn note_over(&self, st: &mut State, now: u64) {
         let over = st.held + st.reserved > self.cfg.slots;
         match (over, st.over_since) {
-            (true, None) => st.over_since = Some(now),
+            (true, None) => {
+                st.over_since = Some(now);
+                // A holder asked to leave may halt in KVM instead: the watcher must look.
+                self.watch.notify_one();
+            }
             (false, Some(since)) => {
                 st.over_since = None;
                 self.max_over_ns
@@ -865,13 +869,18 @@ impl RunSlots {
         );
     }
 
-    /// For the halt watcher: blocks until someone waits for a slot or a slot is lent, or
-    /// `timeout` passed; `false` once the slots shut down.
+    /// For the halt watcher: blocks until someone waits for a slot, a slot is lent or more
+    /// vCPUs hold slots than there are, or `timeout` passed; `false` once the slots shut down.
     #[cfg(not(loom))]
     pub fn wait_for_watch(&self, timeout: Duration) -> bool {
         let st = self.lock();
-        let idle =
-            |st: &mut State| !st.shutdown && st.queue.is_empty() && !st.lent.iter().any(|&l| l);
+        let slots = self.cfg.slots;
+        let idle = |st: &mut State| {
+            !st.shutdown
+                && st.queue.is_empty()
+                && st.held + st.reserved <= slots
+                && !st.lent.iter().any(|&l| l)
+        };
         let (st, _) = self
             .watch
             .wait_timeout_while(st, timeout, idle)

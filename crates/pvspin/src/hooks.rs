@@ -46,6 +46,9 @@ pub struct VcpuHooks {
     checked_setup: bool,
     /// Run slots, when enabled.
     slots: Option<Arc<SlotState>>,
+    /// The next `KVM_RUN` only enters KVM's halt (a WAIT on the in-kernel or signal-msi path):
+    /// it needs no run slot, as a `hlt` that never left KVM would not.
+    halt_entry: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -68,6 +71,7 @@ impl VcpuHooks {
             wait: None,
             checked_setup: false,
             slots: None,
+            halt_entry: false,
             run_started: None,
             last_exit: None,
         };
@@ -144,8 +148,10 @@ impl VcpuHooks {
             });
         }
         if let Some(slots) = &self.slots {
-            // Blocks (bounded) until this vCPU may run guest code.
-            slots.enter(self.index);
+            if !std::mem::take(&mut self.halt_entry) {
+                // Blocks (bounded) until this vCPU may run guest code.
+                slots.enter(self.index);
+            }
         }
         if let Some(dy) = &self.dy {
             if !self.tid_recorded {
@@ -284,7 +290,16 @@ impl VcpuHooks {
     }
 
     fn after_run_inner(&mut self, cpl: Option<u8>, vcpu: Option<&VcpuFd>) {
-        if let Some(slots) = &self.slots {
+        // A WAIT that becomes KVM's halt (MSI paths) goes back into KVM to block there, as a
+        // `hlt` would without leaving it: the slots neither count this exit nor gate that
+        // entry; the halt watcher sees the halt.
+        let halts_in_kvm = vcpu.is_some()
+            && self.doorbell.pending_wait.load(Ordering::Relaxed) != 0
+            && self
+                .kick
+                .as_ref()
+                .is_some_and(|k| k.device.path() != KickPath::Userspace);
+        if let (Some(slots), false) = (&self.slots, halts_in_kvm) {
             if !slots.exited(self.index) {
                 // It will wait for a slot: learn where to show that to a stock guest.
                 if let Some(vcpu) = vcpu {
@@ -296,6 +311,7 @@ impl VcpuHooks {
         if let Some(n) = take_pending(&self.doorbell.pending_wait) {
             self.wait(n, vcpu);
         }
+        self.halt_entry = halts_in_kvm && self.slots.is_some();
     }
 
     /// Carries out a WAIT: acts on its notification (directed yield) like a SPIN, then waits:

@@ -40,16 +40,48 @@ pub struct CotenantArgs {
     /// How long they run, in ms.
     #[arg(long, default_value_t = 3000)]
     pub ms: u64,
+    /// Pin busy thread i to CPU i (modulo the CPUs this process may use), as co-tenants
+    /// pinned to cores are.
+    #[arg(long)]
+    pub pin: bool,
+}
+
+/// Pins the calling thread to the `i`-th CPU of this process's affinity mask.
+fn pin_to_nth_cpu(i: usize) {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; the size matches the set passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0
+    {
+        return;
+    }
+    // SAFETY: `set` was filled by the kernel; CPU_ISSET only reads it.
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    let Some(&cpu) = cpus.get(i % cpus.len().max(1)) else {
+        return;
+    };
+    // SAFETY: as above.
+    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` < CPU_SETSIZE; CPU_SET writes inside `one`.
+    unsafe { libc::CPU_SET(cpu, &mut one) };
+    // SAFETY: pid 0 is the calling thread; the size matches the set passed.
+    let _ = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one) };
 }
 
 /// Runs `threads` busy threads for `ms` and returns the work units they did per second.
 pub fn cotenant(args: &CotenantArgs) -> f64 {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let start = std::time::Instant::now();
+    let pin = args.pin;
     let threads: Vec<_> = (0..args.threads)
-        .map(|_| {
+        .map(|i| {
             let stop = stop.clone();
             std::thread::spawn(move || {
+                if pin {
+                    pin_to_nth_cpu(i as usize);
+                }
                 let mut units = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     for _ in 0..10_000 {
@@ -380,6 +412,12 @@ pub struct VmArgs {
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
     pub vm_cgroup: bool,
+    /// Put the VM under a CPU limit of C CPUs (e.g. 1 or 1.5): the VMM's own cpu cgroup, as
+    /// --vm-cgroup makes, with a CFS bandwidth quota (`cpu.max`, or v1 `cpu.cfs_quota_us`).
+    /// Run slots size their count from it by default. No --hogs (the hogs are threads of this
+    /// process and would share the limit).
+    #[arg(long, value_name = "C")]
+    pub cpu_limit: Option<f64>,
     /// Who serves PV kicks: `in-process` (pvspin linked into this VMM, the doorbell) or
     /// `vhost-user:PATH` (the pvspin virtio device, served by a vhost-user backend such as
     /// `pvspind --socket PATH`; the guest finds it on virtio-mmio).
@@ -614,16 +652,37 @@ where
             return 0;
         }
     };
-    let _cgroup = if vm_args.vm_cgroup {
+    let _cgroup = if vm_args.vm_cgroup || vm_args.cpu_limit.is_some() {
         if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
             eprintln!(
-                "pvspin-vmm: rule: run --vm-cgroup needs --seccomp off (leaving the cgroup at \
-                 the end needs file-system calls the confined main thread may not make)"
+                "pvspin-vmm: rule: run --vm-cgroup and --cpu-limit need --seccomp off (leaving \
+                 the cgroup at the end needs file-system calls the confined main thread may not \
+                 make)"
+            );
+            return 2;
+        }
+        let hogs = match &cli.command {
+            Command::Run(args) => args.hogs,
+            Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
+            Command::Cotenant(_) => 0,
+        };
+        if vm_args.cpu_limit.is_some() && hogs > 0 {
+            eprintln!(
+                "pvspin-vmm: rule: --cpu-limit takes no --hogs (the hog threads would share the \
+                 VM's quota)"
             );
             return 2;
         }
         match crate::cgroup::VmCgroup::enter() {
-            Ok(cgroup) => Some(cgroup),
+            Ok(cgroup) => {
+                if let Some(cpus) = vm_args.cpu_limit {
+                    if let Err(err) = cgroup.limit(cpus) {
+                        eprintln!("pvspin-vmm: --cpu-limit: {err}");
+                        return if err.starts_with("rule:") { 2 } else { 1 };
+                    }
+                }
+                Some(cgroup)
+            }
             Err(err) => {
                 eprintln!("pvspin-vmm: --vm-cgroup: {err}");
                 return 1;
