@@ -36,7 +36,7 @@
 //! |---|---|
 //! | `pvspin_kick_device_accesses_total{path}`, `pvspin_kick_device_kicks_in_userspace_total{path}`, `pvspin_kick_device_forwarded_total{path}`, `pvspin_kick_device_rejected_total{path,reason}` | with a kick device: doorbell accesses that exited to userspace ([`KickStats`]) |
 //! | `pvspin_kick_device_msis_total{path,outcome}` | signal-msi path, and the in-kernel path's fallback (`outcome`: `delivered`, `not_delivered`, `failed`) |
-//! | `pvspin_kick_device_in_kernel_missed_total` | in-kernel path: valid kicks that reached userspace with no fallback to deliver them |
+//! | `pvspin_kick_device_in_kernel_missed_total` | in-kernel path: valid kicks that reached userspace because their ioeventfd missed them (not registered, or registered with a `u64` datamatch); pvspin's fallback still delivers each by `KVM_SIGNAL_MSI` (also counted in `pvspin_kick_device_msis_total`), at the cost of an exit |
 //! | `pvspin_kick_device_latch_total{outcome}`, `pvspin_kick_device_parks_total{kind}` | userspace path (`outcome`: `woke_parked`, `latched`, `coalesced`; `kind`: `hlt`, `wait`) |
 //! | `pvspin_directed_yield_notifications_total`, `pvspin_directed_yield_decisions_total{decision}`, `pvspin_directed_yield_<what>_total` (`boosted`, `descheduled`, `hint_not_ready`, `hint_self`, `window_reads`, `trial_skipped`) | with directed yield ([`DirectedYieldStats`]) |
 //! | `pvspin_boost_trial_epochs_total{boosting}`, `pvspin_boost_trial_boosting`, `pvspin_boost_trial_mean_wait_seconds{boosting}` | with directed yield's boost trial; the mean once measured |

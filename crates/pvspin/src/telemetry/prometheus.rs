@@ -262,8 +262,9 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
         if k.path == KickPath::InKernel {
             out.counter(
                 "pvspin_kick_device_in_kernel_missed_total",
-                "In-kernel path: valid kicks that reached userspace with no fallback to \
-                 deliver them.",
+                "In-kernel path: valid kicks that reached userspace because their ioeventfd \
+                 missed them (not registered, or a u64 datamatch); delivered by the fallback \
+                 MSI, an exit each.",
                 &[],
                 s.in_kernel_missed,
             );
