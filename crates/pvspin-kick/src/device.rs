@@ -217,7 +217,12 @@ pub struct KickStats {
     pub msi_not_delivered: u64,
     /// `KVM_SIGNAL_MSI` failures.
     pub msi_failed: u64,
-    /// In-kernel path: valid kicks that reached userspace without a fallback.
+    /// In-kernel path: valid kicks that reached userspace, i.e. that their ioeventfd did not
+    /// catch (not registered, or registered with another length than the guest's 4-byte
+    /// `OUT`, such as a `u64` datamatch). With a fallback sink (pvspin always gives one) each is
+    /// still delivered, by `KVM_SIGNAL_MSI` (counted under `msi_*` too), at the cost of an exit;
+    /// without one it is dropped ([`Delivery::InKernelMissed`]). Logged, rate-limited, with
+    /// the likely cause.
     pub in_kernel_missed: u64,
     /// Userspace path: `HLT` exits handled.
     pub hlt_parks: u64,
@@ -263,6 +268,23 @@ const LOG_MSI_FAILED: usize = Reject::COUNT;
 const LOG_MSI_NOT_DELIVERED: usize = Reject::COUNT + 1;
 const LOG_IN_KERNEL_MISSED: usize = Reject::COUNT + 2;
 const LOG_KEYS: usize = Reject::COUNT + 3;
+
+/// The likely cause of a valid kick that reached userspace on the in-kernel path.
+macro_rules! in_kernel_missed_cause {
+    ($then:literal) => {
+        concat!(
+            "a valid kick reached userspace on the in-kernel path: its ioeventfd is not \
+             registered, or was registered with another length than the guest's 4-byte OUT (a \
+             u64 datamatch makes an 8-byte ioeventfd that never matches); register the kick \
+             ioeventfds with their u32 datamatch (pvspin: KickWiring::ioevents or \
+             KickWiring::register). ",
+            $then
+        )
+    };
+}
+const IN_KERNEL_MISSED_CAUSE_DELIVERED: &str =
+    in_kernel_missed_cause!("Delivered by KVM_SIGNAL_MSI instead, at the cost of an exit");
+const IN_KERNEL_MISSED_CAUSE_DROPPED: &str = in_kernel_missed_cause!("Dropped");
 
 enum Waker {
     InKernel(Option<Arc<dyn RemrdSink>>),
@@ -520,7 +542,11 @@ impl KickDevice {
                 bump(&self.counters.msi_not_delivered);
                 self.log_host(
                     LOG_MSI_NOT_DELIVERED,
-                    "KVM delivered a REMRD MSI to no vCPU (was the LAPIC refreshed after creating the vCPUs?)",
+                    "KVM delivered the kick's REMRD MSI to no vCPU: no LAPIC has that APIC ID in \
+                     KVM's APIC-ID map. The rules: vCPU i is KVM vCPU id i (KVM_CREATE_VCPU sets \
+                     the APIC ID from it), and every vCPU is configured before the first KVM_RUN \
+                     (the last configure_vcpu rebuilds the map); else the guest changed its APIC \
+                     ID or disabled its LAPIC. The target stays halted",
                     target,
                 );
                 Delivery::MsiNotDelivered
@@ -551,15 +577,16 @@ impl KickDevice {
             Waker::SignalMsi(sink) => self.send_msi(sink.as_ref(), target),
             Waker::InKernel(Some(sink)) => {
                 bump(&self.counters.in_kernel_missed);
+                self.log_host(
+                    LOG_IN_KERNEL_MISSED,
+                    IN_KERNEL_MISSED_CAUSE_DELIVERED,
+                    target,
+                );
                 self.send_msi(sink.as_ref(), target)
             }
             Waker::InKernel(None) => {
                 bump(&self.counters.in_kernel_missed);
-                self.log_host(
-                    LOG_IN_KERNEL_MISSED,
-                    "a valid kick reached userspace on the in-kernel path (ioeventfd missing?) and was dropped",
-                    target,
-                );
+                self.log_host(LOG_IN_KERNEL_MISSED, IN_KERNEL_MISSED_CAUSE_DROPPED, target);
                 Delivery::InKernelMissed
             }
         }

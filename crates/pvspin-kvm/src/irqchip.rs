@@ -62,15 +62,16 @@ pub enum IrqchipError {
     Routing(vmm_sys_util::fam::Error),
     /// Rule: the in-kernel irqchip is created before the first vCPU (KVM answers EINVAL after).
     #[error(
-        "KVM_CREATE_IRQCHIP refused with EINVAL: the rule is that configure_vm (which creates \
-         the in-kernel irqchip for the in-kernel and signal-msi kick paths) runs before the \
-         first KVM_CREATE_VCPU"
+        "KVM_CREATE_IRQCHIP refused with EINVAL: the rule is that the in-kernel irqchip is \
+         created before the first KVM_CREATE_VCPU (pvspin::simple::setup_vm creates it, so it \
+         runs before the vCPUs too)"
     )]
     AfterVcpus,
     /// Rule: one irqchip per VM (KVM answers EEXIST to a second one).
     #[error(
-        "KVM_CREATE_IRQCHIP refused with EEXIST: the VM already has an irqchip; pvspin creates \
-         its own for the in-kernel and signal-msi kick paths and cannot yet adopt the VMM's"
+        "KVM_CREATE_IRQCHIP refused with EEXIST: the VM already has an irqchip; a VMM that \
+         makes its own calls PvSpin::configure_vm and wires the kicks itself instead of \
+         pvspin::simple::setup_vm, which creates one"
     )]
     Exists,
 }

@@ -641,9 +641,13 @@ pub enum PlanError {
         supported: u64,
     },
     /// Exit flags after vCPUs exist.
-    #[error("rule: KVM_CAP_X86_DISABLE_EXITS must be enabled before any vCPU is created ({vcpus_created} exist)")]
+    #[error(
+        "rule: KVM_CAP_X86_DISABLE_EXITS must be enabled before any vCPU is created ({})",
+        vcpus_exist_note(*.vcpus_created)
+    )]
     ExitsAfterVcpus {
-        /// How many vCPUs the caller said exist (0 if KVM refused without the caller saying).
+        /// How many vCPUs the caller said exist; 0 when KVM refused without the caller saying
+        /// (KVM does not tell how many: the message then says only that some exist).
         vcpus_created: u32,
     },
     /// `KVM_SET_CPUID2` was refused and the vCPU has already run (its `exits` stat is not 0):
@@ -1175,6 +1179,37 @@ impl fmt::Display for AppliedVcpu {
             self.enforce_pv_cpuid,
             self.lapic_in_kernel
         )
+    }
+}
+
+/// The parenthesis of [`PlanError::ExitsAfterVcpus`]: the count the caller gave, or what KVM
+/// said when the caller gave none.
+fn vcpus_exist_note(vcpus_created: u32) -> String {
+    match vcpus_created {
+        0 => "KVM refused it: the VM already has vCPUs".to_owned(),
+        n => format!("{n} exist"),
+    }
+}
+
+/// Whether `vm` has vCPUs already, asked of KVM without changing anything: enabling
+/// `KVM_CAP_X86_DISABLE_EXITS` with no flags succeeds before the first `KVM_CREATE_VCPU` and is
+/// refused (`EINVAL`) after it (KVM checks `kvm->created_vcpus`, since "KVM: x86: only allow
+/// exits disable before vCPUs created", 2023). `None` where the host cannot tell (no
+/// `KVM_CAP_X86_DISABLE_EXITS`, or another error). A host from before that change accepts the
+/// call either way, so there this answers `Some(false)`: a check that can miss, never a false
+/// alarm.
+pub fn vcpus_exist(vm: &VmFd) -> Option<bool> {
+    if vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_X86_DISABLE_EXITS)) <= 0 {
+        return None;
+    }
+    let cap = kvm_enable_cap {
+        cap: KVM_CAP_X86_DISABLE_EXITS,
+        ..Default::default()
+    };
+    match vm.enable_cap(&cap) {
+        Ok(()) => Some(false),
+        Err(err) if err.errno() == libc::EINVAL => Some(true),
+        Err(_) => None,
     }
 }
 

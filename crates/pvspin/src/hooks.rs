@@ -8,6 +8,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use pvspin_abi::doorbell::SpinNotify;
 use pvspin_kick::{Command, Handled, KickDevice, KickError, KickPath, ParkOutcome, PioOutcome};
 
+use crate::check::Adoption;
 use crate::directed::YieldState;
 use crate::hints::{HintState, WaitOptions};
 use crate::kick::KickState;
@@ -42,8 +43,10 @@ pub struct VcpuHooks {
     hints: Option<Arc<HintState>>,
     /// WAIT, when enabled.
     wait: Option<WaitOptions>,
-    /// The first `before_run` checked the VM's setup.
-    checked_setup: bool,
+    /// Which vCPUs are configured, and the mistakes found at run time.
+    adoption: Arc<Adoption>,
+    /// Every vCPU was configured when a `before_run` last looked (then it stops looking).
+    setup_complete: bool,
     /// Run slots, when enabled.
     slots: Option<Arc<SlotState>>,
     /// The next `KVM_RUN` only enters KVM's halt (a WAIT on the in-kernel or signal-msi path):
@@ -60,6 +63,7 @@ impl VcpuHooks {
         kick: Option<Arc<KickState>>,
         dy: Option<Arc<YieldState>>,
     ) -> Self {
+        let cells_len = cells.len();
         let mut hooks = Self {
             index,
             cells,
@@ -69,7 +73,8 @@ impl VcpuHooks {
             doorbell: Arc::new(VcpuDoorbell::default()),
             hints: None,
             wait: None,
-            checked_setup: false,
+            adoption: Arc::new(Adoption::complete(cells_len)),
+            setup_complete: false,
             slots: None,
             halt_entry: false,
             run_started: None,
@@ -88,6 +93,7 @@ impl VcpuHooks {
             dy: self.dy.clone(),
             hints: self.hints.clone(),
             slots: self.slots.clone(),
+            adoption: self.adoption.clone(),
             pending_spin: AtomicU64::new(0),
             pending_wait: AtomicU64::new(0),
         })
@@ -110,6 +116,12 @@ impl VcpuHooks {
         self
     }
 
+    pub(crate) fn with_adoption(mut self, adoption: Arc<Adoption>) -> Self {
+        self.adoption = adoption;
+        self.doorbell = self.make_doorbell();
+        self
+    }
+
     /// The vCPU's index.
     pub fn index(&self) -> usize {
         self.index
@@ -117,23 +129,14 @@ impl VcpuHooks {
 
     /// Call right before `KVM_RUN`, on the vCPU's thread.
     pub fn before_run(&mut self) {
-        if !self.checked_setup {
-            self.checked_setup = true;
-            if let Some(kick) = &self.kick {
-                if kick.options.needs_lapic()
-                    && !kick
-                        .all_configured
-                        .load(std::sync::atomic::Ordering::Acquire)
-                {
-                    log::error!(
-                        "pvspin: vCPU {} runs before every vCPU went through \
-                         PvSpin::configure_vcpu; the rule: with the {:?} kick path configure \
-                         all vCPUs before the first KVM_RUN (the last one rebuilds KVM's \
-                         APIC-ID map; until then kicks to some vCPUs reach nobody)",
-                        self.index,
-                        kick.device.path()
-                    );
-                }
+        // Until every vCPU is configured each run is counted (and the first logged): a vCPU
+        // whose configure_vcpu was forgotten keeps this count growing. Afterwards, a local
+        // flag: nothing on the hot path.
+        if !self.setup_complete {
+            if self.adoption.all_configured() {
+                self.setup_complete = true;
+            } else {
+                self.adoption.run_before_all_configured(self.index);
             }
         }
         if self.kick.is_some() {
@@ -414,6 +417,8 @@ pub(crate) struct VcpuDoorbell {
     dy: Option<Arc<YieldState>>,
     hints: Option<Arc<HintState>>,
     slots: Option<Arc<SlotState>>,
+    /// Which vCPUs are configured (a kick to another is counted).
+    adoption: Arc<Adoption>,
     /// A SPIN that arrived with this exit, handled in `after_run` once the CPL is known.
     pending_spin: AtomicU64,
     /// A WAIT that arrived with this exit, carried out in `after_run`.
@@ -454,7 +459,8 @@ impl VcpuDoorbell {
     fn after_pio(&self, kick: &KickState, outcome: PioOutcome) -> ExitOutcome {
         match outcome {
             PioOutcome::NotMine => ExitOutcome::NotHandled,
-            PioOutcome::Handled(Handled::Kicked { target, .. }) => {
+            PioOutcome::Handled(Handled::Kicked { target, delivery }) => {
+                self.adoption.on_kick(kick.device.path(), target, delivery);
                 kick.note_kick(target);
                 if let Some(slots) = &self.slots {
                     // Lock hand-over is slot hand-over: the kicked vCPU is the next owner.
@@ -1070,7 +1076,11 @@ mod pio_tests {
         let cells: Arc<[Arc<VcpuCounterCell>]> =
             (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
         let mut hooks = VcpuHooks::new(0, cells.clone(), Some(kick.clone()), None);
-        let pio = DoorbellPio::new(DEFAULT_PORT, PORT_COUNT);
+        let pio = DoorbellPio::new(
+            DEFAULT_PORT,
+            PORT_COUNT,
+            Arc::new(crate::check::Adoption::complete(2)),
+        );
         let kick_offset = u64::from(KICK_OFFSET);
         // Before any `before_run` on this thread, nobody is attributed.
         assert!(pio.write(kick_offset, &1u32.to_le_bytes()));

@@ -2,12 +2,16 @@
 //! (asked of the VMM, which owns its irqchip, routing table and ioeventfds), and what the hooks
 //! do with doorbell and halt exits.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{kvm_irq_routing_entry, kvm_msi, CpuId, KVMIO};
+use kvm_bindings::{
+    kvm_ioeventfd, kvm_ioeventfd_flag_nr_datamatch, kvm_ioeventfd_flag_nr_deassign,
+    kvm_ioeventfd_flag_nr_pio, kvm_irq_routing_entry, kvm_irqfd, kvm_msi, CpuId, KVMIO,
+    KVM_IRQFD_FLAG_DEASSIGN, KVM_IRQ_ROUTING_MSI,
+};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use pvspin_abi::doorbell::KICK_OFFSET;
 use pvspin_kick::{KickConfig, KickDevice, KickPath, RemrdSink, SinkError};
@@ -19,6 +23,8 @@ use vmm_sys_util::ioctl_iow_nr;
 use crate::{ConfigError, Error};
 
 ioctl_iow_nr!(KVM_SIGNAL_MSI, KVMIO, 0xa5, kvm_msi);
+ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
 
 /// The default bound on one userspace-path park ([`KickOptions::park_bound`]).
 pub const DEFAULT_PARK_BOUND: Duration = Duration::from_millis(20);
@@ -48,6 +54,66 @@ impl VmMsiSink {
         // SAFETY: `fd` is a fresh descriptor that nothing else owns.
         let vm = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Self { vm })
+    }
+}
+
+impl VmMsiSink {
+    /// `KVM_IRQFD` of `eventfd` at `gsi` and, when KVM took it, its removal at once: whether
+    /// KVM would take that irqfd now. `Err(EINVAL)`: the VM has no in-kernel irqchip;
+    /// `Err(EBUSY)`: `eventfd` is an irqfd already.
+    fn irqfd_probe(&self, eventfd: RawFd, gsi: u32) -> std::io::Result<()> {
+        let mut irqfd = kvm_irqfd {
+            fd: u32::try_from(eventfd).unwrap_or(u32::MAX),
+            gsi,
+            ..Default::default()
+        };
+        // SAFETY: KVM_IRQFD reads one kvm_irqfd, which lives across the call; the fd is a VM
+        // fd (a dup of the VMM's).
+        if unsafe { ioctl_with_ref(&self.vm, KVM_IRQFD(), &irqfd) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        irqfd.flags = KVM_IRQFD_FLAG_DEASSIGN;
+        // SAFETY: as above; removes the irqfd just added.
+        if unsafe { ioctl_with_ref(&self.vm, KVM_IRQFD(), &irqfd) } < 0 {
+            log::warn!(
+                "pvspin: removing a probe irqfd at GSI {gsi}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    }
+
+    /// `KVM_IOEVENTFD` of a probe eventfd on port `port`, 4 bytes, datamatch `datamatch`, and
+    /// its removal: `Ok(true)` when KVM refused it with `EEXIST` (that ioeventfd, or one that
+    /// catches the same writes, is registered), `Ok(false)` when it took it (none was).
+    fn ioeventfd_registered(&self, port: u16, datamatch: u32) -> std::io::Result<bool> {
+        let probe = EventFd::new(EFD_NONBLOCK)?;
+        let mut io = kvm_ioeventfd {
+            datamatch: u64::from(datamatch),
+            addr: u64::from(port),
+            len: 4,
+            fd: probe.as_raw_fd(),
+            flags: (1 << kvm_ioeventfd_flag_nr_datamatch) | (1 << kvm_ioeventfd_flag_nr_pio),
+            ..Default::default()
+        };
+        // SAFETY: KVM_IOEVENTFD reads one kvm_ioeventfd, which lives across the call; the fd
+        // is a VM fd (a dup of the VMM's).
+        if unsafe { ioctl_with_ref(&self.vm, KVM_IOEVENTFD(), &io) } < 0 {
+            let err = std::io::Error::last_os_error();
+            return match err.raw_os_error() {
+                Some(libc::EEXIST) => Ok(true),
+                _ => Err(err),
+            };
+        }
+        io.flags |= 1 << kvm_ioeventfd_flag_nr_deassign;
+        // SAFETY: as above; removes the probe just added.
+        if unsafe { ioctl_with_ref(&self.vm, KVM_IOEVENTFD(), &io) } < 0 {
+            log::warn!(
+                "pvspin: removing a probe ioeventfd at port {port:#x}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(false)
     }
 }
 
@@ -114,6 +180,80 @@ pub struct KickWiring<'a> {
     eventfds: &'a [EventFd],
 }
 
+/// How a routing table differs from the kick wiring at one vCPU's GSI
+/// ([`KickWiring::verify`], [`ConfigError::KickRoutes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteFault {
+    /// No entry at the GSI: a kick to the vCPU wakes nobody.
+    Missing {
+        /// The vCPU.
+        vcpu: u32,
+        /// Its kick GSI.
+        gsi: u32,
+    },
+    /// The entries at the GSI are not the kick's REMRD MSI to the vCPU's APIC ID.
+    Changed {
+        /// The vCPU.
+        vcpu: u32,
+        /// Its kick GSI.
+        gsi: u32,
+    },
+    /// The kick's route is there, with other entries at the same GSI: every kick also fires
+    /// them, and they fire the kick.
+    Shared {
+        /// The vCPU.
+        vcpu: u32,
+        /// Its kick GSI.
+        gsi: u32,
+    },
+}
+
+impl RouteFault {
+    /// The vCPU whose route it is.
+    pub fn vcpu(self) -> u32 {
+        match self {
+            RouteFault::Missing { vcpu, .. }
+            | RouteFault::Changed { vcpu, .. }
+            | RouteFault::Shared { vcpu, .. } => vcpu,
+        }
+    }
+}
+
+impl std::fmt::Display for RouteFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteFault::Missing { vcpu, gsi } => write!(f, "vCPU {vcpu}: GSI {gsi} missing"),
+            RouteFault::Changed { vcpu, gsi } => {
+                write!(f, "vCPU {vcpu}: GSI {gsi} routed elsewhere")
+            }
+            RouteFault::Shared { vcpu, gsi } => {
+                write!(f, "vCPU {vcpu}: GSI {gsi} shared with other routes")
+            }
+        }
+    }
+}
+
+/// `faults`, comma-separated (for [`ConfigError::KickRoutes`]).
+pub(crate) fn route_faults_text(faults: &[RouteFault]) -> String {
+    faults
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether two MSI routing entries route the same way.
+fn same_msi_route(a: &kvm_irq_routing_entry, b: &kvm_irq_routing_entry) -> bool {
+    if a.type_ != KVM_IRQ_ROUTING_MSI || b.type_ != KVM_IRQ_ROUTING_MSI || a.flags != b.flags {
+        return false;
+    }
+    // SAFETY: `a` is an MSI entry (checked above), so `msi` is the union member KVM reads.
+    let x = unsafe { a.u.msi };
+    // SAFETY: likewise for `b`.
+    let y = unsafe { b.u.msi };
+    (x.address_lo, x.address_hi, x.data) == (y.address_lo, y.address_hi, y.data)
+}
+
 /// One ioeventfd registration of [`KickWiring::ioevents`].
 #[derive(Debug)]
 pub struct KickIoEvent<'a> {
@@ -142,6 +282,34 @@ impl<'a> KickWiring<'a> {
         self.gsis
     }
 
+    /// Checks that `table`, the GSI routing table the VMM applied last (`KVM_SET_GSI_ROUTING`
+    /// replaces the whole table), routes every kick GSI to its REMRD MSI and nothing else.
+    /// Refused naming the vCPUs whose kicks would be lost ([`ConfigError::KickRoutes`]). KVM
+    /// cannot be asked for its table, so the VMM passes what it applied: call this after every
+    /// `KVM_SET_GSI_ROUTING` ([`crate::PvSpin::check_routes`] also counts a failure in
+    /// [`crate::PvSpin::check`]). Pure.
+    pub fn verify(&self, table: &[kvm_irq_routing_entry]) -> Result<(), ConfigError> {
+        let mut faults = Vec::new();
+        for (vcpu, &gsi) in (0u32..).zip(self.gsis) {
+            let Ok(want) = irqchip::remrd_route(gsi, vcpu) else {
+                continue;
+            };
+            let at: Vec<_> = table.iter().filter(|e| e.gsi == gsi).collect();
+            let fault = match (at.len(), at.iter().any(|e| same_msi_route(e, &want))) {
+                (0, _) => Some(RouteFault::Missing { vcpu, gsi }),
+                (_, false) => Some(RouteFault::Changed { vcpu, gsi }),
+                (1, true) => None,
+                (_, true) => Some(RouteFault::Shared { vcpu, gsi }),
+            };
+            faults.extend(fault);
+        }
+        if faults.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::KickRoutes { faults })
+        }
+    }
+
     /// The ioeventfds to register (`VmFd::register_ioevent`), one per vCPU.
     pub fn ioevents(&self) -> impl Iterator<Item = KickIoEvent<'a>> + 'a {
         let address = u64::from(self.port + KICK_OFFSET);
@@ -160,16 +328,31 @@ impl<'a> KickWiring<'a> {
     }
 
     /// Registers every irqfd and ioeventfd with `vm` (the routes are the VMM's to install);
-    /// undoes what it registered on error.
+    /// undoes what it registered on error. Once: a second registration is refused naming the
+    /// rule ([`ConfigError::WiringRegisteredTwice`], KVM's `EBUSY`), as is a VM without an
+    /// in-kernel irqchip ([`ConfigError::NoIrqchip`], KVM's `EINVAL`).
     pub fn register(&self, vm: &VmFd) -> Result<(), Error> {
-        let kvm = |op: &'static str| move |e: kvm_ioctls::Error| Error::Kick(format!("{op}: {e}"));
+        let kvm = |op: &'static str| move |source| Error::KickRegister { op, source };
         for (i, (event, (eventfd, gsi))) in self.ioevents().zip(self.irqfds()).enumerate() {
-            let result = vm.register_irqfd(eventfd, gsi).map_err(kvm("KVM_IRQFD"));
+            let result = vm
+                .register_irqfd(eventfd, gsi)
+                .map_err(|source| match source.errno() {
+                    libc::EBUSY => ConfigError::WiringRegisteredTwice.into(),
+                    libc::EINVAL => ConfigError::NoIrqchip {
+                        call: "KickWiring::register",
+                    }
+                    .into(),
+                    _ => kvm("KVM_IRQFD")(source),
+                });
             let result = result.and_then(|()| {
                 vm.register_ioevent(event.eventfd, &event.address, event.datamatch)
                     .map_err(|e| {
                         let _ = vm.unregister_irqfd(eventfd, gsi);
-                        kvm("KVM_IOEVENTFD")(e)
+                        if e.errno() == libc::EEXIST {
+                            ConfigError::WiringRegisteredTwice.into()
+                        } else {
+                            kvm("KVM_IOEVENTFD")(e)
+                        }
                     })
             });
             if let Err(err) = result {
@@ -209,12 +392,12 @@ pub(crate) struct KickState {
     eventfds: Vec<EventFd>,
     /// In-kernel path: the GSIs the VMM chose, once.
     gsis: OnceLock<Vec<u32>>,
+    /// In-kernel path: the VM, for the setup checks (a dup of the VMM's fd).
+    vm: Option<Arc<VmMsiSink>>,
     /// Per target: when it was last kicked (ns since `epoch`), for kick-to-wake latency on the
     /// userspace path, where pvspin sees both ends.
     kicked_at: Vec<AtomicU64>,
     epoch: Instant,
-    /// Every vCPU is configured (the last `configure_vcpu` rebuilt KVM's APIC-ID map).
-    pub(crate) all_configured: std::sync::atomic::AtomicBool,
 }
 
 impl KickState {
@@ -228,6 +411,7 @@ impl KickState {
         let vcpus = cfg.nr_vcpus as usize;
         let kick_err = |err: &dyn std::fmt::Display| Error::Kick(err.to_string());
         let mut eventfds = Vec::new();
+        let mut probe_vm = None;
         let device = match options.path {
             KickPath::Userspace => KickDevice::userspace(cfg).map_err(|e| kick_err(&e))?,
             KickPath::SignalMsi => KickDevice::signal_msi(cfg, Arc::new(VmMsiSink::new(vm)?))
@@ -240,11 +424,15 @@ impl KickState {
                     );
                 }
                 // The fallback delivers a valid kick whose ioeventfd did not catch it.
-                let sink: Arc<dyn RemrdSink> = Arc::new(VmMsiSink::new(vm)?);
+                let vm = Arc::new(VmMsiSink::new(vm)?);
+                probe_vm = Some(vm.clone());
+                let sink: Arc<dyn RemrdSink> = vm;
                 KickDevice::in_kernel(cfg, Some(sink)).map_err(|e| kick_err(&e))?
             }
         };
-        Ok(Self::new(device, options, eventfds))
+        let mut me = Self::new(device, options, eventfds);
+        me.vm = probe_vm;
+        Ok(me)
     }
 
     fn new(device: KickDevice, options: KickOptions, eventfds: Vec<EventFd>) -> Self {
@@ -254,9 +442,9 @@ impl KickState {
             options,
             eventfds,
             gsis: OnceLock::new(),
+            vm: None,
             kicked_at: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
             epoch: Instant::now(),
-            all_configured: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -286,10 +474,67 @@ impl KickState {
                 ConfigError::KickGsis(format!("GSI {gsi} is not below KVM's {MAX_GSI}")).into(),
             );
         }
+        if let (Some(vm), Some(&gsi)) = (&self.vm, gsis.first()) {
+            // KVM refuses the kick irqfds without an in-kernel irqchip, with a bare EINVAL:
+            // ask now, with a probe irqfd, and name the rule instead.
+            let probe = EventFd::new(EFD_NONBLOCK).map_err(|source| Error::Probe {
+                op: "creating an eventfd",
+                source,
+            })?;
+            match vm.irqfd_probe(probe.as_raw_fd(), gsi) {
+                Ok(()) => {}
+                Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
+                    return Err(ConfigError::NoIrqchip {
+                        call: "PvSpin::set_kick_gsis",
+                    }
+                    .into())
+                }
+                Err(source) => {
+                    return Err(Error::Probe {
+                        op: "KVM_IRQFD (probe)",
+                        source,
+                    })
+                }
+            }
+        }
         self.gsis
             .set(gsis.to_vec())
             .map_err(|_| ConfigError::KickGsis("the kick GSIs are set once".into()))?;
         Ok(self.wiring().expect("just set"))
+    }
+
+    /// In-kernel path, at `configure_vcpu`: vCPU `index`'s irqfd and ioeventfd are registered
+    /// as [`KickWiring`] gives them. Asked of KVM with probes that are removed at once: an
+    /// irqfd of the vCPU's own eventfd is refused with `EBUSY` when registered, and a 4-byte
+    /// ioeventfd with its datamatch with `EEXIST` (an 8-byte one from a `u64` datamatch does
+    /// not collide, and is what the guest's 4-byte `OUT` never matches).
+    pub(crate) fn check_registered(&self, index: usize) -> Result<(), Error> {
+        let (Some(vm), Some(wiring)) = (&self.vm, self.wiring()) else {
+            return Ok(());
+        };
+        let (Some(eventfd), Some(&gsi)) = (self.eventfds.get(index), wiring.gsis.get(index)) else {
+            return Ok(());
+        };
+        match vm.irqfd_probe(eventfd.as_raw_fd(), gsi) {
+            Err(err) if err.raw_os_error() == Some(libc::EBUSY) => {}
+            Ok(()) => return Err(ConfigError::KickIrqfd { index, gsi }.into()),
+            Err(source) => {
+                return Err(Error::Probe {
+                    op: "KVM_IRQFD (probe)",
+                    source,
+                })
+            }
+        }
+        let port = wiring.port + KICK_OFFSET;
+        let datamatch = u32::try_from(index).unwrap_or(u32::MAX);
+        match vm.ioeventfd_registered(port, datamatch) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(ConfigError::KickIoeventfd { index, port }.into()),
+            Err(source) => Err(Error::Probe {
+                op: "KVM_IOEVENTFD (probe)",
+                source,
+            }),
+        }
     }
 
     pub(crate) fn wiring(&self) -> Option<KickWiring<'_>> {

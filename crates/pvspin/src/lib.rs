@@ -11,8 +11,9 @@
 //!    paravirt plan's VM stage, the kick device). The VMM creates its irqchip as it always
 //!    does (the in-kernel and signal-msi kick paths need one, the userspace path needs none)
 //!    and, for the in-kernel path, gives pvspin GSIs from its allocator
-//!    ([`PvSpin::set_kick_gsis`]), merges [`KickWiring::routes`] into its routing table and
-//!    registers the eventfds ([`KickWiring::register`] or its own calls).
+//!    ([`PvSpin::set_kick_gsis`]), merges [`KickWiring::routes`] into its routing table,
+//!    checks each table it applies ([`PvSpin::check_routes`]) and registers the eventfds
+//!    ([`KickWiring::register`] or its own calls).
 //! 3. For each vCPU: [`PvSpin::edit_cpuid`] on the CPUID the VMM built (pure), the VMM's own
 //!    `KVM_SET_CPUID2`, then [`PvSpin::configure_vcpu`], which checks the rules and returns
 //!    the [`VcpuHooks`] that vCPU's thread owns. pvspin changes no MP state: APs start as the
@@ -24,7 +25,11 @@
 //! 5. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
 //! 6. Any time: [`PvSpin::telemetry`], the one snapshot of everything pvspin and KVM count
 //!    ([`telemetry`]: per-vCPU counters, the kick device, directed yield, hint pages, budgets
-//!    and KVM's binary statistics, as JSON or Prometheus text).
+//!    and KVM's binary statistics, as JSON or Prometheus text), and [`PvSpin::check`], the
+//!    adopter mistakes that could only show at run time ([`Problem`]: each counted, logged
+//!    once and carried in the telemetry, with the rule it breaks). Mistakes pvspin can see
+//!    at setup are refused there, with an error that names the rule (`docs/embedding.md`,
+//!    "Adopter's mistakes", has the table).
 //!
 //! [`simple`] does the VMM's part of steps 2-3 for a VMM without irqchip, routes or CPUID of
 //! its own.
@@ -116,6 +121,7 @@
 //! cost more than it gains with many vCPUs per CPU.
 #![deny(missing_docs)]
 
+mod check;
 pub mod cpuid;
 mod directed;
 mod hints;
@@ -128,10 +134,13 @@ pub mod simple;
 mod slots;
 pub mod telemetry;
 
+pub use check::{Problem, ProblemKind};
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
 pub use hints::{HintOptions, HintStats, WaitOptions};
-pub use interrupt::{SignalInterrupter, VcpuThread};
-pub use kick::{KickIoEvent, KickOptions, KickWiring, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI};
+pub use interrupt::{SignalCollision, SignalInterrupter, VcpuThread};
+pub use kick::{
+    KickIoEvent, KickOptions, KickWiring, RouteFault, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI,
+};
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
@@ -180,6 +189,14 @@ pub const MAX_VCPUS: usize = 4096;
 pub trait VcpuInterrupter: Send + Sync + Debug {
     /// Makes vCPU `index` return from `KVM_RUN` soon; a no-op for an index that does not exist.
     fn interrupt(&self, index: usize);
+
+    /// Whether the signal this interrupter sends is shared with another handler in the
+    /// process ([`SignalInterrupter::collision`]); [`PvSpin::check`] lists it. `None` (the
+    /// default) for interrupters without a signal of their own; a VMM that wraps a
+    /// [`SignalInterrupter`] forwards it.
+    fn signal_collision(&self) -> Option<SignalCollision> {
+        None
+    }
 }
 
 /// Invalid configuration given to the builder or the hooks.
@@ -253,6 +270,81 @@ pub enum ConfigError {
         /// The number of ports of the doorbell.
         count: u16,
     },
+    /// `configure_vm` on a VM that has vCPUs already.
+    #[error(
+        "rule: configure_vm runs after KVM_CREATE_VM and before the first KVM_CREATE_VCPU, and \
+         KVM says this VM has vCPUs already (it refuses VM-wide settings such as exit \
+         disabling once one exists, and an irqchip made afterwards misses them)"
+    )]
+    VmAfterVcpus,
+    /// The in-kernel kick path without an in-kernel irqchip (KVM answers `EINVAL` to its
+    /// irqfds).
+    #[error(
+        "rule: the in-kernel kick path needs the VMM's in-kernel irqchip (KVM_CREATE_IRQCHIP, \
+         or a split irqchip) before {call}: KVM refuses the kick irqfds without one \
+         (KVM_IRQFD: EINVAL)"
+    )]
+    NoIrqchip {
+        /// The call that found none.
+        call: &'static str,
+    },
+    /// The kick wiring registered twice (KVM answers `EBUSY` to an eventfd that is an irqfd
+    /// already, `EEXIST` to an ioeventfd that exists).
+    #[error(
+        "rule: the kick wiring is registered once: KVM says its irqfds or ioeventfds are \
+         registered already (by KickWiring::register or the VMM's own calls); a VMM that \
+         rebuilds its GSI table re-applies KickWiring::routes only"
+    )]
+    WiringRegisteredTwice,
+    /// A routing table lacks or changes pvspin's kick routes ([`KickWiring::verify`]).
+    #[error(
+        "rule: the GSI routing table the VMM applies keeps pvspin's kick routes \
+         (KickWiring::routes; KVM_SET_GSI_ROUTING replaces the whole table), or kicks to these \
+         vCPUs wake nobody: {}",
+        kick::route_faults_text(.faults)
+    )]
+    KickRoutes {
+        /// What differs, per vCPU.
+        faults: Vec<RouteFault>,
+    },
+    /// A vCPU's APIC ID (set by KVM from its vCPU id) is not its pvspin index.
+    #[error(
+        "rule: pvspin's vCPU {index} is KVM vCPU id {index} (KVM_CREATE_VCPU({index})), but its \
+         LAPIC has APIC ID {apic_id}: KVM sets the APIC ID from the vCPU id, and the in-kernel \
+         and signal-msi kicks of vCPU i go to APIC ID i, so they would reach another vCPU or \
+         nobody"
+    )]
+    ApicId {
+        /// The vCPU's pvspin index.
+        index: usize,
+        /// Its APIC ID (its KVM vCPU id, unless the VMM changed it).
+        apic_id: u32,
+    },
+    /// In-kernel path: a vCPU's kick ioeventfd is not registered as the wiring gives it.
+    #[error(
+        "rule: vCPU {index}'s kick ioeventfd is registered before configure_vcpu as \
+         KickWiring::ioevents gives it (port {port:#x}, 4 bytes, datamatch {index}), and KVM \
+         has none: every kick to it would exit to userspace (a u64 datamatch registers an \
+         8-byte ioeventfd that the guest's 4-byte OUT never matches; use KickWiring::register)"
+    )]
+    KickIoeventfd {
+        /// The vCPU.
+        index: usize,
+        /// The KICK port.
+        port: u16,
+    },
+    /// In-kernel path: a vCPU's kick irqfd is not registered.
+    #[error(
+        "rule: vCPU {index}'s kick irqfd (its eventfd at GSI {gsi}) is registered before \
+         configure_vcpu (KickWiring::irqfds or KickWiring::register), and KVM has none: its \
+         kicks would wake nobody"
+    )]
+    KickIrqfd {
+        /// The vCPU.
+        index: usize,
+        /// Its kick GSI.
+        gsi: u32,
+    },
     /// The MSI kick paths address vCPUs by xAPIC ID.
     #[error("rule: the in-kernel and signal-msi kick paths reach APIC IDs 0..=255 only (an xAPIC MSI); {0} vCPUs need the userspace path")]
     MsiVcpus(usize),
@@ -314,6 +406,33 @@ pub enum Error {
     /// The kick device could not be set up.
     #[error("kick device: {0}")]
     Kick(String),
+    /// Registering the kick wiring failed in KVM for another reason than a named rule.
+    #[error("registering the kick wiring: {op}: {source}")]
+    KickRegister {
+        /// The ioctl.
+        op: &'static str,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// A setup check's probe failed unexpectedly.
+    #[error("checking the kick wiring: {op}: {source}")]
+    Probe {
+        /// What was tried.
+        op: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `KVM_GET_LAPIC` failed on a vCPU whose in-kernel LAPIC was found (the APIC-ID check).
+    #[error("KVM_GET_LAPIC on vCPU {index}: {source}")]
+    GetLapic {
+        /// The vCPU.
+        index: usize,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
     /// A KVM call on the vCPU's irqchip failed.
     #[error("vCPU irqchip setup: {0}")]
     Irqchip(#[from] IrqchipError),
@@ -476,7 +595,8 @@ impl PvSpinBuilder {
     }
 
     /// Where pvspin's CPUID leaves go (default `pvspin_abi::cpuid::DEFAULT_BASE`,
-    /// 0x40000100): a 0x100-aligned hypervisor base above KVM's 0x40000000, where guests scan.
+    /// 0x40000200): a 0x100-aligned hypervisor base above KVM's 0x40000000 (and above
+    /// 0x40000100, where VMMs that present Hyper-V move KVM's leaves), where guests scan.
     pub fn cpuid_base(mut self, base: u32) -> Self {
         self.cpuid_base = Some(base);
         self
@@ -607,7 +727,7 @@ impl PvSpinBuilder {
             doorbell_port,
             cpuid_base,
             lapic_in_kernel,
-            configured_count: std::sync::atomic::AtomicUsize::new(0),
+            adoption: Arc::new(check::Adoption::new(vcpus)),
             edits: (0..vcpus).map(|_| std::sync::Mutex::new(None)).collect(),
             hints,
             wait: self.wait,
@@ -622,9 +742,6 @@ impl PvSpinBuilder {
             stats: StatsFds::new(vcpus),
             cells: (0..vcpus)
                 .map(|_| Arc::new(VcpuCounterCell::new()))
-                .collect(),
-            configured: (0..vcpus)
-                .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
         })
     }
@@ -653,8 +770,8 @@ pub struct PvSpin {
     cpuid_base: u32,
     /// Whether the VM has an in-kernel LAPIC, when the configuration says (kick path, plan).
     lapic_in_kernel: Option<bool>,
-    /// How many vCPUs went through `configure_vcpu`.
-    configured_count: std::sync::atomic::AtomicUsize,
+    /// Which vCPUs went through `configure_vcpu`, and the mistakes found at run time.
+    adoption: Arc<check::Adoption>,
     /// Per vCPU, the plan's CPUID edit `edit_cpuid` made last (for `AppliedVcpu`).
     edits: Vec<std::sync::Mutex<Option<pvspin_kvm::plan::CpuidEdit>>>,
     interrupter: Arc<dyn VcpuInterrupter>,
@@ -675,7 +792,6 @@ pub struct PvSpin {
     stats: StatsFds,
     /// Per vCPU, pvspin's counters.
     cells: Arc<[Arc<VcpuCounterCell>]>,
-    configured: Vec<std::sync::atomic::AtomicBool>,
 }
 
 impl PvSpin {
@@ -693,8 +809,13 @@ impl PvSpin {
     /// paravirt plan's VM stage (or, without one, turns the FIX_HYPERCALL_INSN quirk off) and
     /// makes the kick device. It does not create an irqchip, touch the GSI routing or register
     /// eventfds: those are the VMM's ([`kick_wiring`](Self::kick_wiring); `simple::setup_vm`
-    /// does all of it for a VMM that has none of its own).
+    /// does all of it for a VMM that has none of its own). Refused, naming the rule
+    /// ([`ConfigError::VmAfterVcpus`]), when KVM says the VM has vCPUs already
+    /// (`pvspin_kvm::plan::vcpus_exist`).
     pub fn configure_vm(&self, kvm: &Kvm, vm: &VmFd) -> Result<VmSetup, Error> {
+        if pvspin_kvm::plan::vcpus_exist(vm) == Some(true) {
+            return Err(ConfigError::VmAfterVcpus.into());
+        }
         self.stats.open_vm(vm);
         let setup = match &self.paravirt {
             Some(request) => {
@@ -777,7 +898,9 @@ impl PvSpin {
     /// index order, distinct, below [`MAX_GSI`]; once) and returns what to apply: the routes
     /// to merge into the VMM's GSI routing table and the ioeventfds and irqfds to register.
     /// Call after [`configure_vm`](Self::configure_vm) and before
-    /// [`configure_vcpu`](Self::configure_vcpu). Refused, naming the rule, on the other paths.
+    /// [`configure_vcpu`](Self::configure_vcpu), after the VMM made its in-kernel irqchip
+    /// (refused naming the rule without one: [`ConfigError::NoIrqchip`]). Refused, naming the
+    /// rule, on the other paths.
     pub fn set_kick_gsis(&self, gsis: &[u32]) -> Result<KickWiring<'_>, Error> {
         let kick = self.kick.get().ok_or(Error::VmNotConfigured)?;
         kick.set_gsis(gsis)
@@ -787,6 +910,49 @@ impl PvSpin {
     /// rebuilds its GSI routing table takes [`KickWiring::routes`] from here again.
     pub fn kick_wiring(&self) -> Option<KickWiring<'_>> {
         self.kick.get().and_then(|kick| kick.wiring())
+    }
+
+    /// In-kernel kick path: checks `table`, the GSI routing table the VMM just applied
+    /// (`KVM_SET_GSI_ROUTING` replaces the whole table, and KVM cannot be asked for it), for
+    /// pvspin's kick routes ([`KickWiring::verify`]). Call it after every
+    /// `KVM_SET_GSI_ROUTING` the VMM makes: at setup and whenever it rebuilds the table
+    /// (device hotplug, MSI-X updates). Missing or changed routes (kicks that would wake
+    /// nobody, a hang) are refused naming the vCPUs ([`ConfigError::KickRoutes`]), counted
+    /// and logged once, and [`check`](Self::check) lists them. `Ok` on the other kick paths
+    /// (they have no routes); refused before [`set_kick_gsis`](Self::set_kick_gsis).
+    pub fn check_routes(&self, table: &[kvm_bindings::kvm_irq_routing_entry]) -> Result<(), Error> {
+        let kick = self.kick.get().ok_or(Error::VmNotConfigured)?;
+        if kick.options.path != KickPath::InKernel {
+            return Ok(());
+        }
+        let wiring = kick.wiring().ok_or(ConfigError::Rule(
+            "check_routes checks the kick routes of PvSpin::set_kick_gsis, which has not run",
+        ))?;
+        wiring.verify(table).map_err(|err| {
+            if let ConfigError::KickRoutes { faults } = &err {
+                let mut vcpus: Vec<u32> = faults.iter().map(|f| f.vcpu()).collect();
+                vcpus.dedup();
+                self.adoption.route_check_failed(vcpus);
+            }
+            err.into()
+        })
+    }
+
+    /// The adopter mistakes pvspin found so far that could only show at run time (or through
+    /// [`check_routes`](Self::check_routes)), each with the rule it breaks: runs before every
+    /// vCPU was configured and the vCPUs never configured, kicks to unconfigured vCPUs,
+    /// doorbell accesses on threads without hooks, kicks that missed their ioeventfd or
+    /// reached no vCPU, failed kick MSIs, dropped kick routes, and an interrupt signal shared
+    /// with another handler. Empty when none. Each is also counted in
+    /// [`telemetry`](Self::telemetry) and logged once when first seen. Any thread, any time
+    /// (a VMM prints it at exit); off the hot path.
+    pub fn check(&self) -> Vec<Problem> {
+        let kick = self.kick.get().map(|k| k.device.stats());
+        let signal = self
+            .interrupter
+            .signal_collision()
+            .map(SignalCollision::signal);
+        self.adoption.problems(kick.as_ref(), signal)
     }
 
     /// The doorbell's first port and its number of ports.
@@ -799,7 +965,7 @@ impl PvSpin {
     pub fn doorbell_pio(&self) -> Option<DoorbellPio> {
         self.kick.get().map(|_| {
             let (base, len) = self.doorbell_ports();
-            DoorbellPio::new(base, len)
+            DoorbellPio::new(base, len, self.adoption.clone())
         })
     }
 
@@ -926,12 +1092,15 @@ impl PvSpin {
         index: usize,
         vcpu: &mut VcpuFd,
     ) -> Result<(VcpuHooks, Option<AppliedVcpu>), Error> {
-        let configured = self.configured.get(index).ok_or(ConfigError::VcpuIndex {
-            index,
-            vcpus: self.vcpus(),
-        })?;
+        if index >= self.vcpus() {
+            return Err(ConfigError::VcpuIndex {
+                index,
+                vcpus: self.vcpus(),
+            }
+            .into());
+        }
         let plan = self.plan.get().ok_or(Error::VmNotConfigured)?;
-        if configured.load(std::sync::atomic::Ordering::Acquire) {
+        if self.adoption.is_configured(index) {
             return Err(ConfigError::VcpuConfiguredTwice(index).into());
         }
         let lapic = pvspin_kvm::plan::vcpu_has_in_kernel_lapic(vcpu);
@@ -959,6 +1128,12 @@ impl PvSpin {
                      routes and eventfds applied before configure_vcpu",
                 )
                 .into());
+            }
+            if lapic {
+                check_apic_id(index, vcpu)?;
+            }
+            if kick.options.path == KickPath::InKernel {
+                kick.check_registered(index)?;
             }
             self.check_cpuid(index, vcpu, kick)?;
         }
@@ -998,19 +1173,12 @@ impl PvSpin {
         if self.directed_yield.is_some() {
             pvspin_track::enable_sync_sregs(vcpu);
         }
-        if configured.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            return Err(ConfigError::VcpuConfiguredTwice(index).into());
-        }
-        let done = self
-            .configured_count
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
-            + 1;
-        if done == self.vcpus() && lapic {
+        let last = self
+            .adoption
+            .mark_configured(index)
+            .ok_or(ConfigError::VcpuConfiguredTwice(index))?;
+        if last && lapic {
             pvspin_kvm::irqchip::refresh_lapic(vcpu)?;
-            if let Some(kick) = self.kick.get() {
-                kick.all_configured
-                    .store(true, std::sync::atomic::Ordering::Release);
-            }
         }
         let hooks = VcpuHooks::new(
             index,
@@ -1019,7 +1187,8 @@ impl PvSpin {
             self.directed_yield.clone(),
         )
         .with_hints(self.hints.clone(), self.wait)
-        .with_slots(self.run_slots.clone());
+        .with_slots(self.run_slots.clone())
+        .with_adoption(self.adoption.clone());
         Ok((hooks, applied))
     }
 
@@ -1067,9 +1236,12 @@ impl PvSpin {
             .map(|(index, cell)| {
                 let kvm = self.stats.vcpu(index);
                 let halt_wakeups = kvm.as_ref().and_then(|s| s.value("halt_wakeup"));
+                let mut pvspin = cell.snapshot(shape, halt_wakeups);
+                pvspin.configured = self.adoption.is_configured(index);
+                pvspin.runs_before_all_configured = self.adoption.early_runs(index);
                 VcpuTelemetry {
                     vcpu: u32::try_from(index).unwrap_or(u32::MAX),
-                    pvspin: cell.snapshot(shape, halt_wakeups),
+                    pvspin,
                     budgets: self.hints.as_ref().map(|h| h.budgets(index)),
                     kvm,
                 }
@@ -1094,6 +1266,7 @@ impl PvSpin {
                 .as_ref()
                 .map(|h| h.stats(kick_path == Some(KickPath::Userspace))),
             kvm_vm: self.stats.vm(),
+            problems: self.check(),
             vcpus,
         }
     }
@@ -1108,6 +1281,30 @@ impl PvSpin {
             self.interrupter.interrupt(index);
         }
     }
+}
+
+/// The MSI kick paths address vCPU `index` at APIC ID `index`; KVM gives a vCPU the APIC ID
+/// of its vCPU id (`KVM_CREATE_VCPU`). Reads it back (`KVM_GET_LAPIC`, APIC ID register at
+/// 0x20: bits 31..24 in xAPIC format, which KVM reports unless the VMM enabled the 32-bit
+/// x2APIC format and put the LAPIC in x2APIC mode; then the whole register).
+fn check_apic_id(index: usize, vcpu: &VcpuFd) -> Result<(), Error> {
+    const APIC_ID: usize = 0x20;
+    let lapic = vcpu
+        .get_lapic()
+        .map_err(|source| Error::GetLapic { index, source })?;
+    let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[APIC_ID + i] as u8);
+    let reg = u32::from_le_bytes(bytes);
+    let want = u32::try_from(index).unwrap_or(u32::MAX);
+    if reg >> 24 == want || reg == want {
+        return Ok(());
+    }
+    // xAPIC format keeps bits 23..0 clear.
+    let apic_id = if reg & 0x00ff_ffff == 0 {
+        reg >> 24
+    } else {
+        reg
+    };
+    Err(ConfigError::ApicId { index, apic_id }.into())
 }
 
 #[cfg(test)]

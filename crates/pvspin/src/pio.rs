@@ -7,9 +7,9 @@
 //! thread-local set by [`crate::VcpuHooks::before_run`]: the bus dispatch must run on the
 //! vCPU's thread, between `before_run` and `after_run`, as every VMM's does.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::check::Adoption;
 use crate::hooks::VcpuDoorbell;
 use crate::ExitOutcome;
 
@@ -19,15 +19,15 @@ use crate::ExitOutcome;
 pub struct DoorbellPio {
     base: u16,
     len: u16,
-    unattributed: Arc<AtomicU64>,
+    adoption: Arc<Adoption>,
 }
 
 impl DoorbellPio {
-    pub(crate) fn new(base: u16, len: u16) -> Self {
+    pub(crate) fn new(base: u16, len: u16, adoption: Arc<Adoption>) -> Self {
         Self {
             base,
             len,
-            unattributed: Arc::default(),
+            adoption,
         }
     }
 
@@ -46,9 +46,11 @@ impl DoorbellPio {
         self.len == 0
     }
 
-    /// Accesses made on a thread whose vCPU hooks never ran `before_run` (ignored).
+    /// Accesses made on a thread whose vCPU hooks never ran `before_run` (ignored; counted
+    /// for the whole VM, whichever `DoorbellPio` saw them, and listed by
+    /// [`crate::PvSpin::check`] as [`crate::ProblemKind::DoorbellWithoutHooks`]).
     pub fn unattributed(&self) -> u64 {
-        self.unattributed.load(Ordering::Relaxed)
+        self.adoption.unattributed_doorbell_count()
     }
 
     fn port(&self, offset: u64) -> Option<u16> {
@@ -57,13 +59,8 @@ impl DoorbellPio {
     }
 
     fn unattributed_access(&self) {
-        if self.unattributed.fetch_add(1, Ordering::Relaxed) == 0 {
-            log::warn!(
-                "pvspin: a doorbell access on a thread without vCPU hooks was ignored (the bus \
-                 must dispatch on the vCPU's thread, after VcpuHooks::before_run); counted in \
-                 DoorbellPio::unattributed"
-            );
-        }
+        // Counted and logged once, with the rule.
+        self.adoption.unattributed_doorbell();
     }
 
     /// A guest write of `data` at `offset` from [`base`](Self::base). Returns whether the

@@ -157,7 +157,9 @@ pub enum ThreadKind {
     /// reads KVM's statistics fds (`pread64`), releases parked vCPU threads and joins the
     /// watchdog (`futex`), ends every boost at shutdown (`setpriority`, `sched_setscheduler`),
     /// closes pvspin's descriptors (`close`); [`SignalInterrupter`](crate::SignalInterrupter)
-    /// signals vCPU threads (`tgkill`, `getpid`).
+    /// signals vCPU threads (`tgkill`, `getpid`); `check` and `telemetry` ask whether the
+    /// interrupt signal's handler is still the interrupter's (`rt_sigaction` with a null new
+    /// action: a query).
     Control,
 }
 
@@ -275,6 +277,9 @@ fn needs(kind: ThreadKind) -> Vec<Need> {
             any(libc::SYS_clock_gettime, "clock_gettime"),
         ],
         ThreadKind::Control => vec![
+            // `PvSpin::check` asks whether the interrupt signal's handler is still
+            // SignalInterrupter's: a query, with a null new action.
+            arg_in(libc::SYS_rt_sigaction, "rt_sigaction", 1, vec![0]),
             any(libc::SYS_pread64, "pread64"),
             any(libc::SYS_futex, "futex"),
             any(libc::SYS_close, "close"),

@@ -32,6 +32,8 @@ pub fn setup_vm(pvspin: &PvSpin, kvm: &Kvm, vm: &VmFd) -> Result<VmSetup, Error>
             .map_err(|e| Error::Kick(format!("building the GSI routing table: {e:?}")))?;
         vm.set_gsi_routing(&table)
             .map_err(|e| Error::Kick(format!("KVM_SET_GSI_ROUTING: {e}")))?;
+        // What any VMM does after each KVM_SET_GSI_ROUTING.
+        pvspin.check_routes(&routes)?;
         wiring.register(vm)?;
     }
     Ok(setup)

@@ -47,6 +47,11 @@ pub fn kick_routes(
     Ok(wiring.routes()?)
 }
 
+/// After every `KVM_SET_GSI_ROUTING` of the VMM: its table still has pvspin's kick routes.
+pub fn check_routes(pvspin: &PvSpin, table: &[kvm_irq_routing_entry]) -> Res<()> {
+    Ok(pvspin.check_routes(table)?)
+}
+
 /// vCPU stage: pvspin's CPUID edit on the VMM's `cpuid`, which the VMM then sets.
 pub fn edit_cpuid(pvspin: &PvSpin, index: usize, cpuid: &mut CpuId) -> Res<()> {
     Ok(pvspin.edit_cpuid(index, cpuid)?)
@@ -78,8 +83,13 @@ pub fn run_once<R>(
     step
 }
 
-/// The VM is stopping: parked vCPUs released, every vCPU out of `KVM_RUN`.
+/// The VM is stopping: parked vCPUs released, every vCPU out of `KVM_RUN`; what pvspin found
+/// wrong with this adoption goes to stderr.
 pub fn stop(pvspin: &PvSpin) {
     pvspin.shutdown();
     (0..pvspin.vcpus()).for_each(|i| pvspin.interrupt(i));
+    pvspin
+        .check()
+        .iter()
+        .for_each(|p| eprintln!("minimal-vmm: pvspin: {p}"));
 }

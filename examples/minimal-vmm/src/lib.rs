@@ -157,6 +157,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
         let table = KvmIrqRouting::from_entries(&routes).map_err(|e| format!("{e:?}"))?;
         vm.set_gsi_routing(&table)
             .map_err(err("KVM_SET_GSI_ROUTING"))?;
+        adopt::check_routes(&pvspin, &routes).map_err(|e| e.to_string())?;
         vm.register_irqfd(&device_event, device_gsi)
             .map_err(err("KVM_IRQFD"))?;
     }

@@ -159,7 +159,7 @@ fn own_rules_in_process(thread: VmmThread) -> RuleMap {
                 libc::SYS_tgkill,
                 vec![arg_eq(
                     2,
-                    u64::from(vmm_sys_util::signal::SIGRTMIN() as u32),
+                    u64::from(pvspin::interrupt::default_signal() as u32),
                 )],
             );
             map

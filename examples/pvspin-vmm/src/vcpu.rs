@@ -121,6 +121,11 @@ impl VcpuInterrupter for SignalInterrupter {
             vcpu.kick();
         }
     }
+
+    // Forwarded, so that `PvSpin::check` sees a handler that took pvspin's signal.
+    fn signal_collision(&self) -> Option<pvspin::SignalCollision> {
+        self.vcpus.first().and_then(|v| v.signal.collision())
+    }
 }
 
 /// How a vCPU thread ended.

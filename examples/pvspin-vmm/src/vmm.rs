@@ -701,6 +701,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     }
     hogs.stop();
     let telemetry = pvspin.telemetry();
+    // What pvspin found wrong with how this VMM adopted it (PvSpin::check), on stderr.
+    for problem in &telemetry.problems {
+        eprintln!("pvspin-vmm: pvspin found a problem: {problem}");
+    }
     // A stock guest registers its steal-time areas; KVM bumps an area's version at each
     // update, so a non-zero version says KVM kept it (and its `preempted` byte) current.
     let steal_time_registered = (config.guest == crate::config::GuestKind::Stock).then(|| {

@@ -111,6 +111,9 @@ impl VcpuCounterCell {
                 yields_successful: ld(&self.yields_successful),
             }),
             kick_to_wake_ns,
+            // Filled in by `PvSpin::telemetry`, which knows the VM's setup.
+            configured: false,
+            runs_before_all_configured: 0,
         }
     }
 }

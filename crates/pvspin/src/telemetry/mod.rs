@@ -21,6 +21,7 @@
 //! | family | present |
 //! |---|---|
 //! | `pvspin_vcpu_runs_total`, `pvspin_vcpu_exits_total{kind}`, `pvspin_vcpu_run_seconds_total` | always (returns from `KVM_RUN` seen by the hooks, by [`ExitKind`], time inside `KVM_RUN`) |
+//! | `pvspin_vcpu_configured` (gauge, 0 or 1), `pvspin_vcpu_runs_before_all_configured_total` | always: whether `configure_vcpu` ran for the vCPU, and its runs made before every vCPU was configured |
 //! | `pvspin_kicks_total{path,source="pvspin"}` | with a kick device: every valid kick to the vCPU on the signal-msi and userspace paths; on the in-kernel path only the kicks that reached userspace anyway (delivered by the fallback MSI) |
 //! | `pvspin_kick_wakeups_total{path="in_kernel",source="kvm_halt_wakeup"}` | in-kernel path, when KVM has a stats fd: KVM's `halt_wakeup`, an upper bound on the kicks that woke the vCPU from a halt (a kick to a vCPU that is not halted wakes nothing and is not counted) |
 //! | `pvspin_rejected_guest_inputs_total{reason}` | with a kick device, per reason seen (doorbell rejects by [`crate::Reject::name`], `bad_hint_page`) |
@@ -35,7 +36,7 @@
 //! |---|---|
 //! | `pvspin_kick_device_accesses_total{path}`, `pvspin_kick_device_kicks_in_userspace_total{path}`, `pvspin_kick_device_forwarded_total{path}`, `pvspin_kick_device_rejected_total{path,reason}` | with a kick device: doorbell accesses that exited to userspace ([`KickStats`]) |
 //! | `pvspin_kick_device_msis_total{path,outcome}` | signal-msi path, and the in-kernel path's fallback (`outcome`: `delivered`, `not_delivered`, `failed`) |
-//! | `pvspin_kick_device_in_kernel_missed_total` | in-kernel path: valid kicks that reached userspace with no fallback to deliver them |
+//! | `pvspin_kick_device_in_kernel_missed_total` | in-kernel path: valid kicks that reached userspace because their ioeventfd missed them (not registered, or registered with a `u64` datamatch); pvspin's fallback still delivers each by `KVM_SIGNAL_MSI` (also counted in `pvspin_kick_device_msis_total`), at the cost of an exit |
 //! | `pvspin_kick_device_latch_total{outcome}`, `pvspin_kick_device_parks_total{kind}` | userspace path (`outcome`: `woke_parked`, `latched`, `coalesced`; `kind`: `hlt`, `wait`) |
 //! | `pvspin_directed_yield_notifications_total`, `pvspin_directed_yield_decisions_total{decision}`, `pvspin_directed_yield_<what>_total` (`boosted`, `descheduled`, `hint_not_ready`, `hint_self`, `window_reads`, `trial_skipped`) | with directed yield ([`DirectedYieldStats`]) |
 //! | `pvspin_boost_trial_epochs_total{boosting}`, `pvspin_boost_trial_boosting`, `pvspin_boost_trial_mean_wait_seconds{boosting}` | with directed yield's boost trial; the mean once measured |
@@ -43,6 +44,7 @@
 //! | `pvspin_waits_kick_pending_total`, `pvspin_waits_timed_out_total` | with hint pages, userspace path only |
 //! | `pvspin_run_slots`, `pvspin_run_slot_<what>_total` (`grants`, `waits`, `prioritized_grants`, `hand_overs`, `preemptions`, `extensions`, `steal_time_marks`, `lends`, `reclaims`, `watch_polls`, `watch_reads`, `watch_read_errors`), `pvspin_run_slot_max_wait_seconds`, `pvspin_run_slot_max_over_seconds`, `pvspin_run_slot_max_held` | with run slots ([`SlotTelemetry`]) |
 //! | `kvm_vm_<stat>` | when KVM has a VM stats fd |
+//! | `pvspin_adoption_problems_total{problem}` | one sample per adopter mistake found ([`crate::PvSpin::check`], `problem` = [`crate::ProblemKind::name`]); none when none was found |
 //!
 //! KVM stats: cumulative stats are counters (`_total`), instant and peak stats gauges,
 //! histograms histograms. Stats in seconds are converted to seconds and named `..._seconds` (a
@@ -62,7 +64,7 @@ use pvspin_kvm::stats::Snapshot;
 use serde::ser::SerializeMap;
 use serde::Serialize;
 
-use crate::{DirectedYieldStats, HintStats};
+use crate::{DirectedYieldStats, HintStats, Problem};
 
 pub(crate) use cell::VcpuCounterCell;
 pub use histogram::{LatencyHistogram, LATENCY_BOUNDS_NS};
@@ -220,6 +222,13 @@ pub struct PvspinVcpuCounters {
     /// both ends there; on the other paths the wake-up happens inside KVM).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kick_to_wake_ns: Option<LatencyHistogram>,
+    /// Whether the vCPU went through [`crate::PvSpin::configure_vcpu`] (a vCPU that runs
+    /// without it has no hooks, and these counters stay 0).
+    pub configured: bool,
+    /// Runs of this vCPU's hooks made before every vCPU was configured
+    /// ([`crate::ProblemKind::RunsBeforeAllConfigured`]): a count that keeps growing means a
+    /// forgotten `configure_vcpu`.
+    pub runs_before_all_configured: u64,
 }
 
 /// One vCPU's current spin budgets (hint pages), in nanoseconds.
@@ -323,6 +332,10 @@ pub struct VmTelemetry {
     /// KVM's VM-wide stats (absolute); `None` where KVM has no stats fd.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kvm_vm: Option<Snapshot>,
+    /// The adopter mistakes found so far ([`crate::PvSpin::check`]); empty (and left out of
+    /// the JSON) when none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<Problem>,
     /// Per vCPU, in index order.
     pub vcpus: Vec<VcpuTelemetry>,
 }

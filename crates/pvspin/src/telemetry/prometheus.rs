@@ -53,6 +53,21 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
         );
     }
     out.sample(
+        "pvspin_vcpu_configured",
+        "gauge",
+        "Whether the vCPU went through PvSpin::configure_vcpu (1) or not (0).",
+        "",
+        &vl,
+        if p.configured { "1" } else { "0" },
+    );
+    out.counter(
+        "pvspin_vcpu_runs_before_all_configured_total",
+        "Runs of the vCPU's hooks made before every vCPU was configured (a forgotten \
+         configure_vcpu keeps it growing).",
+        &vl,
+        p.runs_before_all_configured,
+    );
+    out.sample(
         "pvspin_vcpu_run_seconds_total",
         "counter",
         "Time inside KVM_RUN (guest time plus exits and halts handled in KVM).",
@@ -165,6 +180,15 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
 }
 
 fn vm_samples(out: &mut Families, t: &VmTelemetry) {
+    for p in &t.problems {
+        out.counter(
+            "pvspin_adoption_problems_total",
+            "Adopter mistakes pvspin found (PvSpin::check), per kind: events counted, or \
+             vCPUs for vcpus_not_configured.",
+            &[("problem", p.kind.name().to_owned())],
+            p.count,
+        );
+    }
     if let Some(k) = &t.kick {
         let path = ("path", k.path.name().to_owned());
         let s = &k.stats;
@@ -238,8 +262,9 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
         if k.path == KickPath::InKernel {
             out.counter(
                 "pvspin_kick_device_in_kernel_missed_total",
-                "In-kernel path: valid kicks that reached userspace with no fallback to \
-                 deliver them.",
+                "In-kernel path: valid kicks that reached userspace because their ioeventfd \
+                 missed them (not registered, or a u64 datamatch); delivered by the fallback \
+                 MSI, an exit each.",
                 &[],
                 s.in_kernel_missed,
             );

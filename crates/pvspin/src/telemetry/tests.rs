@@ -145,6 +145,7 @@ fn sample_vm(path: KickPath) -> VmTelemetry {
             ..HintStats::default()
         }),
         kvm_vm: Some(kvm_snapshot(1)),
+        problems: Vec::new(),
         vcpus,
     }
 }
@@ -523,8 +524,10 @@ fn prometheus_has_each_path_s_families_and_labels_the_in_kernel_stand_in() {
     assert_eq!(
         pvspin,
         [
+            "pvspin_vcpu_configured",
             "pvspin_vcpu_exits_total",
             "pvspin_vcpu_run_seconds_total",
+            "pvspin_vcpu_runs_before_all_configured_total",
             "pvspin_vcpu_runs_total"
         ]
     );
@@ -560,4 +563,47 @@ fn names_are_sanitized() {
     assert_eq!(sanitize("a-b.c"), "a_b_c");
     assert_eq!(sanitize(""), "_");
     assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+}
+
+#[test]
+fn adopter_problems_and_configuration_are_rendered() {
+    let mut t = sample_vm(KickPath::SignalMsi);
+    t.vcpus[0].pvspin.configured = true;
+    t.vcpus[1].pvspin.runs_before_all_configured = 3;
+    let v: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
+    assert!(v.get("problems").is_none(), "none found: left out");
+    assert_eq!(v["vcpus"][0]["pvspin"]["configured"], true);
+    assert_eq!(v["vcpus"][1]["pvspin"]["runs_before_all_configured"], 3);
+    let kind = crate::ProblemKind::VcpusNotConfigured;
+    t.problems.push(crate::Problem {
+        kind,
+        count: 1,
+        vcpus: vec![1],
+        signal: None,
+        rule: kind.rule(),
+    });
+    let v: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
+    assert_eq!(v["problems"][0]["kind"], "vcpus_not_configured");
+    assert_eq!(v["problems"][0]["vcpus"][0], 1);
+    assert!(v["problems"][0]["rule"]
+        .as_str()
+        .unwrap()
+        .starts_with("rule: "));
+    let prom = t.to_prometheus();
+    assert!(
+        prom.contains("pvspin_adoption_problems_total{problem=\"vcpus_not_configured\"} 1\n"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("pvspin_vcpu_configured{vcpu=\"0\"} 1\n"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("pvspin_vcpu_configured{vcpu=\"1\"} 0\n"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("pvspin_vcpu_runs_before_all_configured_total{vcpu=\"1\"} 3\n"),
+        "{prom}"
+    );
 }
