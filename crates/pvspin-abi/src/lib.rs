@@ -698,6 +698,10 @@ pub mod virtio {
     pub const STATUS_UNSUPPORTED: u32 = 4;
 }
 
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 #[cfg(test)]
 mod tests {
     use super::cpuid::*;

@@ -522,6 +522,10 @@ mod tests_common {
     }
 }
 
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use crate::host::HostPvOps;

@@ -48,5 +48,9 @@ pub use confine::{Confinement, Verdict};
 #[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
 
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 #[cfg(all(test, not(loom)))]
 mod tests;

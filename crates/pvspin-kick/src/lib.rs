@@ -62,3 +62,7 @@ pub use device::{
 #[cfg(not(loom))]
 pub use latch::ParkPolicy;
 pub use latch::{KickResult, ParkOutcome, WakeLatch};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

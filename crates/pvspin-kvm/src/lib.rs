@@ -54,3 +54,7 @@ pub mod irqchip;
 pub mod plan;
 pub mod quirks;
 pub mod stats;
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

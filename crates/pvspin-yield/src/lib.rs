@@ -51,5 +51,9 @@ pub use policy::{
 pub use trial::{BoostTrial, TrialConfig, TrialStats};
 pub use window::{grow_window, shrink_window, SpinWindows, WindowConfig, WindowError};
 
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 #[cfg(test)]
 mod tests;
