@@ -513,7 +513,8 @@ pub mod virtio {
     //! `config_generation`), the device may have lost them: the driver registers its pages again.
     //!
     //! **Waiting** needs nothing from the device: `pv_wait` is `HLT` (kernel mode), as in
-    //! [`crate::doorbell`]'s §3.2 pattern. The device has no WAIT command.
+    //! the doorbell's `pv_wait` (`docs/abi.md`, "`pv_wait(ptr, val)`"). The device has no WAIT
+    //! command.
 
     /// The virtio device ID (experimental, see the module docs).
     pub const DEVICE_ID: u32 = 63;

@@ -339,7 +339,8 @@ impl PvSpinBuilder {
         self
     }
 
-    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md` §3.4): pvspin
+    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md`, "SHARED_PAGE:
+    /// the hint page"): pvspin
     /// publishes the vCPU's spin and wait budgets there in TSC cycles, adapts them from the
     /// guest's wait reports (`options.budgets`), and reads the guest's spin state, all without
     /// exits. `options.memory` maps guest pages (a `vm_memory::GuestMemoryMmap` does). Needs
