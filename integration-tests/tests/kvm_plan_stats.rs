@@ -301,7 +301,8 @@ fn stats_move_with_the_guest() {
     let d_exits = delta.value("exits").unwrap();
     assert!(d_exits > HLTS as u64, "exits +{d_exits}");
     // io_exits does not count PIO exits on the development machines
-    // (kvm-on-these-machines.md §9): report it, do not assert it.
+    // (the shared notes' kvm-on-these-machines.md, "E7: binary stats"): report it, do not
+    // assert it.
     eprintln!(
         "delta: exits +{d_exits}, halt_exits +{:?}, io_exits +{:?}, insn_emulation +{:?}",
         delta.value("halt_exits"),
@@ -359,7 +360,8 @@ fn in_kernel_halt_moves_halt_stats_and_histogram() {
     });
     let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
     apply_vcpu(&plan, &g.vcpu, &mut cpuid).expect("vCPU stage");
-    // The APIC-ID map is stale right after vCPU creation (kvm-on-these-machines.md §1): an
+    // The APIC-ID map is stale right after vCPU creation (the shared notes'
+    // kvm-on-these-machines.md, "Setup facts that every test needed"): an
     // unchanged KVM_SET_LAPIC rebuilds it, so the MSI to APIC ID 0 finds the vCPU.
     let lapic = g.vcpu.get_lapic().expect("get lapic");
     g.vcpu.set_lapic(&lapic).expect("set lapic");

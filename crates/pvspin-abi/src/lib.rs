@@ -1,28 +1,21 @@
 //! The guest-host contract of pvspin.
 //!
 //! Both sides depend on this crate: the host crates (`pvspin-kick`, `pvspin-yield`,
-//! `pvspin-hints`) to decode what a guest writes, and `pvspin-guest` to produce it. It is
-//! `no_std` and has no dependencies, so a guest kernel can vendor it. The prose version, for a
-//! guest OS author who does not read Rust, is `docs/abi.md`.
+//! `pvspin-hints`, `pvspin-vhost`) to decode what a guest writes, and `pvspin-guest` to produce
+//! it. It is `no_std` and has no dependencies, so a guest kernel can vendor it. The prose
+//! version, for a guest OS author who does not read Rust, is `docs/abi.md`.
 //!
-//! The contract has two parts:
+//! | module | what |
+//! |---|---|
+//! | [`cpuid`] | discovery: a hypervisor CPUID leaf pair of pvspin's own, found by its signature `"pvspinpvspin"` when scanning the hypervisor range in 0x100 steps; it reports the ABI version, the doorbell port, the feature bits and the number of vCPUs |
+//! | [`doorbell`] | a small port-I/O range: KICK (offset 0: a 32-bit `OUT` of a vCPU index wakes it from `pv_wait`, and a kick before the halt is remembered), SPIN (4: `OUT` a spin notification, [`doorbell::SpinNotify`]; `IN` the caller's spin window), SHARED_PAGE (8: register the vCPU's hint page), WAIT (12: `pv_wait` without `HLT`) |
+//! | [`hint`] | the per-vCPU hint page: spin and wait budgets in TSC cycles published by the host, what the guest holds and waits for, so a notification costs one exit and a budget read none |
+//! | [`virtio`] | the same device as a virtio device (experimental), for VMMs that attach a vhost-user backend (`pvspind`) |
 //!
-//! 1. **Discovery** ([`cpuid`]): a hypervisor CPUID leaf pair of pvspin's own, found by its
-//!    signature `"pvspinpvspin"` when scanning the hypervisor range in 0x100 steps. It reports
-//!    the ABI version, the doorbell port, the feature bits and the number of vCPUs.
-//! 2. **The doorbell** ([`doorbell`]): a small port-I/O range. Offset 0 is the KICK register:
-//!    a 32-bit `OUT` of a vCPU index wakes that vCPU from `pv_wait` (a halt), and a kick that
-//!    arrives before the halt is remembered. Offset 4 is SPIN: a 32-bit `OUT` is a spin
-//!    notification ([`doorbell::SpinNotify`]: lock hash, the vCPU waited for, how long it
-//!    spun), and a 32-bit `IN` returns the calling vCPU's spin window (how many spins before
-//!    notifying), which the host adapts. Offset 8 registers the vCPU's hint page ([`hint`]),
-//!    offset 12 is WAIT: `pv_wait` for code that cannot or does not want to `HLT`.
-//!
-//! **Implemented:** discovery, the KICK command, (since 0.2, when
-//! [`cpuid::FEATURE_SPIN_NOTIFY`] is set) the SPIN command and window read, and (since 0.3)
-//! the WAIT command ([`doorbell::WAIT_OFFSET`], `pv_wait` without `HLT`) and the per-vCPU hint
-//! page ([`hint`], registered with [`doorbell::SHARED_PAGE_OFFSET`]), which carries the spin
-//! and wait budgets in TSC cycles so that a notification costs one exit and a budget read none.
+//! Versions: discovery and KICK since 0.1; SPIN and the window read since 0.2 (when
+//! [`cpuid::FEATURE_SPIN_NOTIFY`] is set); WAIT ([`doorbell::WAIT_OFFSET`]) and the hint page
+//! ([`doorbell::SHARED_PAGE_OFFSET`]) since 0.3, each behind its feature bit. This crate's
+//! version is [`ABI_VERSION`]; [`version_compatible`] says whether a guest may use a host's.
 #![no_std]
 #![deny(missing_docs)]
 
@@ -520,7 +513,8 @@ pub mod virtio {
     //! `config_generation`), the device may have lost them: the driver registers its pages again.
     //!
     //! **Waiting** needs nothing from the device: `pv_wait` is `HLT` (kernel mode), as in
-    //! [`crate::doorbell`]'s §3.2 pattern. The device has no WAIT command.
+    //! the doorbell's `pv_wait` (`docs/abi.md`, "`pv_wait(ptr, val)`"). The device has no WAIT
+    //! command.
 
     /// The virtio device ID (experimental, see the module docs).
     pub const DEVICE_ID: u32 = 63;
@@ -697,6 +691,10 @@ pub mod virtio {
     /// Status: the op needs a feature the driver did not accept.
     pub const STATUS_UNSUPPORTED: u32 = 4;
 }
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 #[cfg(test)]
 mod tests {

@@ -1,150 +1,30 @@
-//! The reference guest side of pvspin, `no_std`.
+//! The reference guest side of pvspin, `no_std` and allocation-free: plain and paravirtual
+//! spinlocks over a small backend trait ([`PvOps`]), so the same lock code runs in bare-metal
+//! guests (`examples/pvspin-vmm/guest`) and on host threads in this crate's tests and loom
+//! models.
 //!
-//! The same code runs in two places: inside guest programs (bare-metal x86-64, see
-//! `examples/pvspin-vmm/guest`) and on host threads in this crate's unit tests and loom model,
-//! so the lock algorithms are tested natively before they ever run in a VM.
-//!
-//! # What exists
-//!
-//! Plain spinlocks (PAUSE in a loop, no paravirtual slow path):
-//! - [`TicketLock`]: a fair FIFO spinlock (the lock whose waiters suffer most from lock-holder
-//!   and lock-waiter preemption).
-//! - [`BackoffTicketLock`]: a ticket lock whose waiters back off in proportion to their
-//!   distance from the head of the queue, with a unit the lock tunes itself
-//!   ([`HandoverEstimate`]): what the origin threads tried before PV ticket locks, and saw
-//!   regress under overcommit.
-//! - [`TasLock`]: an unfair test-and-test-and-set lock.
-//! - [`SpinMutex`]: data guarded by any [`RawSpinLock`].
-//!
-//! Paravirtual locks (spin up to a threshold, then halt; the unlocker kicks a halted waiter):
-//! - [`PvTicketLock`]: ticket lock; a waiter past the threshold publishes "halted waiting for
-//!   ticket t of lock L" in its vCPU's slot and halts; the unlocker scans the slots for the
-//!   halted holder of the next ticket and kicks it (Linux's old pv ticketlock).
-//! - [`PvBackoffTicketLock`]: [`PvTicketLock`]'s handshake with [`BackoffTicketLock`]'s
-//!   proportional backoff as the spin phase (the backoff counts against the threshold).
-//! - [`PvQueuedLock`]: MCS queued lock with per-vCPU nodes in state Running/Halted; the
-//!   unlocker hands over to its successor and kicks it only if it is Halted, only at unlock
-//!   time (the pv qspinlock's `vcpu_halted` protocol, without lock stealing).
-//! - [`StockQueuedLock`] (`PvQueuedLock<StockFlavor>`): Linux's pv qspinlock as a stock KVM
-//!   guest runs it: lock byte, pending byte and MCS tail, one steal attempt, `pv_wait_early`,
-//!   the queue head marks the lock `SLOW` and hashes itself before it halts, the hand-over to a
-//!   halted successor hashes it instead of kicking (`pv_kick_node`), and only the unlock of a
-//!   `SLOW` lock kicks. No spin notifications, budgets or hint pages; the one read beyond the
-//!   kick and the halt is [`PvOps::vcpu_is_preempted`] at the queue head (see
-//!   `pv_queued`'s module docs for where and why).
-//! - [`PvOps`]: the backend trait (pv_wait, pv_kick, cpu id). [`PvDomain`]: the backend, the
-//!   [`SpinConfig`] and the per-vCPU state of `N` vCPUs (waiting slots, MCS nodes, counters),
-//!   no allocation. [`PvStatic`] / [`pv_static!`] / [`StaticPv`]: bind PV locks to a static
-//!   domain so they are [`RawSpinLock`]s and work in a `static` [`SpinMutex`].
-//! - Counters per vCPU ([`PvDomain::cpu_stats`], [`PvDomain::total_stats`]): slow-path
-//!   entries, halts, spurious wakeups, kicks sent, contended unlocks that needed no kick.
-//! - Backends: `host::HostPvOps` (feature `std`; host threads park on a latch that
-//!   remembers early kicks; injects spurious wakeups) and, on x86-64, [`x86::HaltPvOps`]
-//!   (`cli; if *ptr == val { hlt }`) around a [`x86::PvPlatform`] the guest writes.
-//!
-//! # A guest's PV locks
-//!
-//! ```no_run
-//! # #[cfg(target_arch = "x86_64")] mod guest {
-//! use pvspin_guest::x86::{HaltPvOps, PvPlatform};
-//! use pvspin_guest::{pv_static, PvDomain, SpinConfig, SpinMutex};
-//! use pvspin_guest::{StaticPvQueuedLock, StaticPvTicketLock};
-//!
-//! /// The guest's platform: its vCPU index and the kick doorbell of the pvspin ABI.
-//! pub struct Doorbell;
-//! impl PvPlatform for Doorbell {
-//!     fn cpu_id(&self) -> u32 {
-//!         0 // e.g. a per-CPU variable set at boot
-//!     }
-//!     fn kick(&self, cpu: u32) {
-//!         let _ = cpu; // one port write, encoded as pvspin-abi says
-//!     }
-//! }
-//!
-//! // SAFETY: the guest kernel runs at CPL 0 on a host that latches kicks.
-//! static PV: PvDomain<HaltPvOps<Doorbell>, 4> =
-//!     PvDomain::new(unsafe { HaltPvOps::new(Doorbell) }, SpinConfig::EMULATED);
-//! pv_static!(pub GuestPv: HaltPvOps<Doorbell> = PV);
-//!
-//! static COUNTER: SpinMutex<StaticPvTicketLock<GuestPv>, u64> = SpinMutex::new(0);
-//! static TABLE: SpinMutex<StaticPvQueuedLock<GuestPv>, [u32; 8]> = SpinMutex::new([0; 8]);
-//!
-//! pub fn work() -> u64 {
-//!     *COUNTER.lock() += 1;
-//!     TABLE.lock()[0] += 1;
-//!     PV.total_stats().kicks // or PV.cpu_stats(cpu), for the guest's report
-//! }
-//! # }
-//! ```
+//! | item | what |
+//! |---|---|
+//! | [`TicketLock`], [`TasLock`] | plain spinlocks: fair FIFO tickets, test-and-test-and-set |
+//! | [`BackoffTicketLock`] | tickets whose waiters back off in proportion to their place in the queue, with a unit the lock tunes itself ([`HandoverEstimate`]) |
+//! | [`SpinMutex`], [`RawSpinLock`] | data guarded by any raw spinlock |
+//! | [`PvTicketLock`], [`PvBackoffTicketLock`] | PV tickets: a waiter past the threshold halts; the unlocker kicks the halted holder of the next ticket |
+//! | [`PvQueuedLock`] | PV MCS lock: the unlocker hands over, and kicks its successor only if it halted, only at unlock |
+//! | [`StockQueuedLock`] | Linux's pv qspinlock as a stock KVM guest runs it (pending byte, one steal, `pv_wait_early`, `SLOW` locks kicked at unlock) |
+//! | [`PvOps`], [`SpinConfig`], [`SpinBudget`], [`SpinWait`] | the backend contract (wait, kick, CPU id, spin notifications, time budgets) and the spin threshold |
+//! | [`PvDomain`], [`PvStatic`], [`pv_static!`], [`StaticPv`] | the per-vCPU state of `N` vCPUs, no allocation; PV locks bound to a `static` domain are [`RawSpinLock`]s |
+//! | [`PvDomain::cpu_stats`], [`PvDomain::total_stats`] | counters: slow paths, halts, spurious wake-ups, kicks, unlocks that needed no kick |
+//! | [`x86`] | the x86-64 guest backend: [`x86::HaltPvOps`] (`cli; hlt` only while the value matches) around the guest's [`x86::PvPlatform`] |
+//! | `host` (feature `std`) | `host::HostPvOps`: host threads park on a latch that remembers early kicks and injects spurious wake-ups |
 //!
 //! An invalid [`SpinConfig`] or `N` in a `static` [`PvDomain`] is a compile-time error.
+//! Nothing here uses floats or `core::fmt` number formatting, so guests built without SSE can
+//! use every lock.
 //!
-//! # What the guest backend must do
-//!
-//! [`PvOps`] documents the contract. Over the pvspin ABI:
-//! - `wait(ptr, val)`: with interrupts masked, re-check `*ptr == val` and `hlt` only if it
-//!   holds ([`x86::halt_if_eq`] does this). The host must latch a kick that arrives before
-//!   the `hlt` (KVM's `pv_unhalted`; pvspin's kick device does so on every path), which is what
-//!   makes check-then-halt free of lost wakeups. Returning early is always allowed.
-//! - `kick(cpu)`: one doorbell write naming vCPU `cpu` (the encoding is `pvspin-abi`'s; the
-//!   guest maps the domain index to whatever the ABI names, e.g. an APIC ID). Fire and forget.
-//! - `cpu_id()`: this vCPU's index `0..N`, e.g. from a per-CPU variable set at boot.
-//!
-//! # Spin thresholds
-//!
-//! [`SpinConfig::EMULATED`] spins 128 times before halting: on the development machines every
-//! guest instruction is emulated (about 0.5 us), so that is a few hundred microseconds, about
-//! the cost of a halt and kick. [`SpinConfig::HARDWARE`] is Linux's `SPIN_THRESHOLD` (32768).
-//! `halt: false` makes the PV locks plain spinning locks, for comparisons.
-//!
-//! # No lost wakeups
-//!
-//! Both PV locks use the same handshake: the waiter stores Halted, `fence(SeqCst)`, re-checks
-//! its lock condition and only then `pv_wait`s on its state byte; the unlocker stores the
-//! handover, `fence(SeqCst)`, and kicks if it sees Halted (on x86-64 the fence is a locked OR,
-//! never MFENCE, which KVM's instruction emulator may not handle). The loom model (`src/loom_tests.rs`)
-//! runs the real lock code on the loom-modelled `host::HostPvOps` latch and checks every
-//! interleaving for a lost wakeup (a deadlock), a double holder and data races:
-//!
-//! ```text
-//! RUSTFLAGS="--cfg loom" cargo test -p pvspin-guest --release loom
-//! ```
-//!
-//! # Tests and benchmarks
-//!
-//! ```text
-//! cargo test -p pvspin-guest                  # host threads on the host backend
-//! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
-//!     cargo test -p pvspin-guest --release loom   # the loom models, about 25 s
-//! cargo bench -p pvspin-guest --features std --bench pv_locks        # uncontended fast path
-//! cargo bench -p pvspin-guest --features std --bench oversubscribed  # 4 threads on fewer cores
-//! ```
-//!
-//! The host tests check exclusion (torn read-modify-writes), FIFO order, that the unlocker
-//! kicks exactly the halted next waiter (and never a running one, nor the waiter of another
-//! lock), that injected spurious wakeups change nothing, and that a kick before the wait is
-//! remembered; the host backend counts a park that waited 5 s for a kick as a lost wakeup.
-//!
-//! # Spin notifications
-//!
-//! A waiter tells the host it spins ([`PvOps::spin_notify`], a [`SpinWait`]) each time it has
-//! spun [`PvOps::spin_window`] times in a spin phase, re-reading the window after each
-//! notification, and once more before halting if that phase did not notify. It names the vCPU
-//! it waits for: the ticket lock records its holder's CPU at acquisition (cleared at unlock);
-//! when the lock was released to a waiter that has not taken it yet, the waiter names that
-//! next owner (`next_owner`), found by the ticket it published in its wait slot (published at
-//! the start of the slow path only when notifications are on). The queued lock names the
-//! waiter's predecessor (flagged `next_owner` when that is not the holder). The default window, `u32::MAX`, never notifies, so backends without the method
-//! behave as before; over pvspin's ABI this is the SPIN doorbell command (`docs/abi.md` §3.3,
-//! the example VMM's guest implements it in its `PvPlatform`). The holder hint is a `core`
-//! atomic outside the handshake, so the loom models are unchanged (a hint is never trusted).
-//!
-//! # Not implemented yet
-//!
-//! Hint-page writes (need the ABI) and lock stealing in the pvspin queued lock
-//! ([`StockQueuedLock`] has Linux's one steal attempt and `pv_wait_early`; the check of a
-//! preempted predecessor before halting, which Linux reverted, is in neither). Guest code must not use SSE (KVM's emulator rejects it on emulating hosts), so
-//! nothing here uses floats or `core::fmt` number formatting.
+//! The README has a guest's PV locks as a compiling example. `docs/guest-locks.md` in the
+//! repository has the rest: what a backend over the pvspin ABI must do, why the halt/kick
+//! handshake loses no wake-up (and the loom models that check it), spin notifications, the
+//! hint page, the tests and benchmarks, and what is not implemented yet.
 #![no_std]
 #![deny(missing_docs)]
 
@@ -521,6 +401,10 @@ mod tests_common {
         }
     }
 }
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 #[cfg(all(test, not(loom)))]
 mod tests {

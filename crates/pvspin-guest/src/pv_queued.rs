@@ -123,8 +123,8 @@ impl QueuedFlavor for PvspinFlavor {
 
 /// Linux's pv qspinlock as a stock KVM guest runs it: lock byte, pending byte and MCS tail,
 /// one steal attempt, `pv_wait_early`, the queue head's `SLOW` mark and hash, kicks at
-/// unlock only; no spin notifications, budgets or hint pages. See the
-/// [module docs](self#the-stock-flavor).
+/// unlock only; no spin notifications, budgets or hint pages. The protocol, step by step, is
+/// in the docs of this crate's `src/pv_queued.rs` ("The stock flavor"), a private module.
 #[derive(Debug)]
 pub enum StockFlavor {}
 

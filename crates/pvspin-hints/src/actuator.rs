@@ -11,7 +11,8 @@
 //! is not permitted instead of failing.
 //!
 //! The default ([`DEFAULT_ACTUATOR`]) is the nice boost, from the example VMM's guests
-//! (`docs/benchmarks.md` §3; lock workload, median guest time against `--pv kick`, 5
+//! (`docs/benchmarks.md`, "Directed yield and the actuators"; lock workload, median guest
+//! time against `--pv kick`, 5
 //! interleaved runs per case): 4 vCPUs on 2 host CPUs, no hogs: yield -42%, nice -44%,
 //! fifo -7%; with 2 hogs: yield +9%, nice -44%, fifo -30%; 8 vCPUs: yield -14%, nice -23%,
 //! fifo -22%; 2 vCPUs with 4 hogs: yield +92%, nice +2%, fifo +7%. Nice was best or within

@@ -1,10 +1,15 @@
-//! pvspin vCPU scheduler hints: host-thread actuators.
+//! pvspin vCPU scheduler hints: host-thread actuators, the guest's hint pages, confinement.
 //!
-//! Userspace has no `yield_to()`. [`actuator`] gives a spinning vCPU's thread three ways to
-//! favour the vCPU it waits for ([`YieldOnly`], [`BoostActuator`] with a nice or `SCHED_FIFO` boost, built by name
-//! with [`by_name`]); [`boost`] keeps every priority boost bounded by a deadline and restores
-//! it on the target's next exit or kick, on errors, at shutdown and on drop; [`sched`] wraps
-//! the Linux calls on thread ids.
+//! Userspace has no `yield_to()`: the actuators give a spinning vCPU's thread three ways to
+//! favour the vCPU it waits for, and every priority boost is bounded and restored.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`actuator`] | [`YieldOnly`] and [`BoostActuator`] (nice or `SCHED_FIFO` boost, then yield), built by name with [`by_name`]; the default, [`DEFAULT_ACTUATOR`] |
+//! | [`boost`] | [`BoostTracker`]: every boost ends at its deadline, on the target's next exit or kick, on errors, at shutdown and on drop |
+//! | [`sched`] | the Linux calls on thread ids (nice, `SCHED_FIFO`, `sched_yield`, [`sched::current_tid`]) |
+//! | [`page`] | the guest's hint pages (ABI 0.3): mapped once through the VMM's guest memory ([`GuestPageMap`]), read and written without exits |
+//! | [`confine`] | whether priority boosts stay inside the VM's CPU share (its own cpu cgroup) |
 //!
 //! What the embedding VMM calls: each vCPU thread registers its [`sched::current_tid`]
 //! (pvspin-track's board keeps it); on a `YieldTo(x)` decision the spinner's thread calls
@@ -17,13 +22,10 @@
 //! first on it (a VMM installs its seccomp filter there). This crate has no seccomp
 //! dependency: `pvspin::seccomp` lists what the thread needs.
 //!
-//! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
-//!
-//! [`confine`] says whether priority boosts stay inside the VM's CPU share. The run-slot
-//! scheduler is the crate `pvspin-slots`.
-//!
-//! **Not implemented yet:** affinity actuators. The side-by-side measurement of the three
-//! actuators needs the example VMM and its guests.
+//! The three actuators were compared with the example VMM's guests (`docs/benchmarks.md`,
+//! "Directed yield and the actuators, vCPUs overcommitted inside the VM"; summed up in
+//! [`actuator`]'s docs). The run-slot scheduler is the crate `pvspin-slots`. **Not implemented
+//! yet:** affinity actuators.
 #![deny(missing_docs)]
 
 #[cfg(not(loom))]
@@ -47,6 +49,10 @@ pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHoo
 pub use confine::{Confinement, Verdict};
 #[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -126,8 +126,8 @@ pub struct KickConfig {
     /// Number of vCPUs; valid kick targets are `0..nr_vcpus`, and vCPU `i` has APIC ID `i`.
     pub nr_vcpus: u32,
     /// Reserved commands to accept and forward to the VMM (`FEATURE_SPIN_NOTIFY`,
-    /// `FEATURE_SHARED_PAGE`); 0 (the default) rejects them as [`Reject::NotEnabled`]. Only
-    /// set these when something handles the forwarded commands.
+    /// `FEATURE_SHARED_PAGE`, `FEATURE_WAIT`: [`EXTRA_COMMANDS`]); 0 (the default) rejects them
+    /// as [`Reject::NotEnabled`]. Only set these when something handles the forwarded commands.
     pub extra_commands: u32,
     /// Userspace path: how long to spin before sleeping on an `HLT` exit.
     pub spin: Duration,

@@ -61,7 +61,7 @@
 //! unused bit costs nothing.
 //!
 //! Hosts whose KVM emulates every guest instruction (the development machines,
-//! `kvm-on-these-machines.md` §0) never complete a hypercall: a stock Linux guest that was
+//! `docs/kvm-here.md`) never complete a hypercall: a stock Linux guest that was
 //! offered `PV_UNHALT` would livelock on its first `KVM_HC_KICK_CPU` there. [`HostCaps`] cannot
 //! see that without running a guest; a VMM for such hosts should request `pv_features`
 //! without `PV_UNHALT`, `PV_SCHED_YIELD` and `PV_SEND_IPI` explicitly.
@@ -82,7 +82,8 @@
 //!
 //! # Rules ([`PlanError`]), their sources, and what depends on a kernel version
 //!
-//! * `PV_UNHALT` together with HLT exits disabled is refused (KVM `api.rst` §7.13; host KVM
+//! * `PV_UNHALT` together with HLT exits disabled is refused (KVM `api.rst`,
+//!   `KVM_CAP_X86_DISABLE_EXITS`; host KVM
 //!   strips the bit anyway, `cpuid.c`).
 //! * `PV_UNHALT` without an in-kernel LAPIC is refused (QEMU `kvm_arch_get_supported_cpuid`;
 //!   KVM `kvm_pv_kick_cpu_op` delivers to the in-kernel LAPIC only; Linux `kvm_wait` halts with
@@ -343,7 +344,8 @@ pub struct HostCaps {
 }
 
 impl HostCaps {
-    /// What the development machines report (`kvm-on-these-machines.md` §1, §7, §9): EAX
+    /// What the development machines report (the shared notes' kvm-on-these-machines.md,
+    /// "Setup facts", "E6: PAUSE, disabling exits, PLE", "E7: binary stats"): EAX
     /// `0x01007efb`, exits `HLT|PAUSE|CSTATE`, halt poll, enforcement, quirks `0x5ff`.
     pub const DEVELOPMENT_HOST: HostCaps = HostCaps {
         pv_features: PvFeatures(0x0100_7efb),

@@ -1,4 +1,4 @@
-//! A reader for KVM's binary statistics (`KVM_GET_STATS_FD`, KVM API §4.131), which
+//! A reader for KVM's binary statistics (`KVM_GET_STATS_FD` in KVM's `api.rst`), which
 //! kvm-ioctls has no API for.
 //!
 //! The stats fd of a VM or vCPU holds, at offsets it announces itself: a 24-byte header

@@ -121,7 +121,8 @@ pub struct SlotConfig {
 impl SlotConfig {
     /// `slots` slots with an 8 ms quantum, a 1 ms extension, a 1 ms preemption latency and
     /// priority preemption after 50 us. The quantum, measured side by side
-    /// (`docs/benchmarks.md` §8): 2 ms cost 1.5-2x against 8 ms with 4 and 6 vCPUs at
+    /// (`docs/benchmarks.md`, "Run slots, confinement and VMs side by side"): 2 ms cost
+    /// 1.5-2x against 8 ms with 4 and 6 vCPUs at
     /// native speed and in emulated kernel mode (more forced exits, each a round trip through
     /// the VMM's signal), 20 ms gained nothing more and doubles the wait bound.
     pub fn new(slots: usize) -> Self {

@@ -16,7 +16,8 @@
 //!    deschedule; the CPL cached is the last exit's, which is the mode at preemption only if
 //!    the guest did not change mode since its last exit (not observable from userspace);
 //! 3. a thread that is runnable but off-CPU, seen in `/proc/<tid>/stat`: **not implemented**
-//!    (racy and a few microseconds per read; kvm-pv-reference.md §6.3).
+//!    (racy and a few microseconds per read; the shared notes' kvm-pv-reference.md, "Notes
+//!    for a userspace Rust VMM").
 //!
 //! Without any of them, a vCPU inside `KVM_RUN` reads as running, and the directed-yield policy
 //! finds no candidate, exactly as KVM finds none among vCPUs that were never scheduled out.

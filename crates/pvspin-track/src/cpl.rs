@@ -5,7 +5,8 @@
 //! obtained. The cheap way to obtain one is `KVM_CAP_SYNC_REGS`: with `KVM_SYNC_X86_SREGS` set
 //! in `kvm_run.kvm_valid_regs`, KVM copies the special registers into `kvm_run.s.regs.sregs` at
 //! every return from `KVM_RUN`, inside the same syscall. A `KVM_GET_SREGS` ioctl per exit costs
-//! one extra syscall, about 5 us on the development machines (kvm-on-these-machines.md §5).
+//! one extra syscall, about 5 us on the development machines (the shared notes'
+//! kvm-on-these-machines.md, "E4: exit costs").
 //! The copy inside KVM is not free either (it is `__get_sregs` on every exit), but it needs
 //! no extra kernel entry. Measured on the development machines
 //! (`cargo test -p pvspin-integration-tests --test track_cpl -- --ignored --nocapture`,

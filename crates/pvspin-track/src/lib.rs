@@ -26,3 +26,7 @@ pub mod steal;
 pub use board::{BoardError, VcpuBoard, VcpuSnapshot, VcpuState};
 pub use cpl::{cpl_from_sregs, cpl_from_sync_regs, enable_sync_sregs, CplError};
 pub use steal::{GuestBytes, StealTime, StealTimeError};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

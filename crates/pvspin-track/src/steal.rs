@@ -2,7 +2,8 @@
 //!
 //! When a guest enables `MSR_KVM_STEAL_TIME` (0x4b564d03), KVM itself writes byte 16
 //! (`preempted`, bit 0 `KVM_VCPU_PREEMPTED`) when it deschedules the vCPU involuntarily at an
-//! instruction boundary, and clears it before the next entry (kvm-pv-reference.md §1.4, §3.4).
+//! instruction boundary, and clears it before the next entry (the shared notes'
+//! kvm-pv-reference.md, "`struct kvm_steal_time`" and "Preemption bookkeeping").
 //! A userspace VMM can read that byte from guest memory from any thread: it is the only
 //! host-preemption signal userspace gets without polling `/proc`.
 //!

@@ -127,7 +127,8 @@ pub enum YieldMode {
 pub const DEFAULT_THREAD_PATTERNS: [&str; 2] = ["vcpu{N}", "CPU {N}/KVM"];
 
 /// Default of [`BackendConfig::max_events_per_sec`]. An event costs the daemon about 7 us of
-/// CPU on the development hosts (`docs/benchmarks.md` §9), so a guest that notifies in a loop
+/// CPU on the development hosts (`docs/benchmarks.md`, "Through the out-of-process backend"),
+/// so a guest that notifies in a loop
 /// makes it spend at most about 15% of one CPU.
 pub const DEFAULT_MAX_EVENTS_PER_SEC: u32 = 20_000;
 

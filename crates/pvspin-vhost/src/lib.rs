@@ -34,3 +34,7 @@ pub mod yield_policy;
 
 pub use backend::PvspinBackend;
 pub use config::{BackendConfig, BudgetsUs, YieldMode};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

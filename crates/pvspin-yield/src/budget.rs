@@ -69,7 +69,8 @@ pub struct BudgetConfig {
 }
 
 impl Default for BudgetConfig {
-    /// Measured on the development machines (`docs/benchmarks.md` §7): a wait costs one exit
+    /// Measured on the development machines (`docs/benchmarks.md`, "Native speed: WAIT, time
+    /// budgets and the hint page"): a wait costs one exit
     /// (36-48 us from guest user mode, about 7 us from kernel mode) plus a wake-up (about
     /// 30 us), so spinning 50 us first loses little when the wait was needed and avoids most
     /// waits that were not; preempted holders stay off a CPU for host time slices (ms), far

@@ -1,14 +1,16 @@
 //! pvspin's spin-notification policy (the guest's SPIN and WAIT reports, not PAUSE exits:
 //! KVM handles pause-loop exits in the kernel and never forwards them to the VMM).
 //!
-//! Takes a spin notification from a guest vCPU ([`SpinNotification`]), decides whom to yield
-//! to ([`DirectedYield`]: the guest's holder hint first, KVM's `kvm_vcpu_on_spin` candidate
-//! rules otherwise) and adapts each vCPU's spin window like KVM's PLE window
-//! ([`SpinWindows`]). The decision is pure code over a small trait ([`VcpuView`], implemented
-//! by `pvspin_track::VcpuBoard`), so it is unit-tested and fuzzed without KVM; acting on it is
-//! `pvspin-hints`' actuators.
+//! | module | what |
+//! |---|---|
+//! | [`policy`] | [`DirectedYield`]: whom a spinner yields to, the guest's holder hint first, KVM's `kvm_vcpu_on_spin` candidate rules otherwise, over a [`VcpuView`] (`pvspin_track::VcpuBoard`, or [`StealTimeView`] with guest steal time) |
+//! | [`window`] | [`SpinWindows`]: each vCPU's spin window, adapted like KVM's PLE window |
+//! | [`budget`] | time budgets (ABI 0.3): how long a waiter spins before it waits (KVM's halt-polling rule) and before it notifies (KVM's PLE rule, a notification counting only when its target was not running) |
+//! | [`trial`] | [`BoostTrial`]: whether boosting a waited-for vCPU that the host sees running pays off |
 //!
-//! On a notification, the vCPU's own thread (which just exited with it) does:
+//! The decisions are pure code, unit-tested and fuzzed without KVM; acting on them is
+//! `pvspin-hints`' actuators, and the wire format is `pvspin-abi`'s. On a notification, the
+//! vCPU's own thread (which just exited with it) does:
 //! 1. `board.on_exit(v, Some(cpl))` (pvspin-track), as after every exit;
 //! 2. `windows.on_notification(v)`, and publishes the new window to the guest;
 //! 3. `policy.decide(&view, &notification)`, where `view` is the `VcpuBoard` itself, or a
@@ -20,19 +22,9 @@
 //!    `windows.on_scheduled_out(v)` (KVM's shrink on reload after `scheduled_out`), and
 //!    publishes the window again.
 //!
-//! Cost (criterion, `cargo bench -p pvspin-yield -- --warm-up-time 1 --measurement-time 3`,
-//! shared and loaded 2-CPU machine, medians): 27-53 ns per decision at 8, 64 and 1024 vCPUs
-//! with the board's ready bitmap; with every vCPU's steal-time byte to read, 77 ns, 736 ns
-//! and 525 ns (the last one capped by [`PolicyConfig::scan_budget`]).
-//!
-//! Time budgets (ABI 0.3, [`budget`]): per vCPU, how long a waiter spins before it waits
-//! (KVM's halt-polling rule over the guests' wait reports) and before it notifies (KVM's PLE
-//! rule, counting a notification useful only when its target was not running). The boost
-//! trial ([`trial`]) decides, from the same wait reports, whether boosting a waited-for vCPU
-//! the host sees running pays off.
-//!
-//! Not here: the wire format of notifications and windows (pvspin-abi), and acting on
-//! decisions (pvspin-hints).
+//! A decision's cost is bounded by [`PolicyConfig::scan_budget`]; measured at 8, 64 and 1024
+//! vCPUs with `cargo bench -p pvspin-yield` (`docs/benchmarks.md`, "Micro-benchmarks of the
+//! host-side pieces").
 #![deny(missing_docs)]
 
 pub mod budget;
@@ -50,6 +42,10 @@ pub use policy::{
 };
 pub use trial::{BoostTrial, TrialConfig, TrialStats};
 pub use window::{grow_window, shrink_window, SpinWindows, WindowConfig, WindowError};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,8 @@
 //! The directed-yield decision: whom a spinning vCPU should yield to.
 //!
-//! Order of the rules (kvm-pv-reference.md §3.5 and §6.2, plus the guest's hint):
+//! Order of the rules (the shared notes' kvm-pv-reference.md, "Directed yield:
+//! `kvm_vcpu_on_spin`" and the candidate filter in "Notes for a userspace Rust VMM", plus the
+//! guest's hint):
 //! 0. fewer than two vCPUs, or a spinner index out of range: nothing;
 //! 1. **the guest's hint**: the vCPU the spinner waits for (the holder, or the next owner of a
 //!    fair lock), if it is in range, not the spinner, and *ready* (preempted, or halted with a

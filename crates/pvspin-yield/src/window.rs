@@ -1,6 +1,7 @@
 //! The adaptive per-vCPU spin window: how long a guest spins before it notifies the host.
 //!
-//! KVM's PLE window (kvm-pv-reference.md §3.6) is the model, with its exact formulas:
+//! KVM's PLE window is the model (the shared notes' kvm-pv-reference.md, "Pause-loop exiting
+//! (PLE) / pause filtering: window adaptation"), with its exact formulas:
 //! * `grow(val)`: `modifier < 1` resets to `base`; `modifier < base` multiplies, otherwise
 //!   adds; capped at `max`;
 //! * `shrink(val)`: `modifier < 1` resets to `base`; `modifier < base` divides, otherwise
@@ -21,7 +22,8 @@
 //!
 //! The unit is the guest's: spin iterations before notifying (the ABI's window). KVM's VMX
 //! default (4096 TSC cycles) does not transfer; the defaults here come from the E9 probe on
-//! these machines (kvm-on-these-machines.md §8: notifying after 16 spins halves the CPU time,
+//! these machines (the shared notes' kvm-on-these-machines.md, "Directed yield from
+//! userspace": notifying after 16 spins halves the CPU time,
 //! after 256 most of the gain is lost): base 16, grow x2, shrink 0 (reset), max 4096.
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,124 +1,38 @@
 //! pvspin's embedding API: paravirtual spinlocks and lock-holder-aware vCPU scheduling for a
-//! KVM-based VMM built on rust-vmm crates.
+//! KVM-based VMM built on rust-vmm crates. The VMM keeps its threads, memory, device model and
+//! VM-wide KVM state; pvspin asks for what it needs and plugs in through a few hooks:
 //!
-//! The VMM keeps its threads, memory, device model and VM-wide KVM state; pvspin asks for
-//! what it needs and plugs in through a few hooks:
-//!
-//! 1. Build a [`PvSpin`] with [`PvSpin::builder`], giving the number of vCPUs and a
-//!    [`VcpuInterrupter`] (how to get a vCPU thread out of `KVM_RUN`; [`SignalInterrupter`]
-//!    is a ready one).
-//! 2. After creating the VM and before creating vCPUs: [`PvSpin::configure_vm`] (quirks, the
-//!    paravirt plan's VM stage, the kick device). The VMM creates its irqchip as it always
-//!    does (the in-kernel and signal-msi kick paths need one, the userspace path needs none)
-//!    and, for the in-kernel path, gives pvspin GSIs from its allocator
-//!    ([`PvSpin::set_kick_gsis`]), merges [`KickWiring::routes`] into its routing table,
-//!    checks each table it applies ([`PvSpin::check_routes`]) and registers the eventfds
+//! 1. [`PvSpin::builder`]: the number of vCPUs, a [`VcpuInterrupter`] (how to get a vCPU thread
+//!    out of `KVM_RUN`; [`SignalInterrupter`] is a ready one) and the features wanted.
+//! 2. After `KVM_CREATE_VM`, before the first vCPU: [`PvSpin::configure_vm`]. The VMM creates
+//!    its irqchip as always and, for the in-kernel kick path, gives GSIs
+//!    ([`PvSpin::set_kick_gsis`]), merges [`KickWiring::routes`] into its routing table, checks
+//!    each table it applies ([`PvSpin::check_routes`]) and registers the eventfds
 //!    ([`KickWiring::register`] or its own calls).
-//! 3. For each vCPU: [`PvSpin::edit_cpuid`] on the CPUID the VMM built (pure), the VMM's own
-//!    `KVM_SET_CPUID2`, then [`PvSpin::configure_vcpu`], which checks the rules and returns
-//!    the [`VcpuHooks`] that vCPU's thread owns. pvspin changes no MP state: APs start as the
-//!    VMM starts them.
-//! 4. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, then offer the exit to
-//!    [`VcpuHooks::handle_exit`] (pvspin says whether it handled it; a VMM that dispatches
-//!    port I/O through a bus registers [`PvSpin::doorbell_pio`] there instead), then
-//!    [`VcpuHooks::after_run`] with the vCPU (where a spin notification is acted on).
-//! 5. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads.
-//! 6. Any time: [`PvSpin::telemetry`], the one snapshot of everything pvspin and KVM count
-//!    ([`telemetry`]: per-vCPU counters, the kick device, directed yield, hint pages, budgets
-//!    and KVM's binary statistics, as JSON or Prometheus text), and [`PvSpin::check`], the
-//!    adopter mistakes that could only show at run time ([`Problem`]: each counted, logged
-//!    once and carried in the telemetry, with the rule it breaks). Mistakes pvspin can see
-//!    at setup are refused there, with an error that names the rule (`docs/embedding.md`,
-//!    "Adopter's mistakes", has the table).
+//! 3. For each vCPU: [`PvSpin::edit_cpuid`] (pure) on the VMM's CPUID, its `KVM_SET_CPUID2`,
+//!    then [`PvSpin::configure_vcpu`], which checks the rules and returns the vCPU's
+//!    [`VcpuHooks`]. pvspin changes no MP state: APs start as the VMM starts them.
+//! 4. In each vCPU's loop: [`VcpuHooks::before_run`], `KVM_RUN`, [`VcpuHooks::handle_exit`]
+//!    (or [`PvSpin::doorbell_pio`] on the VMM's port-I/O bus), [`VcpuHooks::after_run`].
+//! 5. When the VM stops: [`PvSpin::shutdown`], before interrupting the vCPU threads. Any time:
+//!    [`PvSpin::telemetry`], and [`PvSpin::check`]: the adopter mistakes that show only at run
+//!    time ([`Problem`], each counted, logged once and named by its rule; `docs/embedding.md`,
+//!    "Adopter's mistakes").
 //!
-//! [`simple`] does the VMM's part of steps 2-3 for a VMM without irqchip, routes or CPUID of
-//! its own.
+//! | module | what |
+//! |---|---|
+//! | crate root | [`PvSpin`], [`PvSpinBuilder`] and its options ([`KickOptions`], [`DirectedYieldOptions`], [`HintOptions`], [`WaitOptions`], [`SlotConfig`], [`PlanRequest`]), [`VcpuHooks`], [`KickWiring`], [`DoorbellPio`], [`ConfigError`] |
+//! | [`cpuid`] | pure CPUID edits: pvspin's leaves and the kick-index rule |
+//! | [`interrupt`] | [`SignalInterrupter`]: a signal that makes a vCPU thread leave `KVM_RUN` |
+//! | [`seccomp`] | pvspin's system calls per thread kind, as `seccompiler` rules to merge into the VMM's filters ([`PvSpinBuilder::helper_thread_filter`] confines pvspin's own threads) |
+//! | [`simple`] | the VMM's part of steps 2 and 3, for a VMM without irqchip, routes or CPUID of its own |
+//! | [`telemetry`] | one snapshot of pvspin's and KVM's counters per VM, as JSON or Prometheus text |
 //!
-//! A VMM that confines its threads with seccomp merges [`seccomp::rules`] for each kind of
-//! thread pvspin runs on into its filters, and gives pvspin the filter of the thread pvspin
-//! starts ([`PvSpinBuilder::helper_thread_filter`]); see the [`seccomp`] module.
-//!
-//! ```no_run
-//! use std::sync::Arc;
-//! # use kvm_ioctls::{Kvm, VcpuExit};
-//! let interrupter = pvspin::SignalInterrupter::new(1)?;
-//! let pvspin = pvspin::PvSpin::builder()
-//!     .vcpus(1)
-//!     .interrupter(interrupter.clone())
-//!     .build()?;
-//! let kvm = Kvm::new()?;
-//! let vm = kvm.create_vm()?;
-//! pvspin.configure_vm(&kvm, &vm)?;
-//! let mut vcpu = vm.create_vcpu(0)?;
-//! let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
-//! pvspin.edit_cpuid_for_vcpu(0, &vcpu, &mut cpuid)?;
-//! vcpu.set_cpuid2(&cpuid)?;
-//! let (mut hooks, _) = pvspin.configure_vcpu(0, &mut vcpu)?;
-//! let thread = interrupter.attach(0)?; // on the vCPU's thread
-//! loop {
-//!     hooks.before_run();
-//!     let mut exit = thread.run(&mut vcpu);
-//!     let outcome = hooks.handle_exit(&mut exit);
-//!     let done = outcome == pvspin::ExitOutcome::NotHandled
-//!         && matches!(exit, Ok(VcpuExit::Hlt)); // else: the VMM's own devices
-//!     drop(exit);
-//!     hooks.after_run(&vcpu);
-//!     if done {
-//!         break;
-//!     }
-//! }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! **What pvspin does through these hooks today:** VM setup turns KVM's FIX_HYPERCALL_INSN
-//! quirk off (a stray hypercall faults instead of livelocking a host CPU); with
-//! [`PvSpinBuilder::paravirt`] it applies a placement-driven plan of KVM's paravirt features
-//! for stock guests; the hooks keep per-vCPU counters of runs, exits by kind and time spent in
-//! `KVM_RUN` ([`PvspinVcpuCounters`]); [`PvSpin::telemetry`] merges pvspin's counters with
-//! KVM's binary statistics.
-//! With [`PvSpinBuilder::kick`], the kick doorbell and its three wake paths (`pvspin-kick`).
-//! With [`PvSpinBuilder::directed_yield`] (needs the kick), spin notifications: the hooks keep
-//! a `pvspin_track::VcpuBoard` (state per vCPU, CPL at each exit from the sync registers, halts,
-//! kicks, thread ids), and on a SPIN doorbell write decide with `pvspin_yield::DirectedYield`
-//! (the guest's hint first, KVM's rules otherwise), act with a `pvspin_hints` actuator and
-//! adapt the vCPU's spin window, which the guest reads from the same register.
-//! **Preemption inside `KVM_RUN`:** with [`PvSpinBuilder::steal_time_memory`] and
-//! [`PvSpin::set_steal_time_gpa`], decisions read each candidate's KVM steal-time `preempted`
-//! byte, so the candidate scan (and its kernel-mode filter) sees vCPUs the host descheduled.
-//! KVM only sets that byte for a preemption at an instruction boundary; on the emulating
-//! development hosts it never does (KVM's own stats there: `preemption_reported` 0,
-//! `preemption_other` > 0), so there the board shows every vCPU in the guest as running. The
-//! default [`DirectedYieldOptions`] therefore boost the vCPU the guest names even when it reads
-//! as running (`PolicyConfig::boost_running_hint`); a notification without a usable hint then
-//! finds no ready candidate and yields undirected.
-//! With [`PvSpinBuilder::hint_pages`] (ABI 0.3) each vCPU registers a page where pvspin
-//! publishes its spin budgets in TSC cycles (how long to spin before waiting and before
-//! notifying, adapted from the guest's own wait reports, `pvspin_yield::budget`) and whether
-//! the host runs it, so budgets cost no exit and a notification one; with
-//! [`PvSpinBuilder::pv_wait`] the guest can wait without `HLT` (the WAIT command: KVM's own
-//! halt with an in-kernel irqchip, a bounded park on the latch without one), from guest user
-//! mode too, and the WAIT carries its notification. With directed yield and hint pages, a
-//! boost trial (`pvspin_yield::trial`) decides from the wait reports whether boosting a
-//! waited-for vCPU that the host sees running pays off.
-//! With [`PvSpinBuilder::run_slots`] pvspin decides which vCPUs run: at most S in guest code at
-//! once, the kicked vCPU taking its kicker's slot, a holder inside a critical section (its hint
-//! page's `CS_DEPTH`) kept once past its quantum, the others parked in `before_run` with
-//! `NOT_RUNNING` on their hint pages (crate `pvspin_slots`). On the in-kernel and signal-msi
-//! paths halts stay inside KVM: a halt watcher thread reads KVM's per-vCPU `blocking`
-//! statistic, lends a halted holder's slot to a waiter and gives a vCPU that KVM woke a slot
-//! back at once.
-//! Directed yield's boosts are used only where they stay inside the VM's CPU share
-//! ([`Confinement`]).
-//!
-//! A vCPU waiting for a slot is also shown preempted to a guest that registered KVM steal time
-//! (its `preempted` byte, which KVM clears at the next entry), so a stock Linux guest's
-//! `vcpu_is_preempted` sees the slots' decisions.
-//!
-//! **Not implemented yet:** polling `/proc` for runnable-but-off-CPU vCPU threads; on the
-//! in-kernel path a kick stays inside KVM, so a kicked vCPU is seen only when the halt watcher
-//! next polls (there is no hand-over from its kicker); the boost still cannot end when the
-//! holder releases its lock (the host does not see the release), which is why boosting can
-//! cost more than it gains with many vCPUs per CPU.
+//! The README has the hooks in a vCPU loop as a compiling example. In the repository,
+//! `docs/embedding.md` adopts pvspin call by call (seccomp included), and
+//! `docs/architecture.md` says what each builder option makes the hooks do (the kick doorbell,
+//! directed yield, hint pages, WAIT, run slots, KVM's paravirt plan) and what is not
+//! implemented yet.
 #![deny(missing_docs)]
 
 mod check;
@@ -542,7 +456,8 @@ impl PvSpinBuilder {
         self
     }
 
-    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md` §3.4): pvspin
+    /// Lets each vCPU register a hint page (ABI 0.3 SHARED_PAGE, `docs/abi.md`, "SHARED_PAGE:
+    /// the hint page"): pvspin
     /// publishes the vCPU's spin and wait budgets there in TSC cycles, adapts them from the
     /// guest's wait reports (`options.budgets`), and reads the guest's spin state, all without
     /// exits. `options.memory` maps guest pages (a `vm_memory::GuestMemoryMmap` does). Needs
@@ -1306,6 +1221,10 @@ fn check_apic_id(index: usize, vcpu: &VcpuFd) -> Result<(), Error> {
     };
     Err(ConfigError::ApicId { index, apic_id }.into())
 }
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 #[cfg(test)]
 mod tests {

@@ -256,7 +256,8 @@ impl MmioRegisters {
                 MmioEffect::None
             };
         }
-        // The driver may only add bits (virtio 1.x §2.1); clearing one needs a reset.
+        // The driver may only add bits (virtio 1.x, "Device Status Field"); clearing one needs
+        // a reset.
         if (value | STATUS_NEEDS_RESET) & self.status != self.status {
             return MmioEffect::Bad("status write clearing bits without a reset");
         }

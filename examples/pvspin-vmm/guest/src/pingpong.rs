@@ -103,7 +103,7 @@ pub fn run(vcpu: u32, boot: &BootParams, heartbeat: impl Fn()) {
             core::hint::black_box(unit);
         }
         next_token.store(1, Ordering::Release);
-        // The token store must be visible before the kick (pvspin ABI §3.2).
+        // The token store must be visible before the kick (`docs/abi.md`, "`pv_wait(ptr, val)`").
         core::sync::atomic::fence(Ordering::SeqCst);
         KICKS.fetch_add(1, Ordering::Relaxed);
         // Stamped right before the doorbell write, as the C probe does. A waiter that sees

@@ -435,7 +435,7 @@ fn encode(wait: &SpinWait) -> u32 {
 /// The PV lock domain: per-vCPU wait slots, MCS nodes and counters for up to
 /// [`MAX_PV_VCPUS`] vCPUs.
 // SAFETY: every wait that is not a doorbell WAIT runs at CPL 0 (`setup` turns WAIT on for
-// user mode), and the host's kick device latches kicks (pvspin ABI §3.1).
+// user mode), and the host's kick device latches kicks (`docs/abi.md`, "KICK: `pv_kick(cpu)`").
 pub static PV: PvDomain<HaltPvOps<Platform>, { MAX_PV_VCPUS as usize }> =
     PvDomain::new(unsafe { HaltPvOps::new(Platform) }, SpinConfig::EMULATED);
 pv_static!(pub GuestPv: HaltPvOps<Platform> = PV);
@@ -448,7 +448,7 @@ pub enum PvUnavailable {
     Unusable,
 }
 
-/// Finds pvspin through CPUID (pvspin ABI §2) and remembers the doorbell.
+/// Finds pvspin through CPUID (`docs/abi.md`, "Discovery (CPUID)") and remembers the doorbell.
 pub fn discover() -> Result<PvspinInfo, PvUnavailable> {
     let read = |leaf: u32| {
         let [eax, ebx, ecx, edx] = cpuid(leaf);

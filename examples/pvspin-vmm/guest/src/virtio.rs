@@ -16,7 +16,7 @@ use pvspin_abi::virtio::{
 };
 use pvspin_vmm_proto::MAX_PV_VCPUS;
 
-// virtio-mmio register offsets (virtio 1.x, §4.2.2).
+// virtio-mmio register offsets (virtio 1.x, "MMIO Device Register Layout").
 const MAGIC: usize = 0x000;
 const VERSION: usize = 0x004;
 const DEVICE: usize = 0x008;
