@@ -4,6 +4,9 @@ use pvspin_vmm_proto::{
     min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_VCPUS,
 };
 
+// The guest protocol's vCPU limit is the ABI's.
+const _: () = assert!(MAX_VCPUS == pvspin_abi::MAX_VCPUS);
+
 /// Everything one run needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunConfig {
@@ -217,7 +220,7 @@ pub enum ConfigError {
     #[error("--vcpus must be at least 1")]
     NoVcpus,
     /// More vCPUs than KVM or the guest protocol allows.
-    #[error("--vcpus {got} is more than allowed: KVM allows {kvm_max} vCPUs per VM here and the guest protocol {proto_max}")]
+    #[error("--vcpus {got} is more than allowed: KVM allows {kvm_max} vCPUs per VM here and the guest protocol {proto_max} (pvspin_abi::MAX_VCPUS: a vCPU's index is its 8-bit xAPIC ID, 0xFF is broadcast; x2APIC IDs are not supported)")]
     TooManyVcpus {
         /// What was asked for.
         got: u32,

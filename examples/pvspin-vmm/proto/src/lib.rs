@@ -52,7 +52,8 @@ pub const IMAGE_MAX_BYTES: u64 = 0x20_0000;
 pub const STACKS_ADDR: u64 = IMAGE_BASE + IMAGE_MAX_BYTES;
 /// Stack bytes per vCPU.
 pub const STACK_SIZE: u64 = 0x4000;
-/// The most vCPUs the protocol has slots for (xAPIC IDs are 8 bits).
+/// The most vCPUs the protocol has slots for: pvspin's ABI limit (`pvspin_abi::MAX_VCPUS`;
+/// a vCPU's index is its 8-bit xAPIC ID, and 0xFF is the broadcast ID).
 pub const MAX_VCPUS: u32 = 255;
 
 /// I/O port of the 16550 UART (COM1).
