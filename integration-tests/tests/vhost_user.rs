@@ -246,6 +246,54 @@ fn lock_workload_counts_exactly_through_the_backend() {
     });
 }
 
+/// The daemon's most vCPUs per device, 31 (63 queues: every queue index vhost-user-backend's
+/// workers reach, `pvspin_vhost::config::TRANSPORT_MAX_VCPUS`), served to a 31-vCPU guest: all
+/// 63 queues set up, 31 hint pages registered through the control queue, counts exact.
+#[test]
+fn lock_workload_at_the_daemons_vcpu_limit() {
+    const TEST: &str = "lock_workload_at_the_daemons_vcpu_limit";
+    pvspin_integration_tests::kvm_required(TEST);
+    let vcpus = pvspin_vhost::config::TRANSPORT_MAX_VCPUS;
+    with_watchdog(TEST, Duration::from_secs(300), || {
+        let scratch = Scratch::new("limit");
+        let socket = scratch.path("vm.sock");
+        let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), vcpus);
+        // Critical sections of a few microseconds (user mode runs natively): waiters queue
+        // behind up to 30 others and halt, so kicks go through the daemon.
+        let config = RunConfig {
+            iterations: 100,
+            cs_work: 20_000,
+            watchdog_ms: 60_000,
+            ..lock_config(&socket, LockKind::Queued, PvMode::KickYield, vcpus, true)
+        };
+        let start = Instant::now();
+        let report = run(&config).unwrap_or_else(|e| panic!("{vcpus} vCPUs: {e}"));
+        eprintln!(
+            "{TEST}: {vcpus} vCPUs x {} in {:.1} s, {} halts",
+            config.iterations,
+            start.elapsed().as_secs_f64(),
+            report.pv_halts
+        );
+        assert_eq!(report.counter, u64::from(vcpus) * config.iterations);
+        assert!(report.pv_halts > 0 && report.pv_kicks > 0, "{report:?}");
+        assert_eq!(report.per_vcpu.len(), vcpus as usize);
+        for vcpu in &report.per_vcpu {
+            assert_eq!(vcpu.acquisitions, config.iterations, "{vcpu:?}");
+        }
+        let frontend = report.vhost_user.expect("the frontend's counters");
+        assert_eq!(frontend.connects, 1);
+        assert_eq!(frontend.backend_losses, 0);
+        assert_eq!(frontend.start_failures, 0);
+        let json = daemon.json();
+        assert_eq!(
+            json["host"]["totals"]["hint_page_registrations"].as_u64(),
+            Some(u64::from(vcpus)),
+            "{json}"
+        );
+        assert!(daemon_kicks(&json) > 0, "{json}");
+    });
+}
+
 fn pingpong_config(socket: &Path, handoffs: u64, user: bool) -> RunConfig {
     RunConfig {
         vcpus: 2,

@@ -28,6 +28,22 @@ pub const ABI_VERSION_MINOR: u16 = 3;
 /// bits 15..0.
 pub const ABI_VERSION: u32 = ((ABI_VERSION_MAJOR as u32) << 16) | ABI_VERSION_MINOR as u32;
 
+/// The most vCPUs a VM using this ABI may have: vCPU indices are `0..=254`.
+///
+/// A vCPU's index is its initial APIC ID (CPUID.01H:EBX bits 31..24, 8 bits), the kick
+/// names that index, and a host delivers the kick as KVM does `KVM_HC_KICK_CPU`: an MSI in
+/// REMRD delivery mode whose address carries an 8-bit xAPIC physical destination. Destination
+/// 0xFF is the xAPIC broadcast ID, so index 255 cannot be kicked alone (its kick would wake
+/// every vCPU); 255 vCPUs is the limit, the same as xAPIC's.
+///
+/// **Past 255 vCPUs: not supported.** It would need the index to be the x2APIC ID
+/// (CPUID.0BH/1FH:EDX, 32 bits) instead of the initial APIC ID, guests in x2APIC mode, and
+/// hosts sending 32-bit destinations (in KVM: `KVM_CAP_X2APIC_API` with
+/// `KVM_X2APIC_API_USE_32BIT_IDS`, destination bits 31..8 in the MSI's `address_hi`); the
+/// virtio form would also need a queue layout for more than 255 vCPUs
+/// ([`virtio::MAX_VCPUS`]). Hosts refuse more than [`MAX_VCPUS`] vCPUs.
+pub const MAX_VCPUS: u32 = 255;
+
 /// Splits a 32-bit version word into `(major, minor)`.
 pub const fn split_version(word: u32) -> (u16, u16) {
     ((word >> 16) as u16, (word & 0xffff) as u16)
@@ -130,7 +146,8 @@ pub mod cpuid {
         pub doorbell_ports: u16,
         /// Feature bits (`FEATURE_*`).
         pub features: u32,
-        /// Number of vCPUs: valid kick targets are `0..nr_vcpus`.
+        /// Number of vCPUs: valid kick targets are `0..nr_vcpus`; at most
+        /// [`crate::MAX_VCPUS`].
         pub nr_vcpus: u32,
     }
 
@@ -530,9 +547,11 @@ pub mod virtio {
     /// Every device-specific feature bit this version defines, as a mask.
     pub const FEATURES_DEFINED: u64 = (1 << F_SPIN_NOTIFY) | (1 << F_HINT_PAGES);
 
-    /// The most vCPUs a device may serve (queue indices must fit in 16 bits, and kicks name
-    /// xAPIC IDs).
-    pub const MAX_VCPUS: u32 = 255;
+    /// The most vCPUs a device may serve: the ABI's [`crate::MAX_VCPUS`] (kicks are REMRD
+    /// MSIs to 8-bit xAPIC IDs, 0xFF being broadcast), which also keeps the `1 + 2 * M`
+    /// queue indices within 16 bits. Transports may serve fewer: vhost-user names a vring in
+    /// 8 bits (`SET_VRING_KICK`/`CALL`), so a vhost-user device has at most 256 queues.
+    pub const MAX_VCPUS: u32 = crate::MAX_VCPUS;
 
     /// Index of the control queue.
     pub const CONTROL_QUEUE: u16 = 0;

@@ -85,19 +85,10 @@ pub enum KickError {
          FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT"
     )]
     UnknownCommands(u32),
-    /// Rule: a REMRD MSI addresses an 8-bit physical APIC ID, so the in-kernel and signal-msi
-    /// paths support at most 256 vCPUs.
-    #[error(
-        "invalid kick configuration: the {path:?} path supports at most 256 vCPUs (got {nr_vcpus})"
-    )]
-    TooManyVcpusForMsi {
-        /// The path asked for.
-        path: KickPath,
-        /// The vCPU count asked for.
-        nr_vcpus: u32,
-    },
-    /// Rule: at most [`MAX_VCPUS`] vCPUs (KVM's x86 limit).
-    #[error("invalid kick configuration: nr_vcpus must be at most {MAX_VCPUS} (got {0})")]
+    /// Rule: at most [`MAX_VCPUS`] vCPUs, the ABI's limit on every path: the kick index is
+    /// the vCPU's initial (8-bit) APIC ID, and the MSI paths' REMRD MSI addresses an xAPIC ID,
+    /// where 0xFF is broadcast.
+    #[error("invalid kick configuration: nr_vcpus must be at most {MAX_VCPUS} (got {0}): pvspin_abi::MAX_VCPUS, a kick index is the vCPU's 8-bit initial APIC ID and a REMRD MSI cannot address 0xFF (the xAPIC broadcast ID) alone; x2APIC IDs are not supported")]
     TooManyVcpus(u32),
     /// A VMM call named a vCPU the device does not know (a VMM bug, not guest input).
     #[error("vCPU {vcpu} does not exist (the device has {nr_vcpus})")]
@@ -115,8 +106,8 @@ pub enum KickError {
 /// The commands a VMM may enable on top of KICK ([`KickConfig::extra_commands`]).
 pub const EXTRA_COMMANDS: u32 = FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT;
 
-/// The most vCPUs a device accepts (KVM's `KVM_MAX_VCPUS` on x86).
-pub const MAX_VCPUS: u32 = 4096;
+/// The most vCPUs a device accepts: the ABI's [`pvspin_abi::MAX_VCPUS`] (255), on every path.
+pub const MAX_VCPUS: u32 = pvspin_abi::MAX_VCPUS;
 
 /// Configuration of a [`KickDevice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,7 +308,7 @@ impl Clock for Box<dyn Clock> {
 }
 
 impl KickDevice {
-    fn validate(cfg: &KickConfig, path: KickPath) -> Result<(), KickError> {
+    fn validate(cfg: &KickConfig) -> Result<(), KickError> {
         if cfg.nr_vcpus == 0 {
             return Err(KickError::NoVcpus);
         }
@@ -333,22 +324,11 @@ impl KickDevice {
         if cfg.extra_commands & !EXTRA_COMMANDS != 0 {
             return Err(KickError::UnknownCommands(cfg.extra_commands));
         }
-        if path != KickPath::Userspace && cfg.nr_vcpus > 256 {
-            return Err(KickError::TooManyVcpusForMsi {
-                path,
-                nr_vcpus: cfg.nr_vcpus,
-            });
-        }
         Ok(())
     }
 
-    fn build(
-        cfg: KickConfig,
-        waker: Waker,
-        path: KickPath,
-        clock: Box<dyn Clock>,
-    ) -> Result<Self, KickError> {
-        Self::validate(&cfg, path)?;
+    fn build(cfg: KickConfig, waker: Waker, clock: Box<dyn Clock>) -> Result<Self, KickError> {
+        Self::validate(&cfg)?;
         let interval = u64::try_from(cfg.log_interval.as_nanos()).unwrap_or(u64::MAX);
         Ok(Self {
             cfg,
@@ -365,19 +345,14 @@ impl KickDevice {
 
     /// As [`KickDevice::userspace`], with the log limiter's clock injected (tests, fuzzing).
     pub fn userspace_with_clock(cfg: KickConfig, clock: Box<dyn Clock>) -> Result<Self, KickError> {
-        Self::validate(&cfg, KickPath::Userspace)?;
+        Self::validate(&cfg)?;
         let latches = (0..cfg.nr_vcpus).map(|_| WakeLatch::new()).collect();
-        Self::build(cfg, Waker::Userspace(latches), KickPath::Userspace, clock)
+        Self::build(cfg, Waker::Userspace(latches), clock)
     }
 
     /// A device on the signal-msi path.
     pub fn signal_msi(cfg: KickConfig, sink: Arc<dyn RemrdSink>) -> Result<Self, KickError> {
-        Self::build(
-            cfg,
-            Waker::SignalMsi(sink),
-            KickPath::SignalMsi,
-            Box::new(MonotonicClock::new()),
-        )
+        Self::build(cfg, Waker::SignalMsi(sink), Box::new(MonotonicClock::new()))
     }
 
     /// A device on the in-kernel path. The ioeventfd/irqfd wiring is done separately
@@ -391,7 +366,6 @@ impl KickDevice {
         Self::build(
             cfg,
             Waker::InKernel(fallback),
-            KickPath::InKernel,
             Box::new(MonotonicClock::new()),
         )
     }
@@ -532,7 +506,7 @@ impl KickDevice {
     }
 
     fn send_msi(&self, sink: &dyn RemrdSink, target: u32) -> Delivery {
-        // vCPU index == APIC ID (ABI rule); validate() bounds it to 0..=255.
+        // vCPU index == APIC ID (ABI rule); validate() bounds it to 0..=254.
         match sink.signal_remrd(target) {
             Ok(true) => {
                 bump(&self.counters.msi_delivered);
@@ -760,17 +734,16 @@ mod tests {
             KickDevice::userspace(c).unwrap_err(),
             KickError::UnknownCommands(FEATURE_KICK_IN_KERNEL)
         );
-        assert!(matches!(
-            KickDevice::in_kernel(cfg(257), None).unwrap_err(),
-            KickError::TooManyVcpusForMsi { .. }
-        ));
-        assert!(KickDevice::in_kernel(cfg(256), None).is_ok());
-        assert!(KickDevice::userspace(cfg(1000)).is_ok());
+        assert_eq!(MAX_VCPUS, 255);
+        assert!(KickDevice::in_kernel(cfg(MAX_VCPUS), None).is_ok());
         assert!(KickDevice::userspace(cfg(MAX_VCPUS)).is_ok());
-        assert_eq!(
+        for err in [
+            KickDevice::in_kernel(cfg(MAX_VCPUS + 1), None).unwrap_err(),
             KickDevice::userspace(cfg(MAX_VCPUS + 1)).unwrap_err(),
-            KickError::TooManyVcpus(MAX_VCPUS + 1)
-        );
+        ] {
+            assert_eq!(err, KickError::TooManyVcpus(MAX_VCPUS + 1));
+            assert!(err.to_string().contains("broadcast"), "{err}");
+        }
         // Errors name the rule.
         assert!(KickError::NoVcpus.to_string().contains("at least 1"));
     }

@@ -32,8 +32,8 @@
 //! commands are decoded, bounds-checked and, when [`KickConfig::extra_commands`] enables them,
 //! forwarded to the VMM ([`Handled::Forward`]); the embedding API `pvspin` acts on them
 //! (directed yield and the adaptive window, hint pages, waits without `HLT`). vCPU index and
-//! APIC ID are assumed equal (an ABI rule), and the MSI paths address at most 256 vCPUs (xAPIC
-//! physical destination). The wake paths, their checks and costs are in `docs/kick.md`; the
+//! APIC ID are assumed equal (an ABI rule), so a device serves at most 255 vCPUs on every path
+//! ([`MAX_VCPUS`]: the MSI paths address xAPIC IDs, 0xFF is broadcast). The wake paths, their checks and costs are in `docs/kick.md`; the
 //! loom model of the latch runs with
 //! `RUSTFLAGS="--cfg loom" cargo test -p pvspin-kick --release --lib loom`.
 #![deny(missing_docs)]

@@ -29,8 +29,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 pub const MSI_ADDRESS_BASE: u32 = 0xfee0_0000;
 /// MSI data for delivery mode REMRD (0b011 in bits 10..8), KVM's `pv_unhalted` wake.
 pub const MSI_DATA_REMRD: u32 = 0x300;
-/// Highest APIC ID an MSI can address in xAPIC physical mode.
-pub const MAX_MSI_APIC_ID: u32 = 0xff;
+/// Highest APIC ID an MSI can address alone in xAPIC physical mode: destination 0xFF is the
+/// broadcast ID (KVM delivers it to every vCPU), so a REMRD kick to it would wake them all.
+pub const MAX_MSI_APIC_ID: u32 = 0xfe;
 /// The first GSI after the 24 IOAPIC pins, where [`KickRoutes`] starts by default.
 pub const FIRST_FREE_GSI: u32 = 24;
 /// Number of IOAPIC pins KVM's default routing covers.
@@ -39,8 +40,8 @@ pub const IOAPIC_PINS: u32 = 24;
 /// Errors from the irqchip and kick-route setup.
 #[derive(Debug, thiserror::Error)]
 pub enum IrqchipError {
-    /// Rule: an MSI addresses APIC IDs 0..=255 only.
-    #[error("APIC ID {0} cannot be addressed by an xAPIC MSI (the rule: at most 255)")]
+    /// Rule: an MSI addresses APIC IDs 0..=254 alone (0xFF is the xAPIC broadcast ID).
+    #[error("APIC ID {0} cannot be addressed alone by an xAPIC MSI (the rule: at most 254; 0xFF is the broadcast ID)")]
     ApicIdTooLarge(u32),
     /// Rule: kick GSIs must not overlap the IOAPIC pins 0..24.
     #[error("kick GSI base {0} overlaps the IOAPIC pins (the rule: gsi_base >= 24)")]
@@ -310,7 +311,12 @@ mod tests {
     fn msi_encoding() {
         assert_eq!(msi_address(0).unwrap(), 0xfee0_0000);
         assert_eq!(msi_address(1).unwrap(), 0xfee0_1000);
-        assert_eq!(msi_address(255).unwrap(), 0xfeef_f000);
+        assert_eq!(msi_address(254).unwrap(), 0xfeef_e000);
+        // 0xFF is the xAPIC broadcast destination: a kick to it would wake every vCPU.
+        assert!(matches!(
+            msi_address(255),
+            Err(IrqchipError::ApicIdTooLarge(255))
+        ));
         assert!(matches!(
             msi_address(256),
             Err(IrqchipError::ApicIdTooLarge(256))

@@ -5,9 +5,22 @@ use std::time::Duration;
 
 use pvspin_abi::virtio;
 
-/// The most vCPUs this daemon serves: `vhost-user-backend` keeps each worker thread's queues
-/// in a 64-bit mask, so a device has at most 64 queues, and `1 + 2 * 31 = 63` of them.
+/// The most vCPUs this daemon serves per device: `1 + 2 * 31 = 63` queues.
+///
+/// `vhost-user-backend` (0.24) hands each worker thread the queues of a 64-bit mask whose bit
+/// `i` is queue `i` itself, not the `i`-th queue of that thread, so no queue past index 63 can
+/// be served by any worker, however many workers
+/// (`VhostUserBackend::queues_per_thread`); a device with more queues even makes it panic
+/// (in a debug build) or alias queue `i` to `i % 64` (release) when it builds the workers.
+/// Past that, vhost-user itself names a vring in 8 bits in `SET_VRING_KICK`, `SET_VRING_CALL`
+/// and `SET_VRING_ERR` (bit 8 is the "no descriptor" flag), so no vhost-user device has more
+/// than 256 queues: with this device's `1 + 2 * M` layout, M <= 127. Serving the ABI's 255
+/// would need a queue layout of at most 256 queues as well as a transport without the mask.
 pub const TRANSPORT_MAX_VCPUS: u32 = 31;
+
+/// The most vCPUs any vhost-user device with the `1 + 2 * M` queue layout can have:
+/// vhost-user's vring-descriptor messages carry the vring index in 8 bits (256 queues).
+pub const VHOST_USER_MAX_VCPUS: u32 = 127;
 
 /// Errors of a configuration.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -17,13 +30,13 @@ pub enum ConfigError {
     NoVcpus,
     /// More vCPUs than the device ABI allows.
     #[error(
-        "max_vcpus {0} is above the device's limit of {max} (pvspin_abi::virtio::MAX_VCPUS: queue indices fit in 16 bits and kicks name xAPIC IDs)",
+        "max_vcpus {0} is above the ABI's limit of {max} (pvspin_abi::MAX_VCPUS: a kick is a REMRD MSI to the vCPU's 8-bit xAPIC ID and 0xFF is broadcast; x2APIC IDs are not supported)",
         max = virtio::MAX_VCPUS
     )]
     AboveAbiLimit(u32),
     /// More vCPUs than the vhost-user transport of this daemon serves.
     #[error(
-        "max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS}: vhost-user-backend serves at most 64 queues and the device needs 1 + 2 * max_vcpus"
+        "max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS}: the device needs 1 + 2 * max_vcpus queues and vhost-user-backend's worker masks reach queue indices 0..=63 only (vhost-user itself caps a device at 256 queues, 127 vCPUs)"
     )]
     AboveTransportLimit(u32),
     /// The wait budgets are not ordered `min <= wait_after <= max`.
@@ -218,8 +231,12 @@ mod tests {
         c.max_vcpus = virtio::MAX_VCPUS + 1;
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("MAX_VCPUS"), "{e}");
+        assert!(e.to_string().contains("xAPIC"), "{e}");
         c.max_vcpus = TRANSPORT_MAX_VCPUS + 1;
         assert_eq!(c.validate(), Err(ConfigError::AboveTransportLimit(32)));
+        // vhost-user's 8-bit vring index: at most 256 queues.
+        assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS) <= 256);
+        assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS + 1) > 256);
         c.max_vcpus = 0;
         assert_eq!(c.validate(), Err(ConfigError::NoVcpus));
         c.max_vcpus = 4;

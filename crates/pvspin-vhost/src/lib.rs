@@ -18,7 +18,8 @@
 //! no live migration or device-state transfer; budgets are published once at registration
 //! and never adapted (the host cannot see a vhost-user guest's exits); `HOST_FLAGS`'
 //! `NOT_RUNNING` is always 0 (the daemon does not know when the VMM runs a vCPU); at most
-//! [`config::TRANSPORT_MAX_VCPUS`] vCPUs (vhost-user-backend's 64-queue limit); boosts need the
+//! [`config::TRANSPORT_MAX_VCPUS`] vCPUs per device (vhost-user-backend's workers reach queues
+//! 0..=63 only; vhost-user itself allows 256 queues, 127 vCPUs); boosts need the
 //! daemon to be allowed to lower nice values (`CAP_SYS_NICE` or `RLIMIT_NICE`); enabling a
 //! kick queue may deliver one spurious wake-up to its vCPU (vhost-user-backend processes every
 //! queue once when it is enabled; the ABI allows spurious wake-ups).

@@ -485,10 +485,16 @@ fn refuses_bad_options_and_foreign_files() {
     };
     let out = run(&["--socket", sock.to_str().unwrap(), "--max-vcpus", "256"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("MAX_VCPUS"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MAX_VCPUS") && stderr.contains("xAPIC"),
+        "{stderr}"
+    );
     let out = run(&["--socket", sock.to_str().unwrap(), "--max-vcpus", "32"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("64 queues"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("queue indices 0..=63"), "{stderr}");
+    assert!(stderr.contains("127 vCPUs"), "{stderr}");
     std::fs::write(&sock, b"not a socket").unwrap();
     let out = run(&["--socket", sock.to_str().unwrap()]);
     assert!(!out.status.success());

@@ -92,8 +92,12 @@ pub use crate::telemetry::{
 };
 use crate::telemetry::{Shape, VcpuCounterCell};
 
-/// The most vCPUs pvspin manages in one VM (KVM's own `KVM_MAX_VCPUS` on x86 is 1024 or 4096).
-pub const MAX_VCPUS: usize = 4096;
+/// The most vCPUs pvspin manages in one VM: the ABI's [`pvspin_abi::MAX_VCPUS`] (255). A
+/// kick names the vCPU's initial APIC ID (8 bits) and is delivered as a REMRD MSI to that
+/// xAPIC ID, where 0xFF is broadcast; x2APIC IDs (more vCPUs) are not supported.
+pub const MAX_VCPUS: usize = pvspin_abi::MAX_VCPUS as usize;
+// The MSI kick paths reach every vCPU pvspin accepts.
+const _: () = assert!(MAX_VCPUS <= pvspin_kvm::irqchip::MAX_MSI_APIC_ID as usize + 1);
 
 /// What pvspin needs from the VMM: a way to force a vCPU thread out of `KVM_RUN`.
 ///
@@ -120,7 +124,7 @@ pub enum ConfigError {
     #[error("the number of vCPUs must be set (PvSpinBuilder::vcpus)")]
     MissingVcpus,
     /// `vcpus` out of range.
-    #[error("the number of vCPUs must be between 1 and {max}, got {got}")]
+    #[error("the number of vCPUs must be between 1 and {max}, got {got} (rule: pvspin_abi::MAX_VCPUS; a kick names the vCPU's 8-bit initial APIC ID and a REMRD MSI cannot address 0xFF, the xAPIC broadcast ID, alone; x2APIC IDs are not supported)")]
     VcpuCount {
         /// What was asked for.
         got: usize,
@@ -259,9 +263,6 @@ pub enum ConfigError {
         /// Its kick GSI.
         gsi: u32,
     },
-    /// The MSI kick paths address vCPUs by xAPIC ID.
-    #[error("rule: the in-kernel and signal-msi kick paths reach APIC IDs 0..=255 only (an xAPIC MSI); {0} vCPUs need the userspace path")]
-    MsiVcpus(usize),
     /// vCPU `index`'s CPUID in KVM is not what pvspin's edit made.
     #[error("rule: set vCPU {index}'s CPUID from PvSpin::edit_cpuid with KVM_SET_CPUID2 before configure_vcpu: {what}")]
     Cpuid {
@@ -558,11 +559,6 @@ impl PvSpinBuilder {
             return Err(ConfigError::Rule(
                 "pvspin's CPUID base is 0x100-aligned, in 0x40000100..=0x4000ff00 (PvSpinBuilder::cpuid_base)",
             ));
-        }
-        if self.kick.is_some_and(|k| k.needs_lapic())
-            && vcpus > pvspin_kvm::irqchip::MAX_MSI_APIC_ID as usize + 1
-        {
-            return Err(ConfigError::MsiVcpus(vcpus));
         }
         let mut paravirt = self.paravirt;
         if let Some(request) = &mut paravirt {
@@ -1257,13 +1253,19 @@ mod tests {
                 max: MAX_VCPUS
             }
         ));
-        assert!(PvSpin::builder()
-            .vcpus(MAX_VCPUS + 1)
-            .interrupter(interrupter.clone())
-            .build()
-            .unwrap_err()
-            .to_string()
-            .contains("between 1 and 4096"));
+        // The ABI's limit, on every kick path, named with its rule.
+        assert_eq!(MAX_VCPUS, 255);
+        for kick in [None, Some(KickPath::Userspace), Some(KickPath::InKernel)] {
+            let mut builder = PvSpin::builder()
+                .vcpus(MAX_VCPUS + 1)
+                .interrupter(interrupter.clone());
+            if let Some(path) = kick {
+                builder = builder.kick(KickOptions::new(path));
+            }
+            let text = builder.build().unwrap_err().to_string();
+            assert!(text.contains("between 1 and 255"), "{text}");
+            assert!(text.contains("pvspin_abi::MAX_VCPUS"), "{text}");
+        }
         assert!(matches!(
             PvSpin::builder().vcpus(2).build().unwrap_err(),
             ConfigError::MissingInterrupter

@@ -305,6 +305,13 @@ fn needs(kind: ThreadKind) -> Vec<Need> {
 ///
 /// A VMM with its own filters usually allows all of this already, often more loosely; one
 /// without merges it ([`merge`]). Not part of [`rules`].
+///
+/// Not in it either: glibc's allocator opens `/proc/sys/vm/overcommit_memory`
+/// (`O_RDONLY | O_CLOEXEC`) once per process, the first time a `free` shrinks a thread arena's
+/// heap, on whichever thread that is and whenever it happens (a large teardown, say). A filter
+/// cannot restrict the path, so rather than allowing the open a VMM can refuse it with an
+/// errno (glibc then releases the memory with `madvise` and goes on), as the example VMM does
+/// in front of every thread's program (`pvspin-vmm`'s `seccomp::refuse_overcommit_probe`).
 pub fn baseline_rules() -> Result<RuleMap, SeccompError> {
     build(&[
         any(libc::SYS_brk, "brk"),

@@ -1,8 +1,11 @@
 //! The run configuration and its validation.
 
 use pvspin_vmm_proto::{
-    min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_PV_VCPUS, MAX_VCPUS,
+    min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_VCPUS,
 };
+
+// The guest protocol's vCPU limit is the ABI's.
+const _: () = assert!(MAX_VCPUS == pvspin_abi::MAX_VCPUS);
 
 /// Everything one run needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -217,7 +220,7 @@ pub enum ConfigError {
     #[error("--vcpus must be at least 1")]
     NoVcpus,
     /// More vCPUs than KVM or the guest protocol allows.
-    #[error("--vcpus {got} is more than allowed: KVM allows {kvm_max} vCPUs per VM here and the guest protocol {proto_max}")]
+    #[error("--vcpus {got} is more than allowed: KVM allows {kvm_max} vCPUs per VM here and the guest protocol {proto_max} (pvspin_abi::MAX_VCPUS: a vCPU's index is its 8-bit xAPIC ID, 0xFF is broadcast; x2APIC IDs are not supported)")]
     TooManyVcpus {
         /// What was asked for.
         got: u32,
@@ -255,14 +258,6 @@ pub enum ConfigError {
         "--pv kick needs --lock ticket, queued or backoff (the tas lock has no paravirtual variant)"
     )]
     NoPvVariant,
-    /// The guest's PV lock domain is fixed-size.
-    #[error("--lock queued and --pv kick support at most {max} vCPUs (the guest's PV lock domain), got {got}")]
-    TooManyPvVcpus {
-        /// What was asked for.
-        got: u32,
-        /// The maximum.
-        max: u32,
-    },
     /// A spin threshold of 0 or beyond the PV locks' maximum.
     #[error("--spin-threshold must be between 1 and {max}, got {got}")]
     SpinThreshold {
@@ -360,12 +355,6 @@ impl RunConfig {
         }
         if self.pv.kicks() && self.lock == LockKind::Tas {
             return Err(ConfigError::NoPvVariant);
-        }
-        if (self.pv.kicks() || self.lock == LockKind::Queued) && self.vcpus > MAX_PV_VCPUS {
-            return Err(ConfigError::TooManyPvVcpus {
-                got: self.vcpus,
-                max: MAX_PV_VCPUS,
-            });
         }
         for threshold in [self.spin_threshold, self.stock_spin_threshold] {
             if threshold == 0 || threshold > MAX_SPIN_THRESHOLD {
@@ -600,16 +589,19 @@ mod tests {
             }),
             ConfigError::NoPvVariant
         );
-        assert!(matches!(
-            RunConfig {
-                pv: PvMode::Kick,
-                vcpus: 17,
-                mem_mib: 64,
-                ..base.clone()
-            }
-            .validate(1024),
-            Err(ConfigError::TooManyPvVcpus { got: 17, .. })
-        ));
+        // The guest's PV lock domain has state for every vCPU the protocol allows.
+        for lock in [LockKind::Queued, LockKind::Ticket] {
+            assert_eq!(
+                RunConfig {
+                    pv: PvMode::Kick,
+                    lock,
+                    vcpus: MAX_VCPUS,
+                    ..base.clone()
+                }
+                .validate(1024),
+                Ok(())
+            );
+        }
         assert!(matches!(
             check(RunConfig {
                 spin_threshold: 0,

@@ -13,13 +13,19 @@
 //! The lists were taken from `strace -f` of every workload, kick path and PV mode with the
 //! filters in `--seccomp log` mode: for each thread, the syscalls after its `seccomp(2)` call.
 //! What the threads did before (setup, thread start) needs no rule.
+//!
+//! One call no list allows is answered instead of killing: glibc's allocator opens
+//! `/proc/sys/vm/overcommit_memory` once per process, on whichever thread first shrinks a
+//! thread arena's heap (see [`refuse_overcommit_probe`]); every thread's program refuses that
+//! open with `EACCES`, and glibc carries on without it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use pvspin::seccomp::{self, RuleMap, SeccompError, ThreadKind};
 use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule,
+    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
+    SeccompRule,
 };
 
 use crate::config::SeccompMode;
@@ -191,6 +197,71 @@ pub fn thread_rules(thread: VmmThread, vhost_user: bool) -> Result<RuleMap, Secc
     Ok(map)
 }
 
+/// `AUDIT_ARCH_X86_64` (`EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE`), what the kernel
+/// puts in `seccomp_data.arch` for an x86-64 syscall (the example VMM is x86-64 only).
+const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
+/// Offsets in `struct seccomp_data`: `nr`, `arch`, and the low halves of `args[0]` and
+/// `args[2]` (little-endian).
+const DATA_NR: u32 = 0;
+const DATA_ARCH: u32 = 4;
+const DATA_ARG0_LOW: u32 = 16;
+const DATA_ARG2_LOW: u32 = 16 + 2 * 8;
+/// The flags glibc's `check_may_shrink_heap` opens `/proc/sys/vm/overcommit_memory` with.
+const PROBE_FLAGS: u32 = (libc::O_RDONLY | libc::O_CLOEXEC) as u32;
+
+/// Puts in front of `program` a test that answers `openat(AT_FDCWD, _, O_RDONLY | O_CLOEXEC)`
+/// with `EACCES`, whatever `program` would do with it; every other syscall goes to `program`
+/// unchanged.
+///
+/// Why: glibc's `free` shrinks a thread arena's heap (`heap_trim`, `shrink_heap`) once a free
+/// leaves a consolidated chunk of at least 64 KiB and the heap's top above `M_TRIM_THRESHOLD`;
+/// the first time any thread of the process does, `check_may_shrink_heap` opens
+/// `/proc/sys/vm/overcommit_memory` (`O_RDONLY | O_CLOEXEC`) to learn whether strict overcommit
+/// accounting is on. That happens long after setup, on whichever thread frees: with
+/// `--workload hello` it is the VMM thread dropping the vCPUs' state at the end of a run of
+/// about 180 vCPUs or more (fewer vCPUs never free that much in one arena), or the main thread
+/// freeing the report; no allow-list could name the thread in advance. Allowing the open would
+/// let every thread open any file for reading (a filter cannot see the path). Refused, the open
+/// costs glibc nothing it needs: with no descriptor it caches "not strict" and releases the
+/// memory with `madvise(MADV_DONTNEED)` instead of remapping it, which under
+/// `vm.overcommit_memory=2` only keeps that range counted against the commit limit.
+///
+/// Nothing else the example or pvspin does opens with exactly these flags after setup (the
+/// main thread's `--stats-file` is created write-only).
+pub fn refuse_overcommit_probe(program: BpfProgram) -> BpfProgram {
+    let ld = |offset: u32| sock_filter {
+        code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
+        jt: 0,
+        jf: 0,
+        k: offset,
+    };
+    // On a mismatch, jump to the first instruction of `program` (index 9).
+    let jeq_or_skip = |value: u32, at: u8| sock_filter {
+        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+        jt: 0,
+        jf: 9 - at - 1,
+        k: value,
+    };
+    let mut out = vec![
+        ld(DATA_ARCH),
+        jeq_or_skip(AUDIT_ARCH_X86_64, 1),
+        ld(DATA_NR),
+        jeq_or_skip(libc::SYS_openat as u32, 3),
+        ld(DATA_ARG0_LOW),
+        jeq_or_skip(libc::AT_FDCWD as u32, 5),
+        ld(DATA_ARG2_LOW),
+        jeq_or_skip(PROBE_FLAGS, 7),
+        sock_filter {
+            code: (libc::BPF_RET | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ERRNO | libc::EACCES as u32,
+        },
+    ];
+    out.extend(program);
+    out
+}
+
 /// The compiled filters of one run.
 #[derive(Clone, Debug)]
 pub struct Filters {
@@ -215,7 +286,7 @@ impl Filters {
             .map(|thread| {
                 let program =
                     seccomp::compile(thread_rules(thread, vhost_user)?, mismatch.clone())?;
-                Ok((key(thread), Arc::new(program)))
+                Ok((key(thread), Arc::new(refuse_overcommit_probe(program))))
             })
             .collect::<Result<_, SeccompError>>()?;
         Ok(Some(Filters { programs }))
@@ -264,6 +335,62 @@ mod tests {
         }
         assert!(Filters::new(SeccompMode::Off, false).unwrap().is_none());
         assert!(Filters::new(SeccompMode::Enforce, true).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_overcommit_probe_is_refused_and_nothing_else_changes() {
+        let allow_all = vec![sock_filter {
+            code: (libc::BPF_RET | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ALLOW,
+        }];
+        let program = refuse_overcommit_probe(allow_all);
+        // Filters are per thread: only this one is confined.
+        let results = std::thread::spawn(move || {
+            seccompiler::apply_filter(&program).expect("installing the filter");
+            let open = |path: &std::ffi::CStr, dir: i32, flags: i32| {
+                // SAFETY: a valid NUL-terminated path; the descriptor is closed below.
+                let fd = unsafe { libc::openat(dir, path.as_ptr(), flags) };
+                if fd < 0 {
+                    return std::io::Error::last_os_error().raw_os_error().unwrap_or(-1);
+                }
+                // SAFETY: our own new descriptor.
+                unsafe { libc::close(fd) };
+                0
+            };
+            let probe = c"/proc/sys/vm/overcommit_memory";
+            let flags = libc::O_RDONLY | libc::O_CLOEXEC;
+            [
+                open(probe, libc::AT_FDCWD, flags),
+                // Whatever the path: a filter cannot see it.
+                open(c"/dev/null", libc::AT_FDCWD, flags),
+                // Other flags or a directory descriptor go to the thread's own filter (here:
+                // allow everything).
+                open(probe, libc::AT_FDCWD, libc::O_RDONLY),
+                open(
+                    c"/dev/null",
+                    libc::AT_FDCWD,
+                    libc::O_WRONLY | libc::O_CLOEXEC,
+                ),
+                open(c"/proc/sys/vm/overcommit_memory", -1, flags),
+            ]
+        })
+        .join()
+        .expect("the confined thread");
+        // The last: an absolute path ignores the (invalid) directory descriptor.
+        assert_eq!(results, [libc::EACCES, libc::EACCES, 0, 0, 0]);
+    }
+
+    #[test]
+    fn every_thread_filter_starts_with_the_overcommit_refusal() {
+        let prefix = refuse_overcommit_probe(Vec::new());
+        for mode in [SeccompMode::Enforce, SeccompMode::Log] {
+            let filters = Filters::new(mode, true).unwrap().unwrap();
+            for thread in VmmThread::ALL {
+                assert_eq!(filters.program(thread)[..prefix.len()], prefix[..]);
+            }
+        }
     }
 
     #[test]

@@ -45,6 +45,15 @@ use crate::virtio_mmio::{MmioEffect, MmioRegisters, QUEUE_NOTIFY, STATUS_DRIVER_
 pub const RECONNECT_EVERY: Duration = Duration::from_millis(100);
 /// The largest queue the device offers (`QueueNumMax`).
 const QUEUE_NUM_MAX: u16 = 256;
+/// The most queues a vhost-user device can have: `SET_VRING_KICK`, `SET_VRING_CALL` and
+/// `SET_VRING_ERR` carry the vring index in bits 0..7 of their payload (bit 8 says "no
+/// descriptor"), so a queue index past 255 cannot be given its eventfds. With the device's
+/// `1 + 2 * M` queues that is M <= 127 vCPUs.
+const VHOST_USER_MAX_QUEUES: usize = 256;
+const _: () = assert!(
+    virtio::num_queues(127) <= VHOST_USER_MAX_QUEUES
+        && virtio::num_queues(128) > VHOST_USER_MAX_QUEUES
+);
 
 const VIRTIO_F_VERSION_1: u64 = 1 << virtio::F_VERSION_1;
 
@@ -142,8 +151,7 @@ impl Link {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut frontend =
-            Frontend::from_stream(stream, virtio::num_queues(virtio::MAX_VCPUS) as u64);
+        let mut frontend = Frontend::from_stream(stream, VHOST_USER_MAX_QUEUES as u64);
         frontend.set_owner().map_err(request("SET_OWNER"))?;
         let features = frontend.get_features().map_err(request("GET_FEATURES"))?;
         let protocol_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
@@ -240,6 +248,12 @@ impl VhostPvspin {
         if max_vcpus > virtio::MAX_VCPUS || vcpus > max_vcpus {
             return Err(VhostError::Backend(format!(
                 "it serves {max_vcpus} vCPUs, the VM has {vcpus}"
+            )));
+        }
+        if virtio::num_queues(max_vcpus) > VHOST_USER_MAX_QUEUES {
+            return Err(VhostError::Backend(format!(
+                "its device has {} queues for {max_vcpus} vCPUs, and vhost-user names a vring in 8 bits (at most {VHOST_USER_MAX_QUEUES} queues, 127 vCPUs)",
+                virtio::num_queues(max_vcpus)
             )));
         }
         let regions = memory

@@ -495,7 +495,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
     // does not know its guest's layout would.
     if config.pv == PvMode::KickYield && config.run_slots.is_none() && in_process {
-        for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
+        for index in 0..config.vcpus {
             pvspin.set_steal_time_gpa(
                 index as usize,
                 Some(pvspin_vmm_proto::steal_time_addr(index)),
@@ -708,7 +708,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // A stock guest registers its steal-time areas; KVM bumps an area's version at each
     // update, so a non-zero version says KVM kept it (and its `preempted` byte) current.
     let steal_time_registered = (config.guest == crate::config::GuestKind::Stock).then(|| {
-        (0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS))
+        (0..config.vcpus)
             .filter(|&index| {
                 let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index) + 8);
                 vm_memory::Bytes::read_obj::<u32>(&memory, gpa).is_ok_and(|version| version != 0)
@@ -719,7 +719,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     let slot_stats = telemetry.run_slots;
     let actuator = pvspin.actuator_name().map(str::to_string);
     if let Some(stats) = yield_stats {
-        for index in 0..config.vcpus.min(pvspin_vmm_proto::MAX_PV_VCPUS) {
+        for index in 0..config.vcpus {
             let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index));
             let steal: u64 = vm_memory::Bytes::read_obj(&memory, gpa).unwrap_or(0);
             let version: u32 =

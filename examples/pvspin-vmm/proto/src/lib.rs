@@ -10,8 +10,9 @@
 //! |---|---|
 //! | [`GDT_ADDR`] | GDT |
 //! | [`PML4_ADDR`] .. | page tables (PML4, PDPT, one PD per GiB mapped) |
-//! | [`STEAL_TIME_ADDR`] | KVM steal-time areas, 64 bytes per PV vCPU |
-//! | [`BOOT_PARAMS_ADDR`] | [`BootParams`], then [`VcpuSlot`] per vCPU |
+//! | [`BOOT_PARAMS_ADDR`] | [`BootParams`] |
+//! | [`VCPU_SLOTS_ADDR`] | one [`VcpuSlot`] per vCPU (32 bytes each) |
+//! | [`STEAL_TIME_ADDR`] | KVM steal-time areas, 64 bytes per vCPU |
 //! | [`IMAGE_BASE`] | the guest ELF image |
 //! | [`STACKS_ADDR`] | one [`STACK_SIZE`] stack per vCPU |
 //!
@@ -30,12 +31,12 @@ pub const PML4_ADDR: u64 = 0x2000;
 pub const MAPPED_BYTES: u64 = 1 << 30;
 /// GPA of [`BootParams`].
 pub const BOOT_PARAMS_ADDR: u64 = 0x8000;
-/// GPA of the first KVM steal-time area (64 bytes per vCPU, for the first [`MAX_PV_VCPUS`]
-/// vCPUs; free memory between the page tables and the boot parameters). A guest with
+/// GPA of the first KVM steal-time area: 64 bytes per vCPU, for every vCPU up to
+/// [`MAX_VCPUS`] (16 KiB less 64 bytes, after the vCPU slots). A guest with
 /// [`PV_KICK_YIELD`] registers its area with `MSR_KVM_STEAL_TIME` when KVM offers steal time,
 /// and the VMM tells pvspin where it is, so directed yield sees host preemption; a stock guest
 /// ([`PV_FLAG_STOCK_GUEST`]) registers it too, and reads other vCPUs' `preempted` bytes.
-pub const STEAL_TIME_ADDR: u64 = 0x6000;
+pub const STEAL_TIME_ADDR: u64 = 0xb000;
 
 /// GPA of vCPU `index`'s steal-time area (64-byte aligned).
 pub const fn steal_time_addr(index: u32) -> u64 {
@@ -51,7 +52,8 @@ pub const IMAGE_MAX_BYTES: u64 = 0x20_0000;
 pub const STACKS_ADDR: u64 = IMAGE_BASE + IMAGE_MAX_BYTES;
 /// Stack bytes per vCPU.
 pub const STACK_SIZE: u64 = 0x4000;
-/// The most vCPUs the protocol has slots for (xAPIC IDs are 8 bits).
+/// The most vCPUs the protocol has slots for: pvspin's ABI limit (`pvspin_abi::MAX_VCPUS`;
+/// a vCPU's index is its 8-bit xAPIC ID, and 0xFF is the broadcast ID).
 pub const MAX_VCPUS: u32 = 255;
 
 /// I/O port of the 16550 UART (COM1).
@@ -208,8 +210,9 @@ pub const PV_FLAG_CS_DEPTH: u32 = 1 << 3;
 /// budgets, no `CS_DEPTH`.
 pub const PV_FLAG_STOCK_GUEST: u32 = 1 << 4;
 
-/// The most vCPUs the guest's PV lock domain has per-vCPU state for.
-pub const MAX_PV_VCPUS: u32 = 16;
+/// The most vCPUs the guest's PV lock domain has per-vCPU state for (hint pages, MCS nodes,
+/// spin windows, virtio rings): every vCPU the protocol has a slot for.
+pub const MAX_PV_VCPUS: u32 = MAX_VCPUS;
 
 /// Parameters the VMM writes before the vCPUs start; the guest only reads them.
 #[repr(C)]
@@ -325,7 +328,9 @@ pub const fn stack_top(index: u32) -> u64 {
 const _: () = {
     assert!(PML4_ADDR + 3 * 0x1000 <= BOOT_PARAMS_ADDR);
     assert!(size_of::<BootParams>() as u64 <= VCPU_SLOTS_ADDR - BOOT_PARAMS_ADDR);
-    assert!(vcpu_slot_addr(MAX_VCPUS) <= IMAGE_BASE);
+    assert!(vcpu_slot_addr(MAX_VCPUS) <= STEAL_TIME_ADDR);
+    assert!(STEAL_TIME_ADDR % 64 == 0);
+    assert!(steal_time_addr(MAX_PV_VCPUS) <= IMAGE_BASE);
     assert!(size_of::<VcpuSlot>() == 32);
     assert!(size_of::<BootParams>() == 96 + size_of::<RunResult>());
     assert!(VIRTIO_MMIO_ADDR + VIRTIO_MMIO_SIZE <= MAPPED_BYTES);
@@ -355,6 +360,16 @@ mod tests {
         assert_eq!(Workload::from_u32(0), None);
         assert_eq!(LockKind::from_u32(2), Some(LockKind::Tas));
         assert_eq!(LockKind::from_u32(9), None);
+    }
+
+    #[test]
+    fn every_vcpu_has_a_steal_time_area_of_its_own_within_one_page() {
+        for i in 0..MAX_PV_VCPUS {
+            let area = steal_time_addr(i);
+            assert!(area >= vcpu_slot_addr(MAX_VCPUS) && area + 64 <= IMAGE_BASE);
+            assert_eq!(area / 4096, (area + 63) / 4096);
+        }
+        assert_eq!(MAX_PV_VCPUS, 255);
     }
 
     #[test]
