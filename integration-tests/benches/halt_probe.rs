@@ -115,11 +115,12 @@ fn run(kvm: &Kvm) {
     println!("  /proc/self/task/TID/stat state       {proc:8.0} ns");
 
     // Reaction to a wake-up: MSI, then look until the vCPU shows running. KVM's cumulative
-    // `halt_wakeup` tells whether it woke at all: a wake-up whose run ended (halted again)
-    // before any look saw it is counted as missed.
-    let wakeups = stats
-        .value_reader("halt_wakeup")
-        .expect("this KVM has the `halt_wakeup` statistic")
+    // `halt_exits` (counted when the vCPU halts) tells whether it already halted again: a
+    // wake-up whose run ended before any look saw it is counted as missed. (`halt_wakeup`
+    // would not do: the waker counts it, before the woken thread runs.)
+    let halts = stats
+        .value_reader("halt_exits")
+        .expect("this KVM has the `halt_exits` statistic")
         .expect("stats fd");
     let rounds = 300;
     let mut by_stat = Vec::with_capacity(rounds);
@@ -129,7 +130,7 @@ fn run(kvm: &Kvm) {
         halted(Duration::from_secs(10));
         // Let the thread settle in the halt.
         std::thread::sleep(Duration::from_micros(200));
-        let before = wakeups.read().expect("read");
+        let before = halts.read().expect("read");
         let start = Instant::now();
         let delivered = pvspin_kvm::irqchip::signal_remrd(&test.vm, 0).expect("KVM_SIGNAL_MSI");
         assert!(delivered, "the REMRD MSI reached no vCPU");
@@ -143,7 +144,7 @@ fn run(kvm: &Kvm) {
             if running {
                 break true;
             }
-            if wakeups.read().expect("read") > before {
+            if halts.read().expect("read") > before {
                 // It woke and halted again between two looks.
                 break false;
             }
