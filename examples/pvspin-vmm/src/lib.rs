@@ -14,6 +14,7 @@ pub mod config;
 pub mod devices;
 pub mod memory;
 pub mod report;
+pub mod saved;
 pub mod seccomp;
 pub mod vcpu;
 pub mod vhost;
