@@ -28,13 +28,30 @@ pub enum Command {
     /// Variants run side by side, interleaved run by run. Progress goes to stderr (a bar with
     /// the case, variant, run and the time left, when stderr is a terminal and without
     /// --quiet), the table alone to stdout (per row: mean (sd), median, slowest run, the
-    /// change against the first variant, T/T1x, every run), every run's record to
-    /// --json-out.
+    /// change against the first variant, T/T1x, every run), every run's record to --json-out
+    /// (`report` prints the table again from it).
     Bench(BenchArgs),
+    /// Prints saved benches' tables again, or two benches side by side, without running VMs.
+    ///
+    /// Reads what `bench --json-out` wrote and prints each bench's table as `bench` printed
+    /// it; `--ab A B` puts two saved benches side by side with B/A per row.
+    Report(ReportArgs),
     /// A co-tenant for benchmarks: busy threads for a fixed time, then one JSON line with the
     /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
     #[command(hide = true)]
     Cotenant(CotenantArgs),
+}
+
+/// Options of `report`.
+#[derive(Clone, Debug, Args)]
+pub struct ReportArgs {
+    /// Files `bench --json-out` wrote: each bench in them printed as the table `bench` printed.
+    #[arg(value_name = "RUNS.jsonl", required_unless_present = "ab")]
+    pub files: Vec<std::path::PathBuf>,
+    /// Two saved benches side by side (A/B): per row, each one's median and slowest run, and
+    /// B's median over A's. Files holding several benches are paired bench by bench.
+    #[arg(long, num_args = 2, value_names = ["A.jsonl", "B.jsonl"], conflicts_with = "files")]
+    pub ab: Option<Vec<std::path::PathBuf>>,
 }
 
 /// Options of `cotenant`.
@@ -550,7 +567,8 @@ pub struct BenchArgs {
     pub vms: u32,
     /// Write every run's record to this file as JSON lines, as each run finishes: first the
     /// bench's header (title, vCPUs, hog counts, variants, command line), then per run its
-    /// variant, case, run index, command line and full report. stdout gets the table only.
+    /// variant, case, run index, command line and full report (`pvspin-vmm report` prints the
+    /// table again from it). stdout gets the table only.
     #[arg(long, value_name = "PATH")]
     pub json_out: Option<std::path::PathBuf>,
     /// Internal: this process is VM `--child-vm` of a multi-VM run of case `--child-case`.
@@ -664,6 +682,10 @@ where
     let vm_args = match &cli.command {
         Command::Run(args) => &args.vm,
         Command::Bench(args) => &args.vm,
+        Command::Report(args) => {
+            let mut stdout = std::io::stdout().lock();
+            return report_command(args, &mut stdout);
+        }
         Command::Cotenant(args) => {
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
@@ -681,7 +703,7 @@ where
         let hogs = match &cli.command {
             Command::Run(args) => args.hogs,
             Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            Command::Cotenant(_) => 0,
+            Command::Cotenant(_) | Command::Report(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -709,7 +731,7 @@ where
         None
     };
     match cli.command {
-        Command::Cotenant(_) => 0,
+        Command::Cotenant(_) | Command::Report(_) => 0,
         Command::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {
@@ -768,6 +790,18 @@ where
         Err(err) => {
             eprintln!("pvspin-vmm: {err}");
             err.exit_code()
+        }
+    }
+}
+
+/// `report`: writes the saved benches' tables to `stdout`; returns the exit code (1 when a file
+/// cannot be read or is not what `bench --json-out` writes).
+pub fn report_command(args: &ReportArgs, stdout: &mut dyn std::io::Write) -> i32 {
+    match crate::saved::report(&args.files, args.ab.as_deref(), stdout) {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("pvspin-vmm report: {err}");
+            1
         }
     }
 }

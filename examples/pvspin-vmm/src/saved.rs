@@ -1,4 +1,4 @@
-//! Saved runs: `bench --json-out PATH` writes them, [`load`] reads them back.
+//! Saved runs: `bench --json-out PATH` writes them, `pvspin-vmm report` reads them back.
 //!
 //! The file is JSON lines. A bench starts with its header, `{"record":"bench",...}` (the title,
 //! vCPUs, VMs, host CPUs, hog counts, variants, the command line), followed by one
@@ -8,6 +8,7 @@
 //! prints; per VM in `vms` for multi-VM runs). Several benches may follow each other in one
 //! file (`cat a.jsonl b.jsonl`).
 
+use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -202,6 +203,65 @@ pub enum LoadError {
     },
 }
 
+/// Why `pvspin-vmm report` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// A file could not be read.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// `--ab` files hold different numbers of benches.
+    #[error("--ab: {} holds {a} benches and {} holds {b}; they are paired one by one", a_path.display(), b_path.display())]
+    AbShape {
+        /// A's file.
+        a_path: PathBuf,
+        /// Benches in it.
+        a: usize,
+        /// B's file.
+        b_path: PathBuf,
+        /// Benches in it.
+        b: usize,
+    },
+    /// stdout could not be written.
+    #[error("writing the report: {0}")]
+    Write(#[from] std::io::Error),
+}
+
+/// `pvspin-vmm report`: the tables of the benches saved in `files`, or with `ab` (two files)
+/// A and B side by side; written to `out`.
+pub fn report(
+    files: &[PathBuf],
+    ab: Option<&[PathBuf]>,
+    out: &mut dyn Write,
+) -> Result<(), ReportError> {
+    if let Some([a_path, b_path]) = ab {
+        let (a, b) = (load(a_path)?, load(b_path)?);
+        if a.len() != b.len() {
+            return Err(ReportError::AbShape {
+                a_path: a_path.clone(),
+                a: a.len(),
+                b_path: b_path.clone(),
+                b: b.len(),
+            });
+        }
+        for (a, b) in a.iter().zip(&b) {
+            let table = AbTable {
+                a_name: &a_path.to_string_lossy(),
+                a,
+                b_name: &b_path.to_string_lossy(),
+                b,
+            };
+            writeln!(out, "{table}")?;
+        }
+        return Ok(());
+    }
+    for path in files {
+        for table in load(path)? {
+            writeln!(out, "{table}")?;
+        }
+    }
+    Ok(())
+}
+
 /// Reads the benches saved in `path`, each as the table `bench` printed.
 pub fn load(path: &Path) -> Result<Vec<BenchTable>, LoadError> {
     let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
@@ -314,6 +374,112 @@ fn add_run(case: &mut CaseResult, run: &RunRecord) {
     }
 }
 
+/// Two saved benches side by side (`report --ab A B`): per row, each side's median and
+/// slowest run, and B's median over A's.
+#[derive(Clone, Copy, Debug)]
+pub struct AbTable<'a> {
+    /// Where A came from.
+    pub a_name: &'a str,
+    /// A.
+    pub a: &'a BenchTable,
+    /// Where B came from.
+    pub b_name: &'a str,
+    /// B.
+    pub b: &'a BenchTable,
+}
+
+impl AbTable<'_> {
+    /// What A and B ran differently beside their variants, e.g. `vcpus 2 / 4`.
+    pub fn differences(&self) -> Vec<String> {
+        let (a, b) = (self.a, self.b);
+        let mut out = Vec::new();
+        if a.workload != b.workload {
+            out.push(format!("workload {} / {}", a.workload, b.workload));
+        }
+        for (name, x, y) in [
+            ("vcpus", u64::from(a.vcpus), u64::from(b.vcpus)),
+            ("vms", u64::from(a.vms), u64::from(b.vms)),
+            ("iterations", a.iterations, b.iterations),
+            ("host cpus", a.host_cpus as u64, b.host_cpus as u64),
+        ] {
+            if x != y {
+                out.push(format!("{name} {x} / {y}"));
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for AbTable<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "A: {}: {}", self.a_name, self.a.title)?;
+        writeln!(f, "B: {}: {}", self.b_name, self.b.title)?;
+        let differences = self.differences();
+        if !differences.is_empty() {
+            writeln!(
+                f,
+                "note: A and B differ beside their variants (A / B): {}",
+                differences.join(", ")
+            )?;
+        }
+        writeln!(
+            f,
+            "guest seconds, less is better; each side's median and slowest run, and B's median over A's \
+             (B/A, below 1: B is faster); '>' marks runs stopped by the bound"
+        )?;
+        let side = |case: Option<&CaseResult>| match case {
+            Some(c) => {
+                let bound = if c.timed_out > 0 { ">" } else { "" };
+                format!(
+                    "median {bound}{:>8.4} slowest {bound}{:>8.4}",
+                    c.median(),
+                    c.slowest()
+                )
+            }
+            None => format!("{:<32}", "(not run)"),
+        };
+        let mut rows: Vec<(&CaseResult, Option<&CaseResult>, Option<&CaseResult>)> = self
+            .a
+            .cases
+            .iter()
+            .map(|case| (case, Some(case), same_case(self.b, case)))
+            .collect();
+        rows.extend(
+            self.b
+                .cases
+                .iter()
+                .filter(|case| same_case(self.a, case).is_none())
+                .map(|case| (case, None, Some(case))),
+        );
+        for (row, a, b) in rows {
+            let ratio = match (a, b) {
+                (Some(a), Some(b)) if a.median() > 0.0 => {
+                    let r = b.median() / a.median();
+                    format!("B/A {r:.3} ({:+.1}%)", (r - 1.0) * 100.0)
+                }
+                _ => "B/A n/a".to_string(),
+            };
+            writeln!(
+                f,
+                "case {:<12} {:<34} A {}  B {}  {ratio}",
+                self.a.case_label(row.hogs),
+                row.variant.name(),
+                side(a),
+                side(b),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The case of `table` with `case`'s hogs and variant.
+fn same_case<'t>(table: &'t BenchTable, case: &CaseResult) -> Option<&'t CaseResult> {
+    table
+        .cases
+        .iter()
+        .find(|c| c.hogs == case.hogs && c.variant.name() == case.variant.name())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,5 +563,34 @@ mod tests {
             parse(&header(2), Path::new("e")),
             Err(LoadError::Empty { .. })
         ));
+    }
+
+    #[test]
+    fn ab_rows_give_b_over_a() {
+        let a = parse(
+            &[header(2), run_line("ticket:off", 0, 0, 0, 2.0)].join("\n"),
+            Path::new("a"),
+        )
+        .unwrap();
+        let b = parse(
+            &[
+                header(4),
+                run_line("ticket:off", 0, 0, 0, 1.0),
+                run_line("ticket:kick:in-kernel", 0, 1, 0, 1.0),
+            ]
+            .join("\n"),
+            Path::new("b"),
+        )
+        .unwrap();
+        let text = AbTable {
+            a_name: "a",
+            a: &a[0],
+            b_name: "b",
+            b: &b[0],
+        }
+        .to_string();
+        assert!(text.contains("B/A 0.500 (-50.0%)"), "{text}");
+        assert!(text.contains("vcpus 2 / 4"), "{text}");
+        assert!(text.contains("(not run)"), "{text}");
     }
 }
