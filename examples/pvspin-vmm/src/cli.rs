@@ -29,12 +29,14 @@ pub enum Command {
     /// the case, variant, run and the time left, when stderr is a terminal and without
     /// --quiet), the table alone to stdout (per row: mean (sd), median, slowest run, the
     /// change against the first variant, T/T1x, every run), every run's record to --json-out
-    /// (`report` prints the table again from it).
+    /// (`report` prints the table again from it); --plot draws the table as SVG.
     Bench(BenchArgs),
     /// Prints saved benches' tables again, or two benches side by side, without running VMs.
     ///
     /// Reads what `bench --json-out` wrote and prints each bench's table as `bench` printed
-    /// it; `--ab A B` puts two saved benches side by side with B/A per row.
+    /// it; `--ab A B` puts two saved benches side by side with B/A per row; `--plot` draws
+    /// them as SVG (with several vCPU counts among the files: time per acquisition against
+    /// vCPUs).
     Report(ReportArgs),
     /// A co-tenant for benchmarks: busy threads for a fixed time, then one JSON line with the
     /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
@@ -52,6 +54,11 @@ pub struct ReportArgs {
     /// B's median over A's. Files holding several benches are paired bench by bench.
     #[arg(long, num_args = 2, value_names = ["A.jsonl", "B.jsonl"], conflicts_with = "files")]
     pub ab: Option<Vec<std::path::PathBuf>>,
+    /// Draw the tables as an SVG plot: per bench, time over own 1x per hog count; with
+    /// several vCPU counts among the benches, time per acquisition against vCPUs; for ping-pong
+    /// benches, kick-to-wake percentiles per variant.
+    #[arg(long, value_name = "PATH.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// Options of `cotenant`.
@@ -571,6 +578,10 @@ pub struct BenchArgs {
     /// table again from it). stdout gets the table only.
     #[arg(long, value_name = "PATH")]
     pub json_out: Option<std::path::PathBuf>,
+    /// Draw the table as an SVG plot: each variant's time over its own time at 1x per hog
+    /// count, every run shown (ping-pong: kick-to-wake percentiles per variant).
+    #[arg(long, value_name = "PATH.svg")]
+    pub plot: Option<std::path::PathBuf>,
     /// Internal: this process is VM `--child-vm` of a multi-VM run of case `--child-case`.
     #[arg(long, hide = true, requires = "child_vm")]
     pub child_case: Option<usize>,
@@ -785,7 +796,22 @@ where
         Ok(table) => {
             // A closed stdout (`| head`) is not an error worth a failed bench.
             let _ = writeln!(stdout, "{table}");
-            0
+            let Some(path) = &args.plot else {
+                return 0;
+            };
+            let labelled = crate::plot::Labelled {
+                label: None,
+                table: &table,
+            };
+            match crate::plot::render_svg(&[labelled])
+                .and_then(|svg| crate::plot::write(path, &svg))
+            {
+                Ok(()) => 0,
+                Err(err) => {
+                    eprintln!("pvspin-vmm: --plot: {err}");
+                    1
+                }
+            }
         }
         Err(err) => {
             eprintln!("pvspin-vmm: {err}");
@@ -797,7 +823,12 @@ where
 /// `report`: writes the saved benches' tables to `stdout`; returns the exit code (1 when a file
 /// cannot be read or is not what `bench --json-out` writes).
 pub fn report_command(args: &ReportArgs, stdout: &mut dyn std::io::Write) -> i32 {
-    match crate::saved::report(&args.files, args.ab.as_deref(), stdout) {
+    match crate::saved::report(
+        &args.files,
+        args.ab.as_deref(),
+        args.plot.as_deref(),
+        stdout,
+    ) {
         Ok(()) => 0,
         Err(err) => {
             eprintln!("pvspin-vmm report: {err}");

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod config;
 pub mod devices;
 pub mod memory;
+pub mod plot;
 pub mod report;
 pub mod saved;
 pub mod seccomp;

@@ -221,16 +221,20 @@ pub enum ReportError {
         /// Benches in it.
         b: usize,
     },
+    /// `--plot` failed.
+    #[error("--plot: {0}")]
+    Plot(#[from] crate::plot::PlotError),
     /// stdout could not be written.
     #[error("writing the report: {0}")]
     Write(#[from] std::io::Error),
 }
 
 /// `pvspin-vmm report`: the tables of the benches saved in `files`, or with `ab` (two files)
-/// A and B side by side; written to `out`.
+/// A and B side by side; written to `out`, and drawn to `plot`.
 pub fn report(
     files: &[PathBuf],
     ab: Option<&[PathBuf]>,
+    plot: Option<&Path>,
     out: &mut dyn Write,
 ) -> Result<(), ReportError> {
     if let Some([a_path, b_path]) = ab {
@@ -252,12 +256,33 @@ pub fn report(
             };
             writeln!(out, "{table}")?;
         }
+        if let Some(plot) = plot {
+            let pairs: Vec<(&BenchTable, &BenchTable)> = a.iter().zip(&b).collect();
+            crate::plot::write(plot, &crate::plot::render_ab_svg(&pairs)?)?;
+        }
         return Ok(());
     }
+    // Each bench with the name its plot gives it: the file's name among several.
+    let mut benches: Vec<(Option<String>, BenchTable)> = Vec::new();
     for path in files {
+        let name = path.file_name().map_or_else(
+            || path.to_string_lossy().into_owned(),
+            |n| n.to_string_lossy().into_owned(),
+        );
         for table in load(path)? {
             writeln!(out, "{table}")?;
+            benches.push(((files.len() > 1).then(|| name.clone()), table));
         }
+    }
+    if let Some(plot) = plot {
+        let labelled: Vec<crate::plot::Labelled<'_>> = benches
+            .iter()
+            .map(|(label, table)| crate::plot::Labelled {
+                label: label.as_deref(),
+                table,
+            })
+            .collect();
+        crate::plot::write(plot, &crate::plot::render_svg(&labelled)?)?;
     }
     Ok(())
 }
