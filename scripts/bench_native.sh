@@ -2,8 +2,9 @@
 # The native-speed tables of docs/benchmarks.md §7: the lock workload in guest user mode (which
 # runs natively on the development hosts) at 1x/2x/3x with 2 vCPUs, and with 4, 6 and 8 vCPUs
 # on the host's CPUs; the kernel-mode table for regressions; user-mode ping-pong latency per
-# kick path. Every table interleaves its variants run by run. Output: one file per table in
-# $OUT (default bench-out/), plus the JSON line of every run.
+# kick path. Every table interleaves its variants run by run. Output in $OUT (default
+# bench-out/), per table: NAME.txt (the table), NAME.jsonl (every run's record, for
+# `pvspin-vmm report`), NAME.svg (its plot), NAME.log (stderr).
 #
 # Usage: scripts/bench_native.sh [runs]       (default 5; about 35 minutes on 2 cores)
 set -euo pipefail
@@ -19,8 +20,9 @@ table() {
     local name=$1
     shift
     echo "== $name: $VMM bench $*"
-    "$VMM" bench "$@" >"$OUT/$name.jsonl" 2>"$OUT/$name.log" || true
-    grep -E '^(lock workload|guest seconds|case)' "$OUT/$name.jsonl" | tee "$OUT/$name.txt"
+    "$VMM" bench "$@" --json-out "$OUT/$name.jsonl" --plot "$OUT/$name.svg" \
+        >"$OUT/$name.txt" 2>"$OUT/$name.log" || true
+    cat "$OUT/$name.txt"
 }
 
 # 2 vCPUs at 1x/2x/3x: critical sections of about 1.6 us, 1x runs of about 1 s.

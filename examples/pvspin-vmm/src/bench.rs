@@ -1,14 +1,20 @@
 //! `pvspin-vmm bench`: the overcommit experiment. Each variant (lock, PV mode, kick path) runs
 //! at each overcommit level (hog count) several times, interleaved run by run so that noise
-//! on a shared machine spreads evenly; the table gives mean (sd), median and the ratio to the
-//! first variant (the BASE row of the original PV-spinlock tables).
+//! on a shared machine spreads evenly; the table gives mean (sd), median, the slowest run and
+//! the ratio to the first variant (the BASE row of the original PV-spinlock tables). Progress
+//! goes to stderr, the table to stdout, every run's record to `--json-out` (JSON lines, read
+//! back by `pvspin-vmm report`, see [`crate::saved`]).
 
 use std::fmt;
+use std::path::PathBuf;
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 use pvspin_vmm_proto::LockKind;
 
 use crate::cli::VmArgs;
 use crate::config::{GuestKind, PvMode, RunConfig};
+use crate::report::{LatencySummary, RunReport};
+use crate::saved::{BenchHeader, JsonLines, Record, RunRecord, VmRecord};
 use crate::vmm::{self, RunError};
 
 /// One configuration to compare.
@@ -245,6 +251,39 @@ pub struct BenchOptions {
     pub vms: u32,
     /// In a child process of a multi-VM run: which case, and which VM of it.
     pub child: Option<(usize, u32)>,
+    /// Where every run's JSON record goes (JSON lines: the bench's header first, then one line
+    /// per run as it finishes); `pvspin-vmm report` reads it back.
+    pub json_out: Option<PathBuf>,
+    /// A progress bar on stderr (the caller decides: off when stderr is not a terminal).
+    pub progress: bool,
+    /// The command line, recorded with every run.
+    pub command: Vec<String>,
+}
+
+/// Why a bench failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A run failed (a run stopped by its bound is a result, not this).
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// `--json-out` could not be written.
+    #[error("writing {}: {source}", path.display())]
+    JsonOut {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+impl BenchError {
+    /// The process exit code: 2 for an invalid configuration, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            BenchError::Run(err) => err.exit_code(),
+            BenchError::JsonOut { .. } => 1,
+        }
+    }
 }
 
 /// One variant's results at one hog count.
@@ -263,10 +302,12 @@ pub struct CaseResult {
     pub per_vm_seconds: Vec<Vec<f64>>,
     /// Multi-VM runs: per VM, the host CPU seconds its process used in each run.
     pub per_vm_cpu: Vec<Vec<f64>>,
+    /// Ping-pong runs: each run's kick-to-wake latency.
+    pub kick_to_wake: Vec<LatencySummary>,
 }
 
 /// The median of `values` (0 for none).
-fn median_of(values: &[f64]) -> f64 {
+pub(crate) fn median_of(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {
@@ -277,6 +318,19 @@ fn median_of(values: &[f64]) -> f64 {
 }
 
 impl CaseResult {
+    /// A case without runs yet.
+    pub fn new(hogs: u32, variant: Variant) -> Self {
+        Self {
+            hogs,
+            variant,
+            seconds: Vec::new(),
+            timed_out: 0,
+            per_vm_seconds: Vec::new(),
+            per_vm_cpu: Vec::new(),
+            kick_to_wake: Vec::new(),
+        }
+    }
+
     /// Mean of the runs.
     pub fn mean(&self) -> f64 {
         self.seconds.iter().sum::<f64>() / self.seconds.len().max(1) as f64
@@ -297,6 +351,28 @@ impl CaseResult {
     pub fn median(&self) -> f64 {
         median_of(&self.seconds)
     }
+
+    /// The slowest run (0 for none): the tail the median hides.
+    pub fn slowest(&self) -> f64 {
+        self.seconds.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// Per percentile (min, p50, p90, p99, max), the median over the runs' kick-to-wake
+    /// latencies in us; `None` without samples.
+    pub fn kick_to_wake_medians(&self) -> Option<[f64; 5]> {
+        if self.kick_to_wake.is_empty() {
+            return None;
+        }
+        Some(std::array::from_fn(|i| {
+            median_of(
+                &self
+                    .kick_to_wake
+                    .iter()
+                    .map(|l| l.percentiles()[i])
+                    .collect::<Vec<_>>(),
+            )
+        }))
+    }
 }
 
 /// The finished table.
@@ -304,14 +380,40 @@ impl CaseResult {
 pub struct BenchTable {
     /// What ran.
     pub title: String,
+    /// The guest workload (`lock`, `pingpong`, ...).
+    pub workload: String,
     /// vCPUs per VM.
     pub vcpus: u32,
     /// VMs per run.
     pub vms: u32,
     /// Host CPUs.
     pub host_cpus: usize,
+    /// Acquisitions per vCPU (`pingpong`: handoffs in all).
+    pub iterations: u64,
     /// Per hog count, per variant (the first variant is the baseline).
     pub cases: Vec<CaseResult>,
+}
+
+impl BenchTable {
+    /// Host load of a case with `hogs` hog threads: runnable threads (vCPUs of every VM and
+    /// hogs) over host CPUs.
+    pub fn load(&self, hogs: u32) -> f64 {
+        f64::from(self.vcpus * self.vms.max(1) + hogs) / self.host_cpus.max(1) as f64
+    }
+
+    /// The case's name in the table, e.g. `2x (2 hogs)`.
+    pub fn case_label(&self, hogs: u32) -> String {
+        format!("{:.0}x ({hogs} hogs)", self.load(hogs))
+    }
+
+    /// The median of `variant` at 0 hogs, if the table has it and it is not 0.
+    pub fn own_1x_median(&self, variant: &Variant) -> Option<f64> {
+        self.cases
+            .iter()
+            .find(|c| c.hogs == 0 && c.variant == *variant)
+            .map(CaseResult::median)
+            .filter(|m| *m > 0.0)
+    }
 }
 
 impl fmt::Display for BenchTable {
@@ -319,8 +421,8 @@ impl fmt::Display for BenchTable {
         writeln!(f, "{}", self.title)?;
         writeln!(
             f,
-            "guest seconds, less is better; mean (sd), median, the median's change against the first variant, \
-             and the median over the same variant's median at 0 hogs (T1x); '>' marks runs stopped by the bound"
+            "guest seconds, less is better; mean (sd), median, slowest run, the median's change against the first \
+             variant, and the median over the same variant's median at 0 hogs (T1x); '>' marks runs stopped by the bound"
         )?;
         let mut baseline = None;
         for case in &self.cases {
@@ -328,29 +430,24 @@ impl fmt::Display for BenchTable {
                 baseline = Some((case.hogs, case.median()));
             }
             let base = baseline.map_or(case.median(), |(_, median)| median);
-            let load =
-                f64::from(self.vcpus * self.vms.max(1) + case.hogs) / self.host_cpus.max(1) as f64;
             let change = if base > 0.0 {
                 format!("{:+.1}%", (case.median() / base - 1.0) * 100.0)
             } else {
                 "n/a".into()
             };
             let t1x = self
-                .cases
-                .iter()
-                .find(|c| c.hogs == 0 && c.variant == case.variant)
-                .map(CaseResult::median)
-                .filter(|m| *m > 0.0)
+                .own_1x_median(&case.variant)
                 .map_or("n/a".into(), |m| format!("{:.2}", case.median() / m));
             let bound = if case.timed_out > 0 { ">" } else { "" };
             writeln!(
                 f,
-                "case {load:.0}x ({} hogs)  {:<34} {bound}{:>9.4} ({:.4})  median {bound}{:.4}  {change:>7}  T/T1x {t1x:>6}  runs: {}{}",
-                case.hogs,
+                "case {:<12} {:<34} {bound}{:>9.4} ({:.4})  median {bound}{:.4}  slowest {bound}{:.4}  {change:>7}  T/T1x {t1x:>6}  runs: {}{}",
+                self.case_label(case.hogs),
                 case.variant.name(),
                 case.mean(),
                 case.sd(),
                 case.median(),
+                case.slowest(),
                 case.seconds
                     .iter()
                     .map(|s| format!("{s:.4}"))
@@ -362,6 +459,17 @@ impl fmt::Display for BenchTable {
                     String::new()
                 }
             )?;
+            if let Some([min, p50, p90, p99, max]) = case.kick_to_wake_medians() {
+                let worst = case
+                    .kick_to_wake
+                    .iter()
+                    .map(|l| l.max_us)
+                    .fold(0.0, f64::max);
+                writeln!(
+                    f,
+                    "    kick-to-wake us, median of the runs: min {min:.1}  p50 {p50:.1}  p90 {p90:.1}  p99 {p99:.1}  max {max:.1}; worst run's max {worst:.1}"
+                )?;
+            }
             let total_cpu: f64 = case.per_vm_cpu.iter().map(|c| median_of(c)).sum();
             for (i, (secs, cpu)) in case.per_vm_seconds.iter().zip(&case.per_vm_cpu).enumerate() {
                 let share = if total_cpu > 0.0 {
@@ -382,13 +490,95 @@ impl fmt::Display for BenchTable {
     }
 }
 
+/// The progress bar on stderr: case, variant and run, with the time left.
+struct Progress(Option<ProgressBar>);
+
+impl Progress {
+    fn new(shown: bool, runs: u64) -> Self {
+        if !shown || runs == 0 {
+            return Self(None);
+        }
+        // Runs are interleaved, so every round of runs costs about the same: the time left is
+        // the time so far per run finished, times the runs left (steadier than a moving rate).
+        let left = |state: &ProgressState, w: &mut dyn fmt::Write| {
+            let done = state.pos();
+            let total = state.len().unwrap_or(done);
+            let text = if done == 0 {
+                "?".to_string()
+            } else {
+                let secs = state.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
+                format_duration(secs)
+            };
+            let _ = w.write_str(&text);
+        };
+        let style = ProgressStyle::with_template(
+            "{bar:20.cyan/blue} {pos}/{len} runs [{elapsed}, ~{left} left] {wide_msg}",
+        )
+        .map_or_else(
+            |_| ProgressStyle::default_bar(),
+            |s| s.with_key("left", left),
+        )
+        .progress_chars("=> ");
+        let bar = ProgressBar::with_draw_target(Some(runs), ProgressDrawTarget::stderr());
+        bar.set_style(style);
+        bar.enable_steady_tick(std::time::Duration::from_secs(1));
+        Self(Some(bar))
+    }
+
+    /// Names the run now starting.
+    fn start(&self, case: &str, variant: &str, run: u32, runs: u32) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(format!("{case} {variant}, run {}/{runs}", run + 1));
+        }
+    }
+
+    fn finished_one(&self) {
+        if let Some(bar) = &self.0 {
+            bar.inc(1);
+        }
+    }
+
+    /// A line on stderr that does not tear the bar.
+    fn note(&self, text: &str) {
+        match &self.0 {
+            Some(bar) => bar.suspend(|| eprintln!("{text}")),
+            None => eprintln!("{text}"),
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `secs` as `1h02m`, `3m05s` or `42s`.
+fn format_duration(secs: f64) -> String {
+    let s = secs.round() as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
 /// In `--pv-backend vhost-user:PATH` of a multi-VM bench: the VM's index (each VM needs a socket
 /// of its own).
 pub const VM_PLACEHOLDER: &str = "{vm}";
 
 /// One run of case `k` as `vms` VMs at once, each a child process of this one running the same
-/// command line with `--child-case k --child-vm i`. The run's time is the slowest VM's.
-fn run_vms(k: usize, case: &mut CaseResult, vms: u32, timeout_ms: u64) -> Result<(), RunError> {
+/// command line with `--child-case k --child-vm i`. The run's time is the slowest VM's. Returns
+/// each VM's record.
+fn run_vms(
+    k: usize,
+    case: &mut CaseResult,
+    vms: u32,
+    timeout_ms: u64,
+    progress: &Progress,
+) -> Result<Vec<VmRecord>, RunError> {
     let exe = std::env::current_exe()
         .map_err(|e| RunError::Setup(format!("finding this executable: {e}")))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -406,6 +596,7 @@ fn run_vms(k: usize, case: &mut CaseResult, vms: u32, timeout_ms: u64) -> Result
     case.per_vm_cpu.resize(vms as usize, Vec::new());
     let mut slowest: f64 = 0.0;
     let mut stopped = false;
+    let mut records = Vec::new();
     for (i, mut child) in children.into_iter().enumerate() {
         let mut out = String::new();
         if let Some(mut stdout) = child.stdout.take() {
@@ -417,30 +608,34 @@ fn run_vms(k: usize, case: &mut CaseResult, vms: u32, timeout_ms: u64) -> Result
             .rev()
             .find(|l| l.starts_with('{'))
             .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok());
-        let seconds = match (status, report) {
+        let seconds = match (status, &report) {
             (0, Some(report)) => report["guest_seconds"].as_f64().unwrap_or(0.0),
             _ => {
                 // A VM stopped by its bound (or failed): record the bound, as single-VM runs do.
-                eprintln!(
+                progress.note(&format!(
                     "pvspin-vmm bench: {} VM {i} ended with status {status}",
                     case.variant.name()
-                );
+                ));
                 stopped = true;
                 timeout_ms as f64 / 1000.0
             }
         };
-        crate::cli::print_stdout(&format!(
-            "{{\"vm\":{i},\"guest_seconds\":{seconds},\"cpu_seconds\":{cpu}}}"
-        ));
         case.per_vm_seconds[i].push(seconds);
         case.per_vm_cpu[i].push(cpu);
         slowest = slowest.max(seconds);
+        records.push(VmRecord {
+            vm: i as u32,
+            status,
+            guest_seconds: seconds,
+            cpu_seconds: cpu,
+            report,
+        });
     }
     case.seconds.push(slowest);
     if stopped {
         case.timed_out += 1;
     }
-    Ok(())
+    Ok(records)
 }
 
 /// Waits for child `pid`; returns its exit status (or 128 + signal) and the CPU seconds it used.
@@ -466,8 +661,23 @@ fn wait_with_rusage(pid: u32) -> Result<(i32, f64), RunError> {
     Ok((code, secs(usage.ru_utime) + secs(usage.ru_stime)))
 }
 
-/// Runs every case `runs` times, interleaved, printing each run's JSON line as it finishes.
-pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> {
+/// Runs every case `runs` times, interleaved; every run's record goes to `--json-out` as it
+/// finishes. Prints nothing on stdout (but for a multi-VM run's child, whose report the parent
+/// reads there).
+pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, BenchError> {
+    run_with(vm, options, vmm::run)
+}
+
+/// [`run`] with `runner` in place of [`vmm::run`] for the runs in this process (tests feed it
+/// made-up reports).
+pub fn run_with<R>(
+    vm: &VmArgs,
+    options: &BenchOptions,
+    mut runner: R,
+) -> Result<BenchTable, BenchError>
+where
+    R: FnMut(&RunConfig) -> Result<RunReport, RunError>,
+{
     let base = RunConfig {
         echo_console: false,
         ..vm.config(0)
@@ -494,25 +704,24 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
         return Err(RunError::Refused(format!(
             "variant {} needs the backend's socket: --pv-backend vhost-user:PATH",
             variant.name()
-        )));
+        ))
+        .into());
     }
-    let mut cases: Vec<CaseResult> = options
+    let cases: Vec<CaseResult> = options
         .hogs
         .iter()
         .flat_map(|&hogs| {
-            variants.iter().map(move |&variant| CaseResult {
-                hogs,
-                variant,
-                seconds: Vec::new(),
-                timed_out: 0,
-                per_vm_seconds: Vec::new(),
-                per_vm_cpu: Vec::new(),
-            })
+            variants
+                .iter()
+                .map(move |&variant| CaseResult::new(hogs, variant))
         })
         .collect();
     // Check every configuration before spending minutes on the first ones.
     for case in &cases {
-        case.variant.config(&base, case.hogs).validate(u32::MAX)?;
+        case.variant
+            .config(&base, case.hogs)
+            .validate(u32::MAX)
+            .map_err(RunError::from)?;
     }
     // A vhost-user socket serves one VM at a time: VMs run side by side need one each.
     let vhost_variant = cases.iter().any(|c| c.variant.vhost);
@@ -522,7 +731,8 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
                 "--vms {} with vhost-user variants needs a socket per VM: put {VM_PLACEHOLDER} in the \
                  --pv-backend path (replaced by the VM's index), and serve each with pvspind",
                 options.vms
-            )));
+            ))
+            .into());
         }
     }
     if let Some((k, vm_index)) = options.child {
@@ -537,44 +747,23 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
                 .replace(VM_PLACEHOLDER, &vm_index.to_string())
                 .into()
         });
-        let report = vmm::run(&config)?;
+        let report = runner(&config)?;
+        // The parent reads this line from the pipe.
         crate::cli::print_stdout(&report.to_json());
         return Ok(BenchTable {
             title: String::new(),
+            workload: String::new(),
             vcpus: vm.vcpus,
             vms: 1,
             host_cpus: 0,
+            iterations: vm.iterations,
             cases: Vec::new(),
         });
     }
-    for _ in 0..options.runs {
-        for (k, case) in cases.iter_mut().enumerate() {
-            if options.vms > 1 {
-                run_vms(k, case, options.vms, vm.timeout_ms)?;
-                continue;
-            }
-            match vmm::run(&case.variant.config(&base, case.hogs)) {
-                Ok(report) => {
-                    crate::cli::print_stdout(&report.to_json());
-                    case.seconds.push(report.guest_seconds);
-                }
-                // A collapse is a result, not an error: record the bound.
-                Err(RunError::Timeout { limit_ms, .. }) => {
-                    eprintln!(
-                        "pvspin-vmm bench: {} with {} hogs stopped by its {limit_ms} ms bound",
-                        case.variant.name(),
-                        case.hogs
-                    );
-                    case.seconds.push(limit_ms as f64 / 1000.0);
-                    case.timed_out += 1;
-                }
-                Err(err) => return Err(err),
-            }
-        }
-    }
-    Ok(BenchTable {
+    let workload = vmm::workload_name(base.workload);
+    let mut table = BenchTable {
         title: format!(
-            "{}lock workload on {} vCPUs ({} mode), {} acquisitions each, cs {} ncs {}, {} runs per case, interleaved",
+            "{}{workload} workload on {} vCPUs ({} mode), {} {} each, cs {} ncs {}, {} runs per case, interleaved",
             if options.vms > 1 {
                 format!("{} VMs at once, separate processes, each: ", options.vms)
             } else {
@@ -583,15 +772,82 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, RunError> 
             vm.vcpus,
             if base.user_mode { "user" } else { "kernel" },
             vm.iterations,
+            if workload == "pingpong" { "handoffs" } else { "acquisitions" },
             vm.cs_work,
             vm.ncs_work,
             options.runs
         ),
+        workload: workload.to_string(),
         vcpus: vm.vcpus,
         vms: options.vms.max(1),
         host_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        iterations: vm.iterations,
         cases,
-    })
+    };
+    let mut json = match &options.json_out {
+        Some(path) => Some(JsonLines::create(path)?),
+        None => None,
+    };
+    if let Some(json) = &mut json {
+        json.write(&Record::Bench(BenchHeader::new(&table, options)))?;
+    }
+    let labels: Vec<String> = table
+        .cases
+        .iter()
+        .map(|c| table.case_label(c.hogs))
+        .collect();
+    let progress = Progress::new(
+        options.progress,
+        u64::from(options.runs) * table.cases.len() as u64,
+    );
+    for run in 0..options.runs {
+        for (k, case) in table.cases.iter_mut().enumerate() {
+            let name = case.variant.name();
+            progress.start(&labels[k], &name, run, options.runs);
+            let mut record = RunRecord {
+                variant: name,
+                hogs: case.hogs,
+                case: labels[k].clone(),
+                case_index: k,
+                run,
+                guest_seconds: 0.0,
+                timed_out: false,
+                vms: Vec::new(),
+                command: options.command.clone(),
+                report: None,
+            };
+            if options.vms > 1 {
+                let stopped_before = case.timed_out;
+                record.vms = run_vms(k, case, options.vms, vm.timeout_ms, &progress)?;
+                record.timed_out = case.timed_out > stopped_before;
+            } else {
+                match runner(&case.variant.config(&base, case.hogs)) {
+                    Ok(report) => {
+                        case.seconds.push(report.guest_seconds);
+                        case.kick_to_wake.extend(report.kick_to_wake.clone());
+                        record.report = serde_json::to_value(&report).ok();
+                    }
+                    // A collapse is a result, not an error: record the bound.
+                    Err(RunError::Timeout { limit_ms, .. }) => {
+                        progress.note(&format!(
+                            "pvspin-vmm bench: {} with {} hogs stopped by its {limit_ms} ms bound",
+                            record.variant, case.hogs
+                        ));
+                        case.seconds.push(limit_ms as f64 / 1000.0);
+                        case.timed_out += 1;
+                        record.timed_out = true;
+                    }
+                    Err(err) => return Err(err.into()),
+                }
+            }
+            record.guest_seconds = case.seconds.last().copied().unwrap_or(0.0);
+            if let Some(json) = &mut json {
+                json.write(&Record::Run(record))?;
+            }
+            progress.finished_one();
+        }
+    }
+    Ok(table)
 }
 
 #[cfg(test)]
@@ -600,12 +856,8 @@ mod tests {
 
     fn case(hogs: u32, variant: &str, seconds: &[f64]) -> CaseResult {
         CaseResult {
-            hogs,
-            variant: Variant::parse(variant).unwrap(),
             seconds: seconds.to_vec(),
-            timed_out: 0,
-            per_vm_seconds: Vec::new(),
-            per_vm_cpu: Vec::new(),
+            ..CaseResult::new(hogs, Variant::parse(variant).unwrap())
         }
     }
 
@@ -683,9 +935,11 @@ mod tests {
     fn table_labels_overcommit_and_compares_with_the_first_variant() {
         let table = BenchTable {
             title: "t".into(),
+            workload: "lock".into(),
             vcpus: 2,
             vms: 1,
             host_cpus: 2,
+            iterations: 10,
             cases: vec![
                 case(0, "ticket:off", &[1.0]),
                 case(0, "ticket:kick", &[0.5]),
@@ -710,9 +964,11 @@ mod tests {
         c.per_vm_cpu = vec![vec![3.0], vec![1.0]];
         let table = BenchTable {
             title: "t".into(),
+            workload: "lock".into(),
             vcpus: 2,
             vms: 2,
             host_cpus: 2,
+            iterations: 10,
             cases: vec![c],
         };
         let text = table.to_string();

@@ -24,11 +24,41 @@ pub enum Command {
     /// Runs one VM and prints a summary line and a JSON line.
     Run(RunArgs),
     /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
+    ///
+    /// Variants run side by side, interleaved run by run. Progress goes to stderr (a bar with
+    /// the case, variant, run and the time left, when stderr is a terminal and without
+    /// --quiet), the table alone to stdout (per row: mean (sd), median, slowest run, the
+    /// change against the first variant, T/T1x, every run), every run's record to --json-out
+    /// (`report` prints the table again from it); --plot draws the table as SVG.
     Bench(BenchArgs),
+    /// Prints saved benches' tables again, or two benches side by side, without running VMs.
+    ///
+    /// Reads what `bench --json-out` wrote and prints each bench's table as `bench` printed
+    /// it; `--ab A B` puts two saved benches side by side with B/A per row; `--plot` draws
+    /// them as SVG (with several vCPU counts among the files: time per acquisition against
+    /// vCPUs).
+    Report(ReportArgs),
     /// A co-tenant for benchmarks: busy threads for a fixed time, then one JSON line with the
     /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
     #[command(hide = true)]
     Cotenant(CotenantArgs),
+}
+
+/// Options of `report`.
+#[derive(Clone, Debug, Args)]
+pub struct ReportArgs {
+    /// Files `bench --json-out` wrote: each bench in them printed as the table `bench` printed.
+    #[arg(value_name = "RUNS.jsonl", required_unless_present = "ab")]
+    pub files: Vec<std::path::PathBuf>,
+    /// Two saved benches side by side (A/B): per row, each one's median and slowest run, and
+    /// B's median over A's. Files holding several benches are paired bench by bench.
+    #[arg(long, num_args = 2, value_names = ["A.jsonl", "B.jsonl"], conflicts_with = "files")]
+    pub ab: Option<Vec<std::path::PathBuf>>,
+    /// Draw the tables as an SVG plot: per bench, time over own 1x per hog count; with
+    /// several vCPU counts among the benches, time per acquisition against vCPUs; for ping-pong
+    /// benches, kick-to-wake percentiles per variant.
+    #[arg(long, value_name = "PATH.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// Options of `cotenant`.
@@ -365,7 +395,8 @@ pub struct VmArgs {
     /// Upper bound on the whole run.
     #[arg(long, default_value_t = 300_000)]
     pub timeout_ms: u64,
-    /// Do not copy the guest's console to stdout.
+    /// Do not copy the guest's console to stdout (`bench`, which never does: no progress bar on
+    /// stderr either).
     #[arg(long)]
     pub quiet: bool,
     /// Where the vCPUs run: pvspin then applies KVM's paravirt plan for that placement
@@ -541,6 +572,16 @@ pub struct BenchArgs {
     /// host-wide overcommit measured, not assumed); a case's hogs run in the first VM.
     #[arg(long, default_value_t = 1)]
     pub vms: u32,
+    /// Write every run's record to this file as JSON lines, as each run finishes: first the
+    /// bench's header (title, vCPUs, hog counts, variants, command line), then per run its
+    /// variant, case, run index, command line and full report (`pvspin-vmm report` prints the
+    /// table again from it). stdout gets the table only.
+    #[arg(long, value_name = "PATH")]
+    pub json_out: Option<std::path::PathBuf>,
+    /// Draw the table as an SVG plot: each variant's time over its own time at 1x per hog
+    /// count, every run shown (ping-pong: kick-to-wake percentiles per variant).
+    #[arg(long, value_name = "PATH.svg")]
+    pub plot: Option<std::path::PathBuf>,
     /// Internal: this process is VM `--child-vm` of a multi-VM run of case `--child-case`.
     #[arg(long, hide = true, requires = "child_vm")]
     pub child_case: Option<usize>,
@@ -636,6 +677,11 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let command: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(err) => {
@@ -647,6 +693,10 @@ where
     let vm_args = match &cli.command {
         Command::Run(args) => &args.vm,
         Command::Bench(args) => &args.vm,
+        Command::Report(args) => {
+            let mut stdout = std::io::stdout().lock();
+            return report_command(args, &mut stdout);
+        }
         Command::Cotenant(args) => {
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
@@ -664,7 +714,7 @@ where
         let hogs = match &cli.command {
             Command::Run(args) => args.hogs,
             Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            Command::Cotenant(_) => 0,
+            Command::Cotenant(_) | Command::Report(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -692,7 +742,7 @@ where
         None
     };
     match cli.command {
-        Command::Cotenant(_) => 0,
+        Command::Cotenant(_) | Command::Report(_) => 0,
         Command::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {
@@ -711,24 +761,78 @@ where
             }
         },
         Command::Bench(args) => {
-            let options = BenchOptions {
-                hogs: args.hogs.clone(),
-                runs: args.runs,
-                variants: args.variants.clone(),
-                vms: args.vms.max(1),
-                child: args.child_case.zip(args.child_vm),
+            let mut stdout = std::io::stdout().lock();
+            bench_command(&args, command, &mut stdout, vmm::run)
+        }
+    }
+}
+
+/// `bench`: runs the cases with `runner`, then writes the table to `stdout` (and nothing else
+/// there); returns the exit code.
+pub fn bench_command<R>(
+    args: &BenchArgs,
+    command: Vec<String>,
+    stdout: &mut dyn std::io::Write,
+    runner: R,
+) -> i32
+where
+    R: FnMut(&RunConfig) -> Result<crate::RunReport, vmm::RunError>,
+{
+    let child = args.child_case.zip(args.child_vm);
+    let options = BenchOptions {
+        hogs: args.hogs.clone(),
+        runs: args.runs,
+        variants: args.variants.clone(),
+        vms: args.vms.max(1),
+        child,
+        json_out: args.json_out.clone().filter(|_| child.is_none()),
+        progress: child.is_none()
+            && !args.vm.quiet
+            && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        command,
+    };
+    match bench::run_with(&args.vm, &options, runner) {
+        Ok(_) if options.child.is_some() => 0,
+        Ok(table) => {
+            // A closed stdout (`| head`) is not an error worth a failed bench.
+            let _ = writeln!(stdout, "{table}");
+            let Some(path) = &args.plot else {
+                return 0;
             };
-            match bench::run(&args.vm, &options) {
-                Ok(_) if options.child.is_some() => 0,
-                Ok(table) => {
-                    print_stdout(&table.to_string());
-                    0
-                }
+            let labelled = crate::plot::Labelled {
+                label: None,
+                table: &table,
+            };
+            match crate::plot::render_svg(&[labelled])
+                .and_then(|svg| crate::plot::write(path, &svg))
+            {
+                Ok(()) => 0,
                 Err(err) => {
-                    eprintln!("pvspin-vmm: {err}");
-                    err.exit_code()
+                    eprintln!("pvspin-vmm: --plot: {err}");
+                    1
                 }
             }
+        }
+        Err(err) => {
+            eprintln!("pvspin-vmm: {err}");
+            err.exit_code()
+        }
+    }
+}
+
+/// `report`: writes the saved benches' tables to `stdout`; returns the exit code (1 when a file
+/// cannot be read or is not what `bench --json-out` writes).
+pub fn report_command(args: &ReportArgs, stdout: &mut dyn std::io::Write) -> i32 {
+    match crate::saved::report(
+        &args.files,
+        args.ab.as_deref(),
+        args.plot.as_deref(),
+        stdout,
+    ) {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("pvspin-vmm report: {err}");
+            1
         }
     }
 }
@@ -805,6 +909,105 @@ mod tests {
             ]),
             2
         );
+    }
+
+    /// A directory of its own for a test's files.
+    fn scratch(test: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("pvspin-vmm-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn bench_stdout_is_the_table_alone_and_saved_runs_give_it_again() {
+        let dir = scratch("bench-stdout");
+        let json = dir.join("runs.jsonl");
+        let cli = Cli::try_parse_from([
+            "pvspin-vmm",
+            "bench",
+            "--hogs",
+            "0,2",
+            "--runs",
+            "3",
+            "--variants",
+            "ticket:off,ticket:kick",
+            "--json-out",
+            json.to_str().unwrap(),
+        ])
+        .unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("expected bench")
+        };
+        let command: Vec<String> = ["pvspin-vmm", "bench", "--made-up"]
+            .map(String::from)
+            .into();
+        let mut runs = 0;
+        let mut stdout = Vec::new();
+        let code = bench_command(&args, command.clone(), &mut stdout, |config| {
+            runs += 1;
+            if runs == 7 {
+                // A collapse: a result, recorded as its bound.
+                return Err(vmm::RunError::Timeout {
+                    limit_ms: 2500,
+                    states: vmm::VcpuStates::default(),
+                });
+            }
+            Ok(crate::RunReport::made_up(
+                config,
+                f64::from(runs) * 0.125 + f64::from(config.hogs),
+            ))
+        });
+        assert_eq!(code, 0);
+        assert_eq!(runs, 12);
+        let stdout = String::from_utf8(stdout).unwrap();
+        // The table and nothing else: no run's JSON line.
+        assert!(
+            stdout.lines().all(|l| !l.trim_start().starts_with('{')),
+            "{stdout}"
+        );
+        assert!(stdout.starts_with("lock workload on 2 vCPUs"), "{stdout}");
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("case ")).collect();
+        assert_eq!(rows.len(), 4, "{stdout}");
+        // Tails beside medians: ticket:off at 0 hogs ran 0.125, 0.625 and 1.125 s.
+        assert!(
+            rows[0].contains("median 0.6250  slowest 1.1250"),
+            "{stdout}"
+        );
+        assert!(rows[2].contains("(1 stopped by the bound)"), "{stdout}");
+        // Every run's record, in order, with its variant, case, run index and command line.
+        let saved = std::fs::read_to_string(&json).unwrap();
+        let records: Vec<crate::saved::Record> = saved
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(records.len(), 13);
+        let crate::saved::Record::Bench(header) = &records[0] else {
+            panic!("header first: {saved}")
+        };
+        assert_eq!(header.variants, ["ticket:off", "ticket:kick:in-kernel"]);
+        assert_eq!(header.command, command);
+        for (i, record) in records[1..].iter().enumerate() {
+            let crate::saved::Record::Run(run) = record else {
+                panic!("run records after the header: {saved}")
+            };
+            assert_eq!((run.case_index, run.run as usize), (i % 4, i / 4));
+            assert_eq!(run.command, command);
+            assert_eq!(run.timed_out, i == 6);
+            assert_eq!(run.report.is_some(), i != 6);
+        }
+        let crate::saved::Record::Run(run) = &records[4] else {
+            unreachable!()
+        };
+        assert_eq!(
+            (run.variant.as_str(), run.hogs),
+            ("ticket:kick:in-kernel", 2)
+        );
+        assert_eq!(run.case, "2x (2 hogs)");
+        // Read back, the saved runs give the very same table.
+        let tables = crate::saved::load(&json).unwrap();
+        assert_eq!(tables.len(), 1);
+        assert_eq!(format!("{}\n", tables[0]), stdout);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use pvspin::{ExitKind, PvspinVcpuCounters};
 use pvspin_vmm_proto::{BootParams, Workload};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::devices::IoBus;
@@ -241,6 +241,26 @@ impl RunReport {
         }
     }
 
+    /// A report of a run of `config` that took `guest_seconds`, with nothing else in it (tests
+    /// of what reads reports).
+    #[cfg(test)]
+    pub(crate) fn made_up(config: &RunConfig, guest_seconds: f64) -> Self {
+        let params = BootParams::default();
+        let bus = IoBus::new(crate::devices::ConsoleSink::new(false));
+        let tsc_khz = 1_000_000;
+        let mut report = Self::new(
+            config,
+            &params,
+            tsc_khz,
+            Duration::from_secs_f64(guest_seconds),
+            Vec::new(),
+            String::new(),
+            &bus,
+        );
+        report.guest_seconds = guest_seconds;
+        report
+    }
+
     /// Whether this run measured the ping-pong workload.
     pub fn is_pingpong_run(&self) -> bool {
         self.workload == workload_name(Workload::PingPong)
@@ -331,7 +351,7 @@ pub struct YieldSummary {
 }
 
 /// Percentiles of the guest's kick-to-wake samples.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LatencySummary {
     /// Number of samples.
     pub samples: usize,
@@ -348,6 +368,20 @@ pub struct LatencySummary {
 }
 
 impl LatencySummary {
+    /// Names of [`percentiles`](Self::percentiles), in order.
+    pub const PERCENTILE_NAMES: [&'static str; 5] = ["min", "p50", "p90", "p99", "max"];
+
+    /// min, p50, p90, p99 and max, in us.
+    pub fn percentiles(&self) -> [f64; 5] {
+        [
+            self.min_us,
+            self.p50_us,
+            self.p90_us,
+            self.p99_us,
+            self.max_us,
+        ]
+    }
+
     /// Summarizes TSC-cycle samples; `None` without samples or a TSC frequency.
     pub fn from_cycles(mut cycles: Vec<u32>, tsc_khz: u64) -> Option<Self> {
         if cycles.is_empty() || tsc_khz == 0 {
