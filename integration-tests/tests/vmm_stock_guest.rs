@@ -230,3 +230,36 @@ fn stock_guest_refusals_reach_the_caller() {
         );
     });
 }
+
+/// Run slots with a stock guest (issue 17): halts and kicks stay inside KVM, so the slots see
+/// them only through KVM's `blocking` statistic (the halt watcher). Lock counts stay exact on
+/// the in-kernel and signal-msi paths, in kernel and user mode; halted holders' slots were lent;
+/// every `blocking` read worked; the guest still used no pvspin ABI; and vCPUs waiting for a
+/// slot were shown to it through its steal-time `preempted` byte.
+#[test]
+fn stock_guest_under_run_slots_counts_exactly() {
+    let test = "stock_guest_under_run_slots_counts_exactly";
+    kvm_required(test);
+    with_watchdog(test, TEST_BOUND, || {
+        for path in [KickPath::InKernel, KickPath::SignalMsi] {
+            for user_mode in [false, true] {
+                let config = RunConfig {
+                    run_slots: Some(2),
+                    ..stock(path, user_mode, 4)
+                };
+                let what = format!("stock + 2 slots, {path:?} user {user_mode} x4");
+                let report = run_ok(&config, &what);
+                assert_no_pvspin_abi_traffic(&report, &config, &what);
+                let slots = report.run_slots.expect("slot telemetry");
+                assert!(slots.lends > 0, "{what}: no slot lent: {slots:?}");
+                assert!(slots.waits > 0, "{what}: nobody waited: {slots:?}");
+                assert_eq!(slots.watch_read_errors, 0, "{what}: {slots:?}");
+                assert!(
+                    slots.steal_time_marks > 0,
+                    "{what}: no wait shown to the guest: {slots:?}"
+                );
+                eprintln!("{what}: {slots:?}");
+            }
+        }
+    });
+}
