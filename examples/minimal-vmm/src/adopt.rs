@@ -1,4 +1,4 @@
-//! Everything minimal-vmm does with pvspin. A unit test keeps this file at 50 lines of code
+//! Everything minimal-vmm does with pvspin. A unit test keeps this file at 55 lines of code
 //! or fewer (not counting comments, blank lines, `use` lines and lines that only close
 //! brackets), and the rest of the VMM names no pvspin item.
 
@@ -88,8 +88,7 @@ pub fn run_once<R>(
 pub fn stop(pvspin: &PvSpin) {
     pvspin.shutdown();
     (0..pvspin.vcpus()).for_each(|i| pvspin.interrupt(i));
-    pvspin
-        .check()
-        .iter()
-        .for_each(|p| eprintln!("minimal-vmm: pvspin: {p}"));
+    for problem in pvspin.check() {
+        eprintln!("minimal-vmm: pvspin: {problem}");
+    }
 }

@@ -3,7 +3,7 @@
 //! It owns its in-kernel irqchip, its GSI allocator and routing table (with a route of its own
 //! besides pvspin's), every vCPU's CPUID (its own edit, then pvspin's) and its AP start-up
 //! (it makes the APs runnable itself: the example guest has no INIT/SIPI code). pvspin only
-//! asks and checks. Every use of pvspin is in `adopt.rs`, which a unit test keeps at 50 lines
+//! asks and checks. Every use of pvspin is in `adopt.rs`, which a unit test keeps at 55 lines
 //! of code or fewer. Guest memory, the guest image and its boot protocol, and the UART/exit-port
 //! bus come from the example VMM's library (`pvspin_vmm`), which is not pvspin.
 #![deny(missing_docs)]
@@ -300,10 +300,11 @@ fn vcpu_loop(
 
 #[cfg(test)]
 mod tests {
-    /// The adoption stays small: `adopt.rs` has at most 50 lines of code, and nothing else in
-    /// this VMM names pvspin.
+    /// The adoption stays small: `adopt.rs` has at most 55 lines of code (47 before the
+    /// adopter checks: `check_routes` after each routing table and `check` at the end), and
+    /// nothing else in this VMM names pvspin.
     #[test]
-    fn adopting_pvspin_takes_at_most_50_lines() {
+    fn adopting_pvspin_takes_at_most_55_lines() {
         let closing = |l: &str| l.chars().all(|c| ")]};,?.".contains(c));
         let code = include_str!("adopt.rs")
             .lines()
@@ -311,7 +312,7 @@ mod tests {
             .filter(|l| !l.is_empty() && !l.starts_with("//") && !closing(l))
             .filter(|l| !l.starts_with("use ") && !l.starts_with("pub use "))
             .count();
-        assert!(code <= 50, "adopt.rs has {code} lines of code");
+        assert!(code <= 55, "adopt.rs has {code} lines of code");
         let lib = include_str!("lib.rs");
         let lib = &lib[..lib.find("#[cfg(test)]").unwrap_or(lib.len())];
         let named = ["pvspin::", "pvspin.", "use pvspin;"];
