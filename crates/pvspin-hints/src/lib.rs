@@ -17,7 +17,9 @@
 //! first on it (a VMM installs its seccomp filter there). This crate has no seccomp
 //! dependency: `pvspin::seccomp` lists what the thread needs.
 //!
-//! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits.
+//! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits;
+//! [`budgets`] adapts each vCPU's time budgets from the guest's reports there and publishes
+//! them (the one implementation the in-process host and `pvspind` share).
 //!
 //! [`confine`] says whether priority boosts stay inside the VM's CPU share. The run-slot
 //! scheduler is the crate `pvspin-slots`.
@@ -30,6 +32,8 @@
 pub mod actuator;
 #[cfg(not(loom))]
 pub mod boost;
+#[cfg(not(loom))]
+pub mod budgets;
 pub mod confine;
 #[cfg(not(loom))]
 pub mod page;
@@ -44,6 +48,8 @@ pub use actuator::{
 };
 #[cfg(not(loom))]
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
+#[cfg(not(loom))]
+pub use budgets::{PageBudgets, TscBudgets};
 pub use confine::{Confinement, Verdict};
 #[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
