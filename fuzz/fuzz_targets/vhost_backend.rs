@@ -1,9 +1,12 @@
 //! Fuzzes pvspind's device backend in-process (no socket): arbitrary acked features and
 //! vCPU count, configuration reads, guest memory contents (hint pages, control requests,
-//! raw descriptors and ring indices) and notifications on arbitrary queue indices.
-//! Invariants: nothing panics; a call eventfd is signalled only on a queue that was
-//! notified, at most once per notification; only the fake VM's threads are reniced, within
-//! the nice range; after a reset every thread is back at its original nice value.
+//! raw descriptors and ring indices), notifications on arbitrary queue indices, and
+//! scheduler samples of fake vCPU threads in any state. Invariants: nothing panics; a call
+//! eventfd is signalled only on a queue that was notified, at most once per notification;
+//! only the fake VM's threads are reniced, within the nice range; the budgets the backend
+//! adapts from guest reports stay within their bounds; after a sample exactly the registered
+//! pages of vCPUs descheduled for a whole sample period say NOT_RUNNING; after a reset every thread is back at its
+//! original nice value and no page says NOT_RUNNING.
 #![no_main]
 
 use std::fs::File;
@@ -11,11 +14,13 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
+use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
 use pvspin_vhost::backend::{GuestMemory, PvspinBackend, Vring, MAX_QUEUE_SIZE};
-use pvspin_vhost::config::{BackendConfig, YieldMode};
+use pvspin_vhost::config::{BackendConfig, WorkerPriority, YieldMode};
+use pvspin_vhost::sched::RunState;
 use pvspin_vhost::telemetry::VmTelemetry;
-use pvspin_vhost::testing::{Desc, FakeThreads, SplitRing};
+use pvspin_vhost::testing::{Desc, FakeSched, FakeThreads, SplitRing};
 use vhost_user_backend::{VhostUserBackend, VringT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -42,12 +47,20 @@ fuzz_target!(|data: &[u8]| {
         yield_mode: mode,
         // Pacing sleeps (it has its own unit test); a fuzz run must not.
         max_events_per_sec: u32::MAX,
+        // handle_event would make the fuzzing thread SCHED_FIFO.
+        worker_priority: WorkerPriority::Inherit,
         ..BackendConfig::default()
     };
     let threads = FakeThreads::new(42, max_vcpus, data[11] & 0x80 != 0);
     let tel = Arc::new(VmTelemetry::new("fuzz", "/fuzz", max_vcpus));
-    let backend = PvspinBackend::with_actions(config, tel, Box::new(threads.clone()))
-        .expect("valid configuration");
+    let sched = FakeSched::new(42, max_vcpus);
+    let backend = PvspinBackend::with_actions(
+        config,
+        tel,
+        Box::new(threads.clone()),
+        Box::new(sched.clone()),
+    )
+    .expect("valid configuration");
     backend.set_peer_pid(Some(42));
     let mem: GuestMemory = GuestMemoryAtomic::new(
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
@@ -145,6 +158,43 @@ fuzz_target!(|data: &[u8]| {
             }
             // Device reset.
             5 => backend.reset_device(),
+            // The vCPU threads move (each vCPU: running, descheduled, blocked, unchanged), then
+            // a scheduler sample.
+            6 if op[1] & 1 == 0 => {
+                for v in 0..max_vcpus {
+                    match (word >> (2 * v)) & 3 {
+                        0 => sched.running(v),
+                        1 => sched.preempted(v),
+                        2 => sched.blocked(v),
+                        _ => {}
+                    }
+                }
+                backend.sample_once(std::time::Instant::now());
+                let b = backend.budgets().config();
+                for v in 0..max_vcpus {
+                    let wait = backend.budgets().budgets().wait_after_ns(v as usize);
+                    assert!((b.wait_after_min_ns..=b.wait_after_max_ns).contains(&wait));
+                    let Some(gpa) = backend.hint_page(v) else {
+                        continue;
+                    };
+                    let flags: u32 = mem
+                        .memory()
+                        .load(
+                            GuestAddress(gpa + hint::HOST_FLAGS as u64),
+                            std::sync::atomic::Ordering::Acquire,
+                        )
+                        .unwrap();
+                    let descheduled = backend.descheduled(v);
+                    assert!(!descheduled || backend.run_state(v) == RunState::Preempted);
+                    // Two vCPUs may share a page (the guest's choice): then the flag is
+                    // either's.
+                    let shared =
+                        (0..max_vcpus).any(|w| w != v && backend.hint_page(w) == Some(gpa));
+                    if !shared {
+                        assert_eq!(flags & hint::NOT_RUNNING != 0, descheduled, "vCPU {v}");
+                    }
+                }
+            }
             // Time passes: restore what is due.
             _ => {
                 let _ = backend.expire_adjustments(std::time::Instant::now());
@@ -167,10 +217,23 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    let pages: Vec<u64> = (0..max_vcpus)
+        .filter_map(|v| backend.hint_page(v))
+        .collect();
     backend.reset_device();
     assert!(
         threads.nice_values().values().all(|n| *n == 0),
         "priorities not restored: {:?}",
         threads.nice_values()
     );
+    for gpa in pages {
+        let flags: u32 = mem
+            .memory()
+            .load(
+                GuestAddress(gpa + hint::HOST_FLAGS as u64),
+                std::sync::atomic::Ordering::Acquire,
+            )
+            .unwrap();
+        assert_eq!(flags & hint::NOT_RUNNING, 0, "a flag outlived the reset");
+    }
 });

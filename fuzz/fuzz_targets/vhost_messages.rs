@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use pvspin_vhost::backend::DEVICE_FEATURES;
-use pvspin_vhost::config::BackendConfig;
+use pvspin_vhost::config::{BackendConfig, WorkerPriority};
 use pvspin_vhost::server::{Server, ServerConfig};
 
 /// vhost-user: `VHOST_USER_GET_FEATURES`, header flags version 1.
@@ -35,6 +35,8 @@ fn server() -> &'static (Server, PathBuf) {
             control: None,
             backend: BackendConfig {
                 max_vcpus: 4,
+                // No real-time worker threads in a fuzzing process.
+                worker_priority: WorkerPriority::Inherit,
                 ..BackendConfig::default()
             },
         };
@@ -87,7 +89,11 @@ fuzz_target!(|data: &[u8]| {
         .expect("the daemon did not answer GET_FEATURES");
     let flags = u32::from_le_bytes(reply[4..8].try_into().unwrap());
     let features = u64::from_le_bytes(reply[12..20].try_into().unwrap());
-    assert_ne!(flags & REPLY, 0, "GET_FEATURES answer without the reply flag");
+    assert_ne!(
+        flags & REPLY,
+        0,
+        "GET_FEATURES answer without the reply flag"
+    );
     assert_eq!(
         features & DEVICE_FEATURES,
         DEVICE_FEATURES,

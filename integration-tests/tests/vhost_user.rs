@@ -291,6 +291,75 @@ fn lock_workload_at_the_daemons_vcpu_limit() {
             "{json}"
         );
         assert!(daemon_kicks(&json) > 0, "{json}");
+/// The daemon runs pvspin's budget code and forwards kicks from a real-time worker: a 4-vCPU
+/// user-mode guest on this host's 2 CPUs (issue 22's workload) spins through most contended
+/// acquisitions instead of halting, as in process. Before (a fixed notification window, no
+/// adaptation, a worker at normal priority) nearly every acquisition through pvspind ended in
+/// a halt and a kick. The daemon also marks descheduled vCPU threads NOT_RUNNING.
+///
+/// The lock workload is bistable on a 2-CPU host: once waiters halt, each hand-over waits for
+/// a wake-up and the next waiters halt too. Other load on the machine tips in-process runs
+/// into that mode as well, so each attempt runs the in-process host first on the same workload
+/// (reported with a failure), and the bound must hold in one of 5 attempts.
+#[test]
+fn budgets_adapt_through_the_daemon_so_few_acquisitions_halt() {
+    if kvm_or_skip("budgets_adapt_through_the_daemon_so_few_acquisitions_halt").is_none() {
+        return;
+    }
+    with_watchdog("vhost budgets", Duration::from_secs(900), || {
+        let scratch = Scratch::new("budgets");
+        let socket = scratch.path("vm.sock");
+        // The kick worker at SCHED_FIFO, as the parity benchmark runs it (not the default).
+        let daemon = Daemon::start_with(
+            &[&socket],
+            &scratch.path("control.sock"),
+            4,
+            &["--worker-priority", "fifo:1"],
+        );
+        let config = |vhost: bool| RunConfig {
+            vcpus: 4,
+            workload: Workload::Lock,
+            lock: LockKind::Ticket,
+            iterations: 20_000,
+            cs_work: 2_000,
+            ncs_work: 2_000,
+            pv: PvMode::Kick,
+            user_mode: true,
+            vhost_user: vhost.then(|| socket.clone()),
+            watchdog_ms: 20_000,
+            timeout_ms: 120_000,
+            echo_console: false,
+            ..RunConfig::default()
+        };
+        // Per attempt: (halts through pvspind, its guest seconds, halts in process, seconds).
+        let mut attempts: Vec<(u64, f64, u64, f64)> = Vec::new();
+        let acquisitions = 4 * config(true).iterations;
+        let bound = acquisitions / 4;
+        while attempts.len() < 5 && attempts.last().is_none_or(|a| a.0 >= bound) {
+            let in_process = run(&config(false)).unwrap_or_else(|e| panic!("in process: {e}"));
+            let report = run(&config(true)).unwrap_or_else(|e| panic!("through pvspind: {e}"));
+            assert_eq!(report.counter, acquisitions);
+            attempts.push((
+                report.pv_halts,
+                report.guest_seconds,
+                in_process.pv_halts,
+                in_process.guest_seconds,
+            ));
+        }
+        let json = daemon.json();
+        let totals = &json["host"]["totals"];
+        assert!(
+            attempts.iter().any(|a| a.0 < bound),
+            "no attempt took fewer than {bound} halts for {acquisitions} acquisitions; \
+             (pvspind halts, seconds, in-process halts, seconds) per attempt: {attempts:?}; \
+             daemon totals {totals}"
+        );
+        println!("budgets through pvspind: {attempts:#?}");
+        // The budgets came from the guests' reports, and the sampler saw the vCPU threads (this
+        // test's own, found by name through the peer pid) and flagged descheduled ones.
+        assert!(totals["wait_reports"].as_u64() > Some(0), "{totals}");
+        assert!(totals["sched_thread_reads"].as_u64() > Some(0), "{totals}");
+        assert!(totals["not_running_set"].as_u64() > Some(0), "{totals}");
     });
 }
 

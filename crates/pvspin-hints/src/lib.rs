@@ -22,16 +22,23 @@
 //! first on it (a VMM installs its seccomp filter there). This crate has no seccomp
 //! dependency: `pvspin::seccomp` lists what the thread needs.
 //!
-//! The three actuators were compared with the example VMM's guests (`docs/benchmarks.md`,
-//! "Directed yield and the actuators, vCPUs overcommitted inside the VM"; summed up in
-//! [`actuator`]'s docs). The run-slot scheduler is the crate `pvspin-slots`. **Not implemented
-//! yet:** affinity actuators.
+//! [`page`] maps the guest's hint pages (ABI 0.3) and reads and writes them without exits;
+//! [`budgets`] adapts each vCPU's time budgets from the guest's reports there and publishes
+//! them (the one implementation the in-process host and `pvspind` share).
+//!
+//! [`confine`] says whether priority boosts stay inside the VM's CPU share. The three
+//! actuators were compared with the example VMM's guests (`docs/benchmarks.md`, "Directed
+//! yield and the actuators, vCPUs overcommitted inside the VM"; summed up in [`actuator`]'s
+//! docs). The run-slot scheduler is the crate `pvspin-slots`. **Not implemented yet:**
+//! affinity actuators.
 #![deny(missing_docs)]
 
 #[cfg(not(loom))]
 pub mod actuator;
 #[cfg(not(loom))]
 pub mod boost;
+#[cfg(not(loom))]
+pub mod budgets;
 pub mod confine;
 #[cfg(not(loom))]
 pub mod page;
@@ -46,6 +53,8 @@ pub use actuator::{
 };
 #[cfg(not(loom))]
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
+#[cfg(not(loom))]
+pub use budgets::{PageBudgets, TscBudgets};
 pub use confine::{Confinement, Verdict};
 #[cfg(not(loom))]
 pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};

@@ -181,12 +181,22 @@ impl HintPages {
     /// vCPU `v` registers the page at frame `pfn` (0 unregisters). On success the host has
     /// stored the layout version; the caller publishes budgets next.
     pub fn register(&self, v: usize, pfn: u32) -> Result<Option<HintPage>, RegisterError> {
+        let gpa = if hint::is_registration(pfn) {
+            pvspin_abi::doorbell::shared_page_gpa(pfn)
+        } else {
+            0
+        };
+        self.register_gpa(v, gpa)
+    }
+
+    /// [`register`](Self::register) by guest physical address (the virtio device's control
+    /// request names the page by address, which may lie above 16 TiB); 0 unregisters.
+    pub fn register_gpa(&self, v: usize, gpa: u64) -> Result<Option<HintPage>, RegisterError> {
         let slot = self.pages.get(v).ok_or(RegisterError::NoSuchVcpu(v))?;
-        if !hint::is_registration(pfn) {
+        if gpa == 0 {
             slot.store(std::ptr::null_mut(), Ordering::Release);
             return Ok(None);
         }
-        let gpa = pvspin_abi::doorbell::shared_page_gpa(pfn);
         let base = self.map.host_page(gpa).ok_or(RegisterError::NotRam(gpa))?;
         if base.as_ptr().align_offset(8) != 0 {
             return Err(RegisterError::Misaligned(gpa));

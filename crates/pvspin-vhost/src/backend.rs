@@ -1,15 +1,35 @@
 //! The vhost-user backend of the pvspin virtio device: kicks, spin notifications, the
-//! control queue and the configuration space, for one frontend.
+//! control queue and the configuration space, for one frontend; the time budgets it adapts
+//! and publishes in the hint pages, and the scheduler sampler that sets `NOT_RUNNING` there.
+//!
+//! **Budgets** are pvspin's own (`pvspin_hints::PageBudgets`, the code the in-process host
+//! runs): a vCPU's wait report (`LAST_WAIT_TSC`) is taken when the daemon delivers a kick to
+//! that vCPU (the report of its previous wait: each wait normally ends with a kick, so each
+//! report is seen), when the vCPU sends a spin notification, and at every scheduler sample;
+//! a spin notification is useful when the vCPU it waits for was, at the last sample, runnable
+//! but descheduled. Spin notifications are on (published window finite) unless the yield
+//! mode is `off`, as in process, where they are on only with directed yield.
+//!
+//! **NOT_RUNNING** ([`PvspinBackend::sample_once`], `crate::sched`): each sample reads every
+//! registered vCPU's thread in `/proc` and sets the flag exactly for the threads that are
+//! runnable but have been off their CPU for at least a whole sample period (a descheduled
+//! holder, which its waiters should not spin on; not one preempted for microseconds by the
+//! sampler or the daemon's worker themselves). A blocked thread (halted in KVM) does not get
+//! it: its page already says it waits. A vCPU that sends a spin notification is running, so
+//! that clears its flag at once. The flag is a sample, one to two periods late (the ABI's
+//! "set before the host stops running the vCPU" holds only in process); every flag the daemon
+//! set is cleared when it forgets the page.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use pvspin_abi::doorbell::{SpinNotify, SHARED_PAGE_SIZE};
 use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
+use pvspin_hints::{HintPage, HintPages, PageBudgets};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserVirtioFeatures;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -22,7 +42,8 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::config::BackendConfig;
+use crate::config::{BackendConfig, WorkerPriority, YieldMode};
+use crate::sched::{ProcSched, Reads, RunState, SchedSource, ThreadWatch};
 use crate::telemetry::{BadInput, VmTelemetry};
 use crate::yield_policy::{ProcThreads, ThreadActions, YieldPolicy};
 
@@ -52,19 +73,100 @@ pub enum BackendError {
 
 /// The thread actions a backend uses (boxed so tests and the fuzz target can fake them).
 pub type BoxedActions = Box<dyn ThreadActions>;
+/// Where the scheduler sampler reads the vCPU threads (boxed so tests can fake `/proc`).
+pub type BoxedSched = Box<dyn SchedSource>;
 
 #[derive(Debug)]
 struct DeviceState {
     acked_features: u64,
     memory: Option<GuestMemory>,
-    /// Registered hint pages, per vCPU.
-    hint_pages: Vec<Option<u64>>,
+}
+
+/// The hint pages: mapped over the current guest memory, the address and TSC frequency each
+/// vCPU registered with. Every host write to a page happens under this lock, so no write
+/// lands in a page after its unregistration returned.
+#[derive(Debug)]
+struct Hints {
+    pages: Option<HintPages>,
+    gpas: Vec<Option<u64>>,
+    tsc_khz: Vec<u32>,
+}
+
+impl Hints {
+    fn page(&self, v: usize) -> Option<HintPage> {
+        self.pages.as_ref()?.get(v)
+    }
+
+    fn khz(&self, v: usize) -> u32 {
+        self.tsc_khz.get(v).copied().unwrap_or(0)
+    }
+
+    /// Forgets `v`'s page, first clearing a `NOT_RUNNING` this host set there.
+    fn unregister(&mut self, v: usize) {
+        if let Some(page) = self.page(v) {
+            if page.not_running() {
+                page.set_not_running(false);
+            }
+        }
+        if let Some(pages) = &self.pages {
+            let _ = pages.register_gpa(v, 0);
+        }
+        if let Some(gpa) = self.gpas.get_mut(v) {
+            *gpa = None;
+        }
+    }
+}
+
+/// The scheduler sampler's memory (one pass at a time).
+struct Sampler {
+    source: BoxedSched,
+    /// Per vCPU: the watched thread and its history.
+    threads: Vec<(Option<u32>, ThreadWatch)>,
+    rescanned_at: Option<Instant>,
+    /// `Inner::activity` at the last pass, and when it last moved.
+    activity: u64,
+    active_at: Instant,
+}
+
+/// How often the vCPU threads may be looked up by name while a registered vCPU has none.
+const THREAD_RESCAN_EVERY: Duration = Duration::from_millis(100);
+/// A VM without a queue notification for this long is sampled 20 times less often.
+const SAMPLER_IDLE_AFTER: Duration = Duration::from_millis(100);
+const SAMPLER_IDLE_FACTOR: u32 = 20;
+
+/// What one sampler pass did (for tests and the fuzz target).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SamplePass {
+    /// vCPU threads read.
+    pub threads: u32,
+    /// Files read.
+    pub reads: Reads,
+    /// vCPUs whose page got `NOT_RUNNING` in this pass.
+    pub set: u32,
+    /// vCPUs whose page had it cleared.
+    pub cleared: u32,
 }
 
 struct Inner {
     config: BackendConfig,
     telemetry: Arc<VmTelemetry>,
     state: Mutex<DeviceState>,
+    hints: Mutex<Hints>,
+    /// pvspin's budget adaptation, per vCPU (shared with the telemetry).
+    budgets: Arc<PageBudgets>,
+    /// Each vCPU thread as last sampled (`RunState` as u8).
+    run_state: Box<[AtomicU8]>,
+    /// Each vCPU thread descheduled for at least a whole sample period: what `NOT_RUNNING`
+    /// says, and what makes a spin notification about it useful.
+    descheduled: Box<[AtomicBool]>,
+    /// The frontend's pid, 0 when unknown.
+    peer: AtomicU32,
+    /// Queue notifications handled: the sampler's idle detection.
+    activity: AtomicU64,
+    /// The sampler sleeps long (idle VM): a notification wakes it.
+    sampler_idle: AtomicBool,
+    sampler_thread: Mutex<Option<std::thread::Thread>>,
+    sampler: Mutex<Sampler>,
     yields: Mutex<YieldPolicy<BoxedActions>>,
     /// Wakes the restore timer when a new deadline exists or the backend stops.
     timer: Condvar,
@@ -73,19 +175,24 @@ struct Inner {
     /// its epoll as raw descriptors and never closes them; the server closes them once the
     /// workers are gone ([`PvspinBackend::close_exit_events`]).
     exit_consumers: Mutex<Vec<RawFd>>,
-    /// Events handled in the current pacing window.
+    /// The VM's event rate: the time its handled events have used up.
     pacing: Mutex<Pacing>,
 }
 
-/// The pacing window: events handled since `start`.
+/// The event rate as a token bucket (GCRA): `earned` is when the events handled so far would
+/// have been paid for at the VM's rate. An event conforms while `earned` is at most
+/// [`PACING_BURST`] ahead of now.
 #[derive(Debug)]
 struct Pacing {
-    start: Instant,
-    events: u32,
+    earned: Instant,
 }
 
-/// Length of a pacing window.
-const PACING_WINDOW: Duration = Duration::from_millis(1);
+/// How far ahead of its rate a VM may run: bursts of 10 ms worth of events (200 at the
+/// default rate) are handled at once, so a VM whose average stays below the rate is never
+/// paced by its bursts.
+const PACING_BURST: Duration = Duration::from_millis(10);
+/// What a paced VM's worker sleeps for at least: until 1 ms worth of events may be handled.
+const PACING_RESUME: Duration = Duration::from_millis(1);
 
 /// The pvspin device backend for one frontend. Cheap to clone (shared state): the
 /// vhost-user-backend daemon clones it into its worker threads.
@@ -101,6 +208,66 @@ impl std::fmt::Debug for PvspinBackend {
             .field("max_vcpus", &self.inner.config.max_vcpus)
             .finish_non_exhaustive()
     }
+}
+
+thread_local! {
+    /// Whether this worker thread's priority was set (or tried).
+    static PRIORITY_SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Sets the calling worker thread's priority once (vhost-user-backend creates the thread; its
+/// first event is the first time this code runs on it). A failure is logged, once.
+fn set_worker_priority(priority: WorkerPriority, vm: &str) {
+    if priority == WorkerPriority::Inherit || PRIORITY_SET.with(|s| s.replace(true)) {
+        return;
+    }
+    let result = match priority {
+        WorkerPriority::Inherit => return,
+        WorkerPriority::Nice(nice) => {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::gettid() };
+            // SAFETY: setpriority on this thread's own id; no memory is passed.
+            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        }
+        WorkerPriority::Fifo(p) => {
+            let param = libc::sched_param {
+                sched_priority: i32::from(p),
+            };
+            // SAFETY: pid 0 is the calling thread; `param` lives for the call.
+            let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        }
+    };
+    match result {
+        Ok(()) => log::info!("{vm}: queue worker thread at {priority:?}"),
+        Err(err) => {
+            log::warn!("{vm}: queue worker thread stays at its priority: {priority:?}: {err}");
+        }
+    }
+}
+
+/// The calling thread's CPU time, ns (what the sampler's reads cost, without the time other
+/// threads ran meanwhile).
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `ts`, which lives for the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    u64::try_from(ts.tv_sec)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -120,14 +287,16 @@ impl PvspinBackend {
     /// A backend acting on the real threads of the frontend (procfs, setpriority).
     pub fn new(config: BackendConfig, telemetry: Arc<VmTelemetry>) -> Result<Self, BackendError> {
         let actions = Box::new(ProcThreads::new(config.thread_patterns.clone()));
-        Self::with_actions(config, telemetry, actions)
+        let sched = Box::new(ProcSched::new(config.thread_patterns.clone()));
+        Self::with_actions(config, telemetry, actions, sched)
     }
 
-    /// A backend acting through `actions`.
+    /// A backend acting through `actions` and sampling the vCPU threads through `sched`.
     pub fn with_actions(
         config: BackendConfig,
         telemetry: Arc<VmTelemetry>,
         actions: BoxedActions,
+        sched: BoxedSched,
     ) -> Result<Self, BackendError> {
         config.validate()?;
         let policy = YieldPolicy::new(
@@ -136,12 +305,40 @@ impl PvspinBackend {
             config.adjust_for,
             actions,
         );
+        let n = config.max_vcpus as usize;
+        let budgets = Arc::new(
+            PageBudgets::new(
+                n,
+                config.budgets.to_config(),
+                config.yield_mode != YieldMode::Off,
+            )
+            .map_err(crate::config::ConfigError::from)?,
+        );
+        telemetry.set_budgets(budgets.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(DeviceState {
                     acked_features: 0,
                     memory: None,
-                    hint_pages: vec![None; config.max_vcpus as usize],
+                }),
+                hints: Mutex::new(Hints {
+                    pages: None,
+                    gpas: vec![None; n],
+                    tsc_khz: vec![0; n],
+                }),
+                budgets,
+                run_state: (0..n).map(|_| AtomicU8::new(0)).collect(),
+                descheduled: (0..n).map(|_| AtomicBool::new(false)).collect(),
+                peer: AtomicU32::new(0),
+                activity: AtomicU64::new(0),
+                sampler_idle: AtomicBool::new(false),
+                sampler_thread: Mutex::new(None),
+                sampler: Mutex::new(Sampler {
+                    source: sched,
+                    threads: vec![(None, ThreadWatch::default()); n],
+                    rescanned_at: None,
+                    activity: 0,
+                    active_at: Instant::now(),
                 }),
                 config,
                 telemetry,
@@ -150,8 +347,7 @@ impl PvspinBackend {
                 stopping: AtomicBool::new(false),
                 exit_consumers: Mutex::new(Vec::new()),
                 pacing: Mutex::new(Pacing {
-                    start: Instant::now(),
-                    events: 0,
+                    earned: Instant::now(),
                 }),
             }),
         })
@@ -170,16 +366,41 @@ impl PvspinBackend {
     /// Sets the frontend's pid (from its peer credentials; `None` when unknown).
     pub fn set_peer_pid(&self, pid: Option<u32>) {
         self.inner.telemetry.set_peer_pid(pid);
+        self.inner.peer.store(pid.unwrap_or(0), Ordering::Relaxed);
         lock(&self.inner.yields).set_peer(pid);
     }
 
     /// The hint page registered for `vcpu`, if any.
     pub fn hint_page(&self, vcpu: u32) -> Option<u64> {
-        lock(&self.inner.state)
-            .hint_pages
+        lock(&self.inner.hints)
+            .gpas
             .get(vcpu as usize)
             .copied()
             .flatten()
+    }
+
+    /// The budgets (ns) the backend adapts and publishes.
+    pub fn budgets(&self) -> &PageBudgets {
+        &self.inner.budgets
+    }
+
+    /// Whether vCPU `vcpu`'s thread has been descheduled (runnable, off its CPU) for at least
+    /// a whole sample period: what its page's `NOT_RUNNING` says.
+    pub fn descheduled(&self, vcpu: u32) -> bool {
+        self.inner
+            .descheduled
+            .get(vcpu as usize)
+            .is_some_and(|d| d.load(Ordering::Relaxed))
+    }
+
+    /// vCPU `vcpu`'s thread as last sampled.
+    pub fn run_state(&self, vcpu: u32) -> RunState {
+        self.inner
+            .run_state
+            .get(vcpu as usize)
+            .map_or(RunState::Unknown, |s| {
+                RunState::from_u8(s.load(Ordering::Relaxed))
+            })
     }
 
     /// How many thread priorities the backend has changed now.
@@ -190,10 +411,12 @@ impl PvspinBackend {
     /// Forgets hint pages and acked features and restores every changed priority (device
     /// reset, frontend gone).
     pub fn forget(&self) {
+        lock(&self.inner.state).acked_features = 0;
         {
-            let mut s = lock(&self.inner.state);
-            s.acked_features = 0;
-            s.hint_pages.iter_mut().for_each(|p| *p = None);
+            let mut h = lock(&self.inner.hints);
+            for v in 0..h.gpas.len() {
+                h.unregister(v);
+            }
         }
         lock(&self.inner.yields).restore_all(&self.inner.telemetry);
     }
@@ -238,6 +461,154 @@ impl PvspinBackend {
         // woken next) or sees `stopping` before it waits: no lost wake-up.
         self.forget();
         self.inner.timer.notify_all();
+        if let Some(t) = lock(&self.inner.sampler_thread).as_ref() {
+            t.unpark();
+        }
+    }
+
+    /// Runs the scheduler sampler until [`Self::stop`]: a pass ([`Self::sample_once`]) every
+    /// [`BackendConfig::sched_sample`], 20 times less often while the VM sends no
+    /// notification (a notification wakes it). Sleeps between passes, never spins. Returns at
+    /// once when sampling is off. Run it on a thread of its own.
+    pub fn run_sched_sampler(&self) {
+        let Some(period) = self.inner.config.sched_sample else {
+            return;
+        };
+        *lock(&self.inner.sampler_thread) = Some(std::thread::current());
+        while !self.inner.stopping.load(Ordering::Acquire) {
+            let now = Instant::now();
+            self.sample_once(now);
+            let idle = {
+                let mut s = lock(&self.inner.sampler);
+                let activity = self.inner.activity.load(Ordering::Relaxed);
+                if activity != s.activity {
+                    s.activity = activity;
+                    s.active_at = now;
+                }
+                now.saturating_duration_since(s.active_at) >= SAMPLER_IDLE_AFTER
+            };
+            self.inner.sampler_idle.store(idle, Ordering::Relaxed);
+            std::thread::park_timeout(if idle {
+                period * SAMPLER_IDLE_FACTOR
+            } else {
+                period
+            });
+        }
+        self.clear_not_running();
+    }
+
+    /// One sampler pass: reads every registered vCPU's thread (looking the threads up by name
+    /// when one is missing, at most every 100 ms), records where it is, sets `NOT_RUNNING` in
+    /// the pages of the descheduled ones and clears it elsewhere, and takes the wait reports.
+    pub fn sample_once(&self, now: Instant) -> SamplePass {
+        let mut pass = SamplePass::default();
+        let pid = self.inner.peer.load(Ordering::Relaxed);
+        let registered: Vec<bool> = lock(&self.inner.hints)
+            .gpas
+            .iter()
+            .map(Option::is_some)
+            .collect();
+        // Per vCPU: where its thread is, and whether it has been descheduled for a whole period.
+        let mut states = vec![(RunState::Unknown, false); registered.len()];
+        if pid != 0 {
+            let mut s = lock(&self.inner.sampler);
+            let s = &mut *s;
+            let missing = registered
+                .iter()
+                .zip(&s.threads)
+                .any(|(r, (tid, _))| *r && tid.is_none());
+            let due = s
+                .rescanned_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= THREAD_RESCAN_EVERY);
+            if missing && due {
+                s.rescanned_at = Some(now);
+                let found = s.source.vcpu_threads(pid).unwrap_or_default();
+                for (v, slot) in s.threads.iter_mut().enumerate() {
+                    let Some(&tid) = found.get(&(v as u32)) else {
+                        continue;
+                    };
+                    if slot.0.is_none() && s.source.watch(pid, tid, v as u32) {
+                        *slot = (Some(tid), ThreadWatch::default());
+                    }
+                }
+            }
+            let start = thread_cpu_ns();
+            for (v, slot) in s.threads.iter_mut().enumerate() {
+                let (Some(tid), true) = (slot.0, registered[v]) else {
+                    continue;
+                };
+                pass.threads += 1;
+                match slot.1.sample(&mut *s.source, tid, &mut pass.reads) {
+                    Ok(state) => {
+                        states[v] = (
+                            state,
+                            state == RunState::Preempted && slot.1.descheduled_samples() >= 2,
+                        );
+                    }
+                    Err(_) => {
+                        // Gone (or its id reused): look it up again.
+                        s.source.forget(tid);
+                        *slot = (None, ThreadWatch::default());
+                    }
+                }
+            }
+            let ns = thread_cpu_ns().saturating_sub(start);
+            self.inner
+                .telemetry
+                .sched_pass(pass.threads, pass.reads, ns);
+        }
+        let h = lock(&self.inner.hints);
+        for (v, &(state, descheduled)) in states.iter().enumerate() {
+            if let Some(cell) = self.inner.run_state.get(v) {
+                cell.store(state as u8, Ordering::Relaxed);
+            }
+            if let Some(cell) = self.inner.descheduled.get(v) {
+                cell.store(descheduled, Ordering::Relaxed);
+            }
+            let Some(page) = h.page(v) else { continue };
+            self.take_wait_report(v, page, h.khz(v));
+            let want = descheduled;
+            if page.not_running() != want {
+                page.set_not_running(want);
+                if want {
+                    pass.set += 1;
+                    self.inner.telemetry.not_running_set(v as u32);
+                } else {
+                    pass.cleared += 1;
+                }
+            }
+        }
+        pass
+    }
+
+    /// Clears every `NOT_RUNNING` flag (the sampler stops).
+    fn clear_not_running(&self) {
+        let h = lock(&self.inner.hints);
+        for v in 0..h.gpas.len() {
+            if let Some(page) = h.page(v).filter(HintPage::not_running) {
+                page.set_not_running(false);
+            }
+        }
+    }
+
+    /// Takes `v`'s wait report from `page` into its budget (counted). Call with the hints
+    /// lock held.
+    fn take_wait_report(&self, v: usize, page: HintPage, khz: u32) {
+        if self.inner.budgets.on_wait_report(v, page, khz).is_some() {
+            self.inner.telemetry.wait_report();
+        }
+    }
+
+    /// A notification arrived: counts it for the sampler, and wakes an idle sampler.
+    fn note_activity(&self) {
+        self.inner.activity.fetch_add(1, Ordering::Relaxed);
+        if self.inner.sampler_idle.load(Ordering::Relaxed)
+            && self.inner.sampler_idle.swap(false, Ordering::Relaxed)
+        {
+            if let Some(t) = lock(&self.inner.sampler_thread).as_ref() {
+                t.unpark();
+            }
+        }
     }
 
     /// Closes the exit-event descriptors vhost-user-backend leaves open. Call it only after
@@ -271,29 +642,28 @@ impl PvspinBackend {
         }
     }
 
-    /// Counts one handled event at `now`; past the VM's rate
-    /// ([`BackendConfig::max_events_per_sec`]) returns how long its worker thread should
-    /// sleep: to the end of the current window.
+    /// Counts one handled event at `now`. Once the VM is more than 10 ms worth of events
+    /// ahead of its rate ([`BackendConfig::max_events_per_sec`]), returns how long its worker
+    /// thread should sleep: until 1 ms worth of events may be handled again. Over any
+    /// interval T the VM gets at most rate x (T + 10 ms) events handled.
     pub fn pace(&self, now: Instant) -> Option<Duration> {
-        let per_window = (self.inner.config.max_events_per_sec / 1000).max(1);
+        let rate = u64::from(self.inner.config.max_events_per_sec.max(1));
+        let interval = Duration::from_nanos((1_000_000_000 / rate).max(1));
         let mut pacing = lock(&self.inner.pacing);
-        let elapsed = now.saturating_duration_since(pacing.start);
-        if elapsed >= PACING_WINDOW {
-            pacing.start = now;
-            pacing.events = 0;
-        }
-        pacing.events += 1;
-        if pacing.events < per_window {
+        pacing.earned = pacing.earned.max(now) + interval;
+        let ahead = pacing.earned.saturating_duration_since(now);
+        if ahead <= PACING_BURST {
             return None;
         }
         self.inner.telemetry.paced();
-        Some(PACING_WINDOW.saturating_sub(now.saturating_duration_since(pacing.start)))
+        Some(ahead - PACING_BURST + PACING_RESUME)
     }
 
     /// Handles a notification on queue `queue`. Returns whether a call eventfd was
     /// signalled. Never fails on guest input: bad input is counted.
     pub fn handle_queue_event(&self, queue: usize, vrings: &[Vring]) -> io::Result<bool> {
         let tel = &self.inner.telemetry;
+        self.note_activity();
         let (Some(role), Some(vring)) = (
             virtio::queue_role(self.inner.config.max_vcpus, queue),
             vrings.get(queue),
@@ -325,6 +695,12 @@ impl PvspinBackend {
         match vring.signal_used_queue() {
             Ok(()) => {
                 tel.kick(vcpu);
+                // The kicked vCPU's previous wait has been reported by now (this kick ends its
+                // current one): one report per wait.
+                let h = lock(&self.inner.hints);
+                if let Some(page) = h.page(vcpu as usize) {
+                    self.take_wait_report(vcpu as usize, page, h.khz(vcpu as usize));
+                }
                 true
             }
             Err(err) => {
@@ -337,60 +713,59 @@ impl PvspinBackend {
 
     fn spin(&self, vcpu: u32) {
         let tel = &self.inner.telemetry;
-        let (page, memory) = {
-            let s = lock(&self.inner.state);
-            (
-                s.hint_pages.get(vcpu as usize).copied().flatten(),
-                s.memory.clone(),
-            )
-        };
-        let (Some(gpa), Some(memory)) = (page, memory) else {
+        let v = vcpu as usize;
+        let h = lock(&self.inner.hints);
+        let Some(page) = h.page(v) else {
             tel.spin_without_page();
             return;
         };
-        // One load of a guest-line field; a page the memory no longer covers is bad input.
-        let field = |offset: usize| -> Option<u32> {
-            match memory
-                .memory()
-                .load(GuestAddress(gpa + offset as u64), Ordering::Acquire)
-            {
-                Ok(v) => Some(v),
-                Err(err) => {
-                    tel.bad_input(
-                        BadInput::HintRead,
-                        format_args!("vCPU {vcpu} page {gpa:#x}: {err}"),
-                    );
-                    None
-                }
-            }
-        };
+        // One read of each guest field.
+        let guest = page.guest_hints();
         // The ABI: a notifying vCPU has said in its page that it spins (or waits). An event
         // without that is vhost-user-backend's one pass over each queue it enables, or a
         // stray notify: acting on it would deboost a vCPU that waits for nothing.
-        let Some(state) = field(hint::SPIN_STATE) else {
-            return;
-        };
-        if state != hint::SPIN_SPINNING && state != hint::SPIN_WAITING {
+        if guest.spin_state != hint::SPIN_SPINNING && guest.spin_state != hint::SPIN_WAITING {
             tel.spin_not_spinning();
             return;
         }
-        let Some(value) = field(hint::WAITING_FOR) else {
-            return;
-        };
         tel.spin_notification(vcpu);
-        let target = match SpinNotify::decode(value).waiting_for {
-            Some(h) if u32::from(h) < self.inner.config.max_vcpus && u32::from(h) != vcpu => {
-                Some(u32::from(h))
+        // The notifier is running: whatever the last sample said, its flag goes now.
+        if let Some(cell) = self.inner.run_state.get(v) {
+            cell.store(RunState::Running as u8, Ordering::Relaxed);
+        }
+        if let Some(cell) = self.inner.descheduled.get(v) {
+            cell.store(false, Ordering::Relaxed);
+        }
+        if page.not_running() {
+            page.set_not_running(false);
+        }
+        let khz = h.khz(v);
+        self.take_wait_report(v, page, khz);
+        let target = match SpinNotify::decode(guest.waiting_for).waiting_for {
+            Some(t) if u32::from(t) < self.inner.config.max_vcpus && u32::from(t) != vcpu => {
+                Some(u32::from(t))
             }
-            Some(h) => {
+            Some(t) => {
                 tel.bad_input(
                     BadInput::SpinTarget,
-                    format_args!("vCPU {vcpu} waits for vCPU {h}"),
+                    format_args!("vCPU {vcpu} waits for vCPU {t}"),
                 );
                 None
             }
             None => None,
         };
+        // Useful (in-process: "its target was not running"): the waited-for vCPU has been
+        // descheduled for at least a sample period.
+        let useful = target.is_some_and(|t| self.descheduled(t));
+        if useful {
+            tel.useful_notification();
+        }
+        if self.inner.budgets.notify() {
+            self.inner
+                .budgets
+                .on_notification(v, useful, Some(page), khz);
+        }
+        drop(h);
         let mut y = lock(&self.inner.yields);
         y.on_spin(vcpu, target, Instant::now(), tel);
         drop(y);
@@ -504,8 +879,9 @@ impl PvspinBackend {
             tel.bad_input(BadInput::ControlVcpu, format_args!("vCPU {}", r.vcpu));
             return virtio::STATUS_BAD_VCPU;
         }
+        let v = r.vcpu as usize;
         if r.gpa == 0 {
-            self.set_page(r.vcpu, None);
+            lock(&self.inner.hints).unregister(v);
             tel.registration(false);
             return virtio::STATUS_OK;
         }
@@ -515,53 +891,61 @@ impl PvspinBackend {
             tel.bad_input(BadInput::ControlAddress, format_args!("page {:#x}", r.gpa));
             return virtio::STATUS_BAD_ADDRESS;
         }
-        if let Err(err) = self.write_host_line(r.gpa, r.arg, mem) {
-            tel.bad_input(
-                BadInput::ControlAddress,
-                format_args!("page {:#x}: {err}", r.gpa),
-            );
-            return virtio::STATUS_BAD_ADDRESS;
+        // A frequency that does not fit the field is no frequency a guest has: unknown.
+        let khz = u32::try_from(r.arg).unwrap_or(0);
+        let mut h = lock(&self.inner.hints);
+        let previous = h.page(v);
+        let registered = h.pages.as_ref().map(|p| p.register_gpa(v, r.gpa));
+        let page = match registered {
+            Some(Ok(Some(page))) => page,
+            Some(Err(err)) => {
+                tel.bad_input(
+                    BadInput::ControlAddress,
+                    format_args!("page {:#x}: {err}", r.gpa),
+                );
+                return virtio::STATUS_BAD_ADDRESS;
+            }
+            _ => {
+                tel.bad_input(
+                    BadInput::ControlAddress,
+                    format_args!("page {:#x}: no memory table", r.gpa),
+                );
+                return virtio::STATUS_BAD_ADDRESS;
+            }
+        };
+        // The page it replaces keeps no flag of ours.
+        if let Some(old) = previous.filter(HintPage::not_running) {
+            old.set_not_running(false);
         }
-        self.set_page(r.vcpu, Some(r.gpa));
+        // The host line: no stale flag (a previous backend's), the layout (written by the
+        // registration), bounds, budgets, TSC frequency, then HOST_SEQ with release ordering.
+        page.set_not_running(false);
+        self.inner.budgets.on_register(v, page, khz);
+        h.gpas[v] = Some(r.gpa);
+        h.tsc_khz[v] = khz;
+        drop(h);
         tel.registration(true);
         virtio::STATUS_OK
-    }
-
-    fn set_page(&self, vcpu: u32, gpa: Option<u64>) {
-        if let Some(slot) = lock(&self.inner.state).hint_pages.get_mut(vcpu as usize) {
-            *slot = gpa;
-        }
-    }
-
-    /// Writes the host line of the page at `gpa` (budgets for a `tsc_khz` guest clock), then
-    /// publishes it by incrementing HOST_SEQ with release ordering.
-    fn write_host_line(
-        &self,
-        gpa: u64,
-        tsc_khz: u64,
-        mem: &GuestMemoryMmap<()>,
-    ) -> Result<(), vm_memory::GuestMemoryError> {
-        // A frequency that does not fit the field is no frequency a guest has: treat as unknown.
-        let khz = u32::try_from(tsc_khz).unwrap_or(0);
-        let b = self.inner.config.budgets.to_tsc(u64::from(khz));
-        let at = |off: usize| GuestAddress(gpa + off as u64);
-        let relaxed = Ordering::Relaxed;
-        mem.store(hint::LAYOUT_VERSION, at(hint::LAYOUT), relaxed)?;
-        mem.store(0u32, at(hint::HOST_FLAGS), relaxed)?;
-        mem.store(b.spin_window, at(hint::SPIN_WINDOW_TSC), relaxed)?;
-        mem.store(b.wait_after, at(hint::WAIT_AFTER_TSC), relaxed)?;
-        mem.store(khz, at(hint::TSC_KHZ), relaxed)?;
-        mem.store(b.wait_after_min, at(hint::WAIT_AFTER_MIN_TSC), relaxed)?;
-        mem.store(b.wait_after_max, at(hint::WAIT_AFTER_MAX_TSC), relaxed)?;
-        // The host is HOST_SEQ's only writer, so load + store is an increment.
-        let seq: u32 = mem.load(at(hint::HOST_SEQ), relaxed)?;
-        mem.store(seq.wrapping_add(1), at(hint::HOST_SEQ), Ordering::Release)
     }
 
     /// Replaces the guest memory (SET_MEM_TABLE). Hint pages stay registered by address and
     /// are read through the new memory.
     pub fn set_memory(&self, memory: GuestMemory) {
+        let map: Arc<GuestMemoryMmap<()>> = memory.memory().into_inner();
         lock(&self.inner.state).memory = Some(memory);
+        let mut h = lock(&self.inner.hints);
+        let pages = HintPages::new(map, h.gpas.len());
+        for v in 0..h.gpas.len() {
+            let Some(gpa) = h.gpas[v] else { continue };
+            if let Err(err) = pages.register_gpa(v, gpa) {
+                self.inner.telemetry.bad_input(
+                    BadInput::HintRead,
+                    format_args!("vCPU {v} page {gpa:#x} after a memory change: {err}"),
+                );
+                h.gpas[v] = None;
+            }
+        }
+        h.pages = Some(pages);
     }
 
     /// Records the features the driver acked.
@@ -633,6 +1017,7 @@ impl VhostUserBackend for PvspinBackend {
         vrings: &[Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
+        set_worker_priority(self.inner.config.worker_priority, self.inner.telemetry.vm());
         let result = self
             .handle_queue_event(usize::from(device_event), vrings)
             .map(|_| ());
@@ -657,7 +1042,7 @@ mod tests {
 
     use super::*;
     use crate::config::YieldMode;
-    use crate::testing::{Desc, SplitRing};
+    use crate::testing::{Desc, FakeSched, SplitRing};
     use crate::yield_policy::tests::FakeThreads;
 
     const MEM_SIZE: u64 = 0x10_0000;
@@ -671,6 +1056,7 @@ mod tests {
         mem: GuestMemory,
         vrings: Vec<Vring>,
         calls: Vec<Option<EventFd>>,
+        sched: FakeSched,
     }
 
     impl Rig {
@@ -681,10 +1067,12 @@ mod tests {
                 ..BackendConfig::default()
             };
             let tel = Arc::new(VmTelemetry::new("t", "/t", 4));
+            let sched = FakeSched::new(7, 4);
             let backend = PvspinBackend::with_actions(
                 config,
                 tel,
                 Box::new(FakeThreads::new(7, 4, confined)),
+                Box::new(sched.clone()),
             )
             .unwrap();
             backend.set_peer_pid(Some(7));
@@ -702,6 +1090,7 @@ mod tests {
                 mem,
                 vrings,
                 calls: (0..n).map(|_| None).collect(),
+                sched,
             }
         }
 
@@ -750,10 +1139,23 @@ mod tests {
         }
 
         fn host<T: vm_memory::AtomicAccess>(&self, off: usize) -> T {
+            self.at(PAGE, off)
+        }
+
+        /// A field of the page at `page`.
+        fn at<T: vm_memory::AtomicAccess>(&self, page: u64, off: usize) -> T {
             self.mem
                 .memory()
-                .load(GuestAddress(PAGE + off as u64), Ordering::Acquire)
+                .load(GuestAddress(page + off as u64), Ordering::Acquire)
                 .unwrap()
+        }
+
+        /// The guest stores `value` at field `off` of the page at `page`.
+        fn guest_store<T: vm_memory::AtomicAccess>(&self, page: u64, off: usize, value: T) {
+            self.mem
+                .memory()
+                .store(value, GuestAddress(page + off as u64), Ordering::Release)
+                .unwrap();
         }
     }
 
@@ -780,9 +1182,10 @@ mod tests {
         );
         assert_eq!(rig.backend.hint_page(2), Some(PAGE));
         assert_eq!(rig.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
-        assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), 40_000);
+        // The in-process defaults at 2 GHz: 100 us, 50 us, 2 us, 1 ms.
+        assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), 200_000);
         assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_TSC), 100_000);
-        assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_MIN_TSC), 10_000);
+        assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_MIN_TSC), 4_000);
         assert_eq!(rig.host::<u64>(hint::WAIT_AFTER_MAX_TSC), 2_000_000);
         assert_eq!(rig.host::<u32>(hint::TSC_KHZ), 2_000_000);
         assert_eq!(rig.host::<u32>(hint::HOST_SEQ), 1);
@@ -1011,20 +1414,288 @@ mod tests {
         );
     }
 
+    const PAGE2: u64 = 0x2_1000;
+    const PAGE3: u64 = 0x2_2000;
+
+    /// A rig with pages registered (1 GHz guest TSC: cycles are ns) for vCPUs 0..=2, at
+    /// PAGE, PAGE2, PAGE3, and every kick and spin queue of vCPUs 0..=2 set up.
+    fn budget_rig(mode: YieldMode) -> Rig {
+        budget_rig_and_ring(mode).0
+    }
+
+    /// [`budget_rig`] and its control ring.
+    fn budget_rig_and_ring(mode: YieldMode) -> (Rig, SplitRing) {
+        let mut rig = Rig::new(mode, false, ALL_FEATURES);
+        let mut ring = rig.set_up(0, 0x1000, 8);
+        for (v, page) in [(0, PAGE), (1, PAGE2), (2, PAGE3)] {
+            assert_eq!(
+                rig.request(&mut ring, register(v, page, 1_000_000)),
+                STATUS_OK
+            );
+            let k = virtio::kick_queue(4, v).unwrap() as usize;
+            rig.set_up(k, 0x4000 + u64::from(v) * 0x1000, 1);
+        }
+        (rig, ring)
+    }
+
+    fn flag(rig: &Rig, page: u64) -> bool {
+        rig.at::<u32>(page, hint::HOST_FLAGS) & hint::NOT_RUNNING != 0
+    }
+
+    /// vCPU `v` (page `page`) notifies that it spins, waiting for `target`.
+    fn notify(rig: &Rig, v: u32, page: u64, target: u16) {
+        let n = SpinNotify {
+            waiting_for: Some(target),
+            next_owner: false,
+            spun_bucket: 3,
+            lock_hash: 5,
+        };
+        rig.guest_store(page, hint::WAITING_FOR, n.encode());
+        rig.guest_store(page, hint::SPIN_STATE, hint::SPIN_SPINNING);
+        let q = virtio::spin_queue(4, v).unwrap() as usize;
+        rig.backend.handle_queue_event(q, &rig.vrings).unwrap();
+    }
+
+    fn kick(rig: &Rig, v: u32) {
+        let k = virtio::kick_queue(4, v).unwrap() as usize;
+        assert!(rig.backend.handle_queue_event(k, &rig.vrings).unwrap());
+        assert!(rig.signalled(k));
+    }
+
     #[test]
-    fn a_vm_past_its_event_rate_is_paused_to_the_end_of_the_window() {
+    fn kicks_take_wait_reports_into_the_published_budget() {
+        let rig = budget_rig(YieldMode::Deboost);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 50_000);
+        assert_eq!(rig.at::<u32>(PAGE2, hint::HOST_SEQ), 1);
+        // No report yet: a kick changes nothing.
+        kick(&rig, 1);
+        assert_eq!(rig.at::<u32>(PAGE2, hint::HOST_SEQ), 1);
+        // The guest reports a 30 us wait (a kick soon after it halted): the budget doubles,
+        // as in process, and the page says so.
+        rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, 30_000u64);
+        kick(&rig, 1);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 100_000);
+        assert_eq!(rig.at::<u32>(PAGE2, hint::HOST_SEQ), 2);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::LAST_WAIT_TSC), 0, "taken once");
+        // A wait of 3 ms (its holder was descheduled): it halves.
+        rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, 3_000_000u64);
+        kick(&rig, 1);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 50_000);
+        // Reports are also taken at the vCPU's notifications and at samples.
+        rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, 1_000u64);
+        notify(&rig, 1, PAGE2, 0);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 100_000);
+        rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, 1_000u64);
+        rig.backend.sample_once(Instant::now());
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 200_000);
+        // Whatever the guest reports, the budget stays within its bounds.
+        let reports = [u64::MAX, 1].into_iter().chain([u64::MAX; 8]);
+        for report in reports {
+            rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, report);
+            kick(&rig, 1);
+            let b = rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC);
+            assert!((2_000..=1_000_000).contains(&b), "{b}");
+        }
+        assert_eq!(rig.backend.budgets().budgets().wait_after_ns(1), 2_000);
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.wait_reports, 14);
+        assert_eq!(s.wait_after_ns[1], 2_000);
+        assert_eq!(s.wait_after_ns[0], 50_000, "budgets are per vCPU");
+    }
+
+    #[test]
+    fn notification_window_backs_off_unless_the_target_is_descheduled() {
+        let rig = budget_rig(YieldMode::Deboost);
+        assert_eq!(rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), 100_000);
+        // vCPU 2 runs: notifying about it is useless, the window doubles (published).
+        rig.sched.running(2);
+        rig.backend.sample_once(Instant::now());
+        notify(&rig, 0, PAGE, 2);
+        assert_eq!(rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), 200_000);
+        notify(&rig, 0, PAGE, 2);
+        assert_eq!(rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), 400_000);
+        // vCPU 2 is descheduled while runnable for a whole period: the next notification is
+        // useful, the window goes back to its base.
+        rig.sched.preempted(2);
+        rig.backend.sample_once(Instant::now());
+        assert_eq!(rig.backend.run_state(2), RunState::Preempted);
+        assert!(!rig.backend.descheduled(2), "one sample is not a period");
+        rig.backend.sample_once(Instant::now());
+        assert!(rig.backend.descheduled(2));
+        notify(&rig, 0, PAGE, 2);
+        assert_eq!(rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), 100_000);
+        // Halted (blocked) is not descheduled: useless.
+        rig.sched.blocked(2);
+        rig.backend.sample_once(Instant::now());
+        notify(&rig, 0, PAGE, 2);
+        assert_eq!(rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), 200_000);
+        for _ in 0..10 {
+            notify(&rig, 0, PAGE, 2);
+        }
+        assert_eq!(
+            rig.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC),
+            4_000_000,
+            "ceiling"
+        );
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.useful_spin_notifications, 1);
+        assert_eq!(s.spin_window_ns.unwrap()[0], 4_000_000);
+
+        // With --yield off guests are told never to notify, as in process without directed
+        // yield, and a notification anyway adapts nothing.
+        let off = budget_rig(YieldMode::Off);
+        assert_eq!(off.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), u64::MAX);
+        notify(&off, 0, PAGE, 2);
+        assert_eq!(off.at::<u64>(PAGE, hint::SPIN_WINDOW_TSC), u64::MAX);
+        assert_eq!(off.backend.telemetry().snapshot().spin_window_ns, None);
+    }
+
+    #[test]
+    fn the_sampler_flags_descheduled_vcpus_only() {
+        let (mut rig, mut ring) = budget_rig_and_ring(YieldMode::Deboost);
+        let flag = |rig: &Rig, page: u64| flag(rig, page);
+        rig.sched.running(0);
+        rig.sched.preempted(1);
+        rig.sched.blocked(2);
+        rig.sched.preempted(3); // no page: not read
+        let pass = rig.backend.sample_once(Instant::now());
+        assert_eq!((pass.threads, pass.set, pass.cleared), (3, 0, 0));
+        assert_eq!(
+            (pass.reads.stat, pass.reads.status),
+            (3, 2),
+            "first reads: stat, and status for the runnable ones"
+        );
+        assert!(
+            !flag(&rig, PAGE2),
+            "descheduled for less than a period so far"
+        );
+        // Nothing moved: vCPU 1 has been off its CPU for a whole period now; schedstat only
+        // (and stat for the blocked one).
+        let pass = rig.backend.sample_once(Instant::now());
+        assert_eq!((pass.set, pass.cleared), (1, 0));
+        assert!(!flag(&rig, PAGE) && flag(&rig, PAGE2) && !flag(&rig, PAGE3));
+        assert_eq!(
+            (pass.reads.schedstat, pass.reads.stat, pass.reads.status),
+            (3, 1, 0)
+        );
+        assert!(flag(&rig, PAGE2));
+        // It runs again: cleared at the next sample.
+        rig.sched.running(1);
+        let pass = rig.backend.sample_once(Instant::now());
+        assert_eq!((pass.set, pass.cleared), (0, 1));
+        assert!(!flag(&rig, PAGE2));
+        // Descheduled again, then it notifies: it runs, so its flag goes at once.
+        rig.sched.preempted(1);
+        rig.backend.sample_once(Instant::now());
+        rig.backend.sample_once(Instant::now());
+        assert!(flag(&rig, PAGE2));
+        notify(&rig, 1, PAGE2, 0);
+        assert!(!flag(&rig, PAGE2));
+        assert_eq!(rig.backend.run_state(1), RunState::Running);
+        assert!(!rig.backend.descheduled(1));
+        // What /proc shows of a thread that ran.
+        rig.sched.running(1);
+        // A guest that scribbles the flag gets it corrected at the next sample.
+        rig.guest_store(PAGE, hint::HOST_FLAGS, u32::MAX);
+        rig.backend.sample_once(Instant::now());
+        assert!(!flag(&rig, PAGE));
+        // A thread that exits is looked up again (not before 100 ms).
+        rig.sched.remove(FakeSched::TID_BASE + 2);
+        let pass = rig.backend.sample_once(Instant::now());
+        assert_eq!(rig.backend.run_state(2), RunState::Unknown);
+        assert_eq!(pass.threads, 3);
+        assert_eq!(rig.backend.sample_once(Instant::now()).threads, 2);
+        // Unregistering and forgetting leave no flag of ours behind.
+        rig.sched.preempted(0);
+        rig.sched.preempted(1);
+        rig.backend.sample_once(Instant::now());
+        rig.backend.sample_once(Instant::now());
+        assert!(flag(&rig, PAGE) && flag(&rig, PAGE2));
+        assert_eq!(rig.request(&mut ring, register(0, 0, 0)), STATUS_OK);
+        assert!(!flag(&rig, PAGE));
+        rig.backend.forget();
+        assert!(!flag(&rig, PAGE2));
+        let s = rig.backend.telemetry().snapshot();
+        assert_eq!(s.not_running_set, vec![1, 3, 0, 0]);
+        assert_eq!(
+            (s.sched.passes, s.sched.thread_reads),
+            (10, 27),
+            "{:?}",
+            s.sched
+        );
+    }
+
+    #[test]
+    fn without_a_peer_nothing_is_read() {
+        let rig = budget_rig(YieldMode::Deboost);
+        rig.backend.set_peer_pid(None);
+        rig.sched.preempted(1);
+        let pass = rig.backend.sample_once(Instant::now());
+        assert_eq!((pass.threads, pass.set), (0, 0));
+        assert_eq!(rig.at::<u32>(PAGE2, hint::HOST_FLAGS), 0);
+    }
+
+    #[test]
+    fn a_new_memory_table_remaps_the_pages() {
+        let rig = budget_rig(YieldMode::Deboost);
+        // The same layout again (a frontend that resends its table): pages stay registered
+        // and are reached through the new mapping.
+        let again = GuestMemoryAtomic::new(
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
+        );
+        rig.backend.set_memory(again.clone());
+        assert_eq!(rig.backend.hint_page(1), Some(PAGE2));
+        again
+            .memory()
+            .store(
+                30_000u64,
+                GuestAddress(PAGE2 + hint::LAST_WAIT_TSC as u64),
+                Ordering::Release,
+            )
+            .unwrap();
+        rig.backend.sample_once(Instant::now());
+        let wait: u64 = again
+            .memory()
+            .load(
+                GuestAddress(PAGE2 + hint::WAIT_AFTER_TSC as u64),
+                Ordering::Acquire,
+            )
+            .unwrap();
+        assert_eq!(wait, 100_000);
+        // A table without the pages: they are dropped, counted.
+        let small = GuestMemoryAtomic::new(
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x2_0000)]).unwrap(),
+        );
+        rig.backend.set_memory(small);
+        assert_eq!(rig.backend.hint_page(0), None);
+        assert_eq!(rig.backend.telemetry().bad_inputs(BadInput::HintRead), 3);
+    }
+
+    #[test]
+    fn a_vm_past_its_event_rate_is_paused_until_it_may_go_on() {
         let rig = Rig::new(YieldMode::Off, false, 0);
-        // Past the window the backend started with: the first call opens a new one.
         let t0 = Instant::now() + Duration::from_millis(5);
-        // Default rate: 20 events per 1 ms window; the 20th pauses.
-        for _ in 0..19 {
+        // Default rate 20,000 a second (50 us an event), bursts of 10 ms: 200 events at one
+        // instant are handled, the 201st pauses until 1 ms worth may go.
+        for _ in 0..200 {
             assert_eq!(rig.backend.pace(t0), None);
         }
-        let pause = rig.backend.pace(t0 + Duration::from_micros(300)).unwrap();
-        assert_eq!(pause, Duration::from_micros(700));
+        let pause = rig.backend.pace(t0).unwrap();
+        assert_eq!(pause, Duration::from_micros(1_050));
         assert_eq!(rig.backend.telemetry().snapshot().paced, 1);
-        // A new window starts afresh.
-        assert_eq!(rig.backend.pace(t0 + Duration::from_millis(2)), None);
+        // After the pause, 20 more (1 ms worth), then paced again.
+        let t1 = t0 + pause;
+        for _ in 0..20 {
+            assert_eq!(rig.backend.pace(t1), None);
+        }
+        assert!(rig.backend.pace(t1).is_some());
+        // A VM at its rate or below is never paced, however bursty within 10 ms.
+        let t2 = t1 + Duration::from_secs(1);
+        for i in 0..10_000u32 {
+            let at = t2 + Duration::from_micros(u64::from(i / 100) * 5_000);
+            assert_eq!(rig.backend.pace(at), None, "event {i}");
+        }
+        assert_eq!(rig.backend.telemetry().snapshot().paced, 2);
         let refused = BackendConfig {
             max_events_per_sec: 999,
             ..BackendConfig::default()

@@ -37,10 +37,16 @@ struct Args {
     /// A unix socket answering "json\n" or "prometheus\n" with the telemetry document.
     #[arg(long)]
     control: Option<PathBuf>,
-    /// Spin window published in hint pages, microseconds.
+    /// Spin before a spin notification, microseconds: at start and after a useful
+    /// notification (adapted per vCPU, published in hint pages; guests never notify with
+    /// --yield off).
     #[arg(long, default_value_t = BudgetsUs::default().spin_window)]
     spin_window_us: u64,
-    /// Initial wait-after budget, microseconds.
+    /// Ceiling of the spin window, microseconds (useless notifications double it).
+    #[arg(long, default_value_t = BudgetsUs::default().spin_window_max)]
+    spin_window_max_us: u64,
+    /// Initial wait-after budget, microseconds (adapted per vCPU from the guests' wait
+    /// reports).
     #[arg(long, default_value_t = BudgetsUs::default().wait_after)]
     wait_after_us: u64,
     /// Floor of the wait-after budget, microseconds.
@@ -60,6 +66,15 @@ struct Args {
     /// not lost): bounds what a guest can make the daemon spend.
     #[arg(long, default_value_t = crate::config::DEFAULT_MAX_EVENTS_PER_SEC)]
     max_events_per_sec: u32,
+    /// How often the VMM's vCPU threads are sampled in /proc to set NOT_RUNNING in the hint
+    /// pages of descheduled ones, microseconds (20 times less often while a VM sends no
+    /// notification); 0: never.
+    #[arg(long, default_value_t = crate::config::DEFAULT_SCHED_SAMPLE.as_micros() as u64)]
+    sched_sample_us: u64,
+    /// Priority of each VM's queue worker thread, which forwards kicks: inherit, nice:N or
+    /// fifo:P (without the privilege the thread keeps its priority; logged).
+    #[arg(long, default_value = "inherit")]
+    worker_priority: crate::config::WorkerPriority,
     /// vCPU thread-name pattern, `{N}` = vCPU index (repeatable; default: "vcpu{N}" and
     /// "CPU {N}/KVM").
     #[arg(long = "vcpu-thread-pattern")]
@@ -156,6 +171,7 @@ where
         max_vcpus: args.max_vcpus,
         budgets: BudgetsUs {
             spin_window: args.spin_window_us,
+            spin_window_max: args.spin_window_max_us,
             wait_after: args.wait_after_us,
             wait_after_min: args.wait_after_min_us,
             wait_after_max: args.wait_after_max_us,
@@ -175,6 +191,9 @@ where
         },
         adjust_for: Duration::from_micros(args.adjust_us),
         max_events_per_sec: args.max_events_per_sec,
+        worker_priority: args.worker_priority,
+        sched_sample: (args.sched_sample_us > 0)
+            .then(|| Duration::from_micros(args.sched_sample_us)),
         ..BackendConfig::default()
     };
     let mut shutdown = match install_shutdown_handlers() {

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use pvspin_abi::virtio;
+use pvspin_yield::{BudgetConfig, BudgetError};
 
 /// The most vCPUs this daemon serves per device: `1 + 2 * 31 = 63` queues.
 ///
@@ -39,31 +40,36 @@ pub enum ConfigError {
         "max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS}: the device needs 1 + 2 * max_vcpus queues and vhost-user-backend's worker masks reach queue indices 0..=63 only (vhost-user itself caps a device at 256 queues, 127 vCPUs)"
     )]
     AboveTransportLimit(u32),
-    /// The wait budgets are not ordered `min <= wait_after <= max`.
-    #[error("wait budgets must satisfy min ({min}) <= wait-after ({wait_after}) <= max ({max}) microseconds")]
-    BudgetOrder {
-        /// Floor, microseconds.
-        min: u64,
-        /// Initial budget, microseconds.
-        wait_after: u64,
-        /// Ceiling, microseconds.
-        max: u64,
-    },
+    /// The budgets break one of `pvspin_yield::BudgetConfig`'s rules.
+    #[error("budgets: {0}")]
+    Budgets(#[from] BudgetError),
     /// A notification rate too small to carry one event per millisecond window.
     #[error("max_events_per_sec must be at least 1000 (one event per 1 ms window), got {0}")]
     EventRate(u32),
+    /// A sampling period below [`MIN_SCHED_SAMPLE`].
+    #[error("rule: the scheduler sampling period must be at least {MIN_SCHED_SAMPLE:?} (each sample reads /proc for every vCPU thread), got {0:?}")]
+    SchedSample(Duration),
+    /// A worker priority that is none of the accepted forms.
+    #[error(
+        "rule: a worker priority is inherit, nice:N (-20 to 19) or fifo:P (1 to 99), got {0:?}"
+    )]
+    WorkerPriority(String),
     /// A vCPU thread-name pattern without the `{N}` placeholder.
     #[error("vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index")]
     PatternWithoutIndex(String),
 }
 
-/// The time budgets published in hint pages, in microseconds (converted to guest TSC cycles
-/// with the TSC frequency the guest gives at registration).
+/// The time budgets, in microseconds: where they start and their bounds. The daemon adapts
+/// them per vCPU with pvspin's own rules (`pvspin_hints::PageBudgets`, as the in-process host
+/// does) and publishes them in guest TSC cycles, with the TSC frequency the guest gives when it
+/// registers its page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BudgetsUs {
-    /// Spinning before a SPIN notification.
+    /// Spinning before a SPIN notification, at start and after a useful notification.
     pub spin_window: u64,
-    /// Spinning before waiting (the initial wait-after budget).
+    /// Ceiling of the spin window (useless notifications double it up to this).
+    pub spin_window_max: u64,
+    /// Spinning before waiting, at start.
     pub wait_after: u64,
     /// Floor of the wait-after budget.
     pub wait_after_min: u64,
@@ -72,53 +78,29 @@ pub struct BudgetsUs {
 }
 
 impl Default for BudgetsUs {
+    /// The in-process host's defaults (`pvspin_yield::BudgetConfig::default`).
     fn default() -> Self {
+        let ns = BudgetConfig::default();
         Self {
-            spin_window: 20,
-            wait_after: 50,
-            wait_after_min: 5,
-            wait_after_max: 1000,
+            spin_window: ns.notify_after_ns / 1000,
+            spin_window_max: ns.notify_after_max_ns / 1000,
+            wait_after: ns.wait_after_ns / 1000,
+            wait_after_min: ns.wait_after_min_ns / 1000,
+            wait_after_max: ns.wait_after_max_ns / 1000,
         }
     }
 }
 
-/// The budgets in guest TSC cycles, as written to a hint page's host line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BudgetsTsc {
-    /// [`pvspin_abi::hint::SPIN_WINDOW_TSC`].
-    pub spin_window: u64,
-    /// [`pvspin_abi::hint::WAIT_AFTER_TSC`].
-    pub wait_after: u64,
-    /// [`pvspin_abi::hint::WAIT_AFTER_MIN_TSC`].
-    pub wait_after_min: u64,
-    /// [`pvspin_abi::hint::WAIT_AFTER_MAX_TSC`].
-    pub wait_after_max: u64,
-}
-
-/// `us` microseconds in cycles of a `tsc_khz` kHz clock, saturating.
-pub fn us_to_tsc(us: u64, tsc_khz: u64) -> u64 {
-    let cycles = u128::from(us) * u128::from(tsc_khz) / 1000;
-    u64::try_from(cycles).unwrap_or(u64::MAX)
-}
-
 impl BudgetsUs {
-    /// The budgets for a guest whose TSC runs at `tsc_khz` kHz. An unknown frequency (0)
-    /// publishes no time budgets: the spin window is `u64::MAX` (never notify) and the wait
-    /// budgets 0, so the guest keeps its own defaults.
-    pub fn to_tsc(&self, tsc_khz: u64) -> BudgetsTsc {
-        if tsc_khz == 0 {
-            return BudgetsTsc {
-                spin_window: u64::MAX,
-                wait_after: 0,
-                wait_after_min: 0,
-                wait_after_max: 0,
-            };
-        }
-        BudgetsTsc {
-            spin_window: us_to_tsc(self.spin_window, tsc_khz).max(1),
-            wait_after: us_to_tsc(self.wait_after, tsc_khz),
-            wait_after_min: us_to_tsc(self.wait_after_min, tsc_khz),
-            wait_after_max: us_to_tsc(self.wait_after_max, tsc_khz),
+    /// The same budgets in nanoseconds (saturating), as pvspin's budget code takes them.
+    pub fn to_config(&self) -> BudgetConfig {
+        let ns = |us: u64| us.saturating_mul(1000);
+        BudgetConfig {
+            wait_after_ns: ns(self.wait_after),
+            wait_after_min_ns: ns(self.wait_after_min),
+            wait_after_max_ns: ns(self.wait_after_max),
+            notify_after_ns: ns(self.spin_window),
+            notify_after_max_ns: ns(self.spin_window_max),
         }
     }
 }
@@ -136,6 +118,56 @@ pub enum YieldMode {
     Confined,
 }
 
+/// The scheduling priority of the VM's queue worker thread (the thread that reads a kick
+/// queue's eventfd and writes its call eventfd): under CPU contention its wake-up latency is
+/// added to every kick. Its CPU is bounded by the VM's event rate
+/// ([`BackendConfig::max_events_per_sec`]) whatever its priority.
+///
+/// The default is `SCHED_FIFO` priority 1: at a normal priority the worker of a VM whose vCPUs
+/// keep both host CPUs busy waited for a CPU at every kick (the scheduler lets a running
+/// thread finish its slice, milliseconds), the waits outgrew the wait budget's ceiling and
+/// every acquisition ended in a halt (issue 22; `docs/benchmarks.md`, "pvspind at parity").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerPriority {
+    /// Leave the thread as created.
+    Inherit,
+    /// `setpriority` to this nice value (below the current one: `CAP_SYS_NICE` or
+    /// `RLIMIT_NICE`).
+    Nice(i32),
+    /// `SCHED_FIFO` at this priority (1-99; `CAP_SYS_NICE` or `RLIMIT_RTPRIO`).
+    Fifo(u8),
+}
+
+impl Default for WorkerPriority {
+    fn default() -> Self {
+        // Real time only when the operator asks: a guest's kicks would otherwise run at a
+        // priority above every co-tenant's fair-class threads (bounded by the pacing, but
+        // still taken from them).
+        WorkerPriority::Inherit
+    }
+}
+
+impl std::str::FromStr for WorkerPriority {
+    type Err = ConfigError;
+
+    /// `inherit`, `nice:N` (-20..=19) or `fifo:P` (1..=99).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConfigError::WorkerPriority(s.to_owned());
+        match s.split_once(':') {
+            None if s == "inherit" => Ok(WorkerPriority::Inherit),
+            Some(("nice", n)) => match n.parse::<i32>() {
+                Ok(n) if (-20..=19).contains(&n) => Ok(WorkerPriority::Nice(n)),
+                _ => Err(bad()),
+            },
+            Some(("fifo", p)) => match p.parse::<u8>() {
+                Ok(p) if (1..=99).contains(&p) => Ok(WorkerPriority::Fifo(p)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+}
+
 /// Default vCPU thread-name patterns: the example VMM's and QEMU's. `{N}` is the vCPU index.
 pub const DEFAULT_THREAD_PATTERNS: [&str; 2] = ["vcpu{N}", "CPU {N}/KVM"];
 
@@ -145,12 +177,18 @@ pub const DEFAULT_THREAD_PATTERNS: [&str; 2] = ["vcpu{N}", "CPU {N}/KVM"];
 /// makes it spend at most about 15% of one CPU.
 pub const DEFAULT_MAX_EVENTS_PER_SEC: u32 = 20_000;
 
+/// Default of [`BackendConfig::sched_sample`]: 1 ms, a quarter of the host's scheduler tick
+/// on the development hosts (`HZ=250`), where holders are preempted for ticks.
+pub const DEFAULT_SCHED_SAMPLE: Duration = Duration::from_millis(1);
+/// The shortest sampling period accepted.
+pub const MIN_SCHED_SAMPLE: Duration = Duration::from_micros(100);
+
 /// Everything one backend (one frontend, one VM) is configured with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendConfig {
     /// vCPUs the device has queues for (`M` in [`pvspin_abi::virtio`]).
     pub max_vcpus: u32,
-    /// Budgets published at hint-page registration.
+    /// Budgets: start values and bounds (adapted per vCPU, published in hint pages).
     pub budgets: BudgetsUs,
     /// What a spin notification may do to host threads.
     pub yield_mode: YieldMode,
@@ -166,6 +204,12 @@ pub struct BackendConfig {
     /// notifies in a loop gets at most this many wake-ups of the daemon's CPU: what the
     /// daemon spends on a VM is bounded, whatever the guest writes.
     pub max_events_per_sec: u32,
+    /// How often the frontend's vCPU threads are sampled in `/proc` to set `NOT_RUNNING` in
+    /// their hint pages (`crate::sched`); `None`: never (the flag stays 0). Sampling slows
+    /// down 20-fold while the VM sends no notification.
+    pub sched_sample: Option<Duration>,
+    /// The VM's queue worker thread's priority, set when it handles its first event.
+    pub worker_priority: WorkerPriority,
 }
 
 impl Default for BackendConfig {
@@ -181,6 +225,8 @@ impl Default for BackendConfig {
             adjust_for: Duration::from_millis(1),
             nice_step: 5,
             max_events_per_sec: DEFAULT_MAX_EVENTS_PER_SEC,
+            sched_sample: Some(DEFAULT_SCHED_SAMPLE),
+            worker_priority: WorkerPriority::default(),
         }
     }
 }
@@ -197,16 +243,12 @@ impl BackendConfig {
         if self.max_vcpus > TRANSPORT_MAX_VCPUS {
             return Err(ConfigError::AboveTransportLimit(self.max_vcpus));
         }
-        let b = &self.budgets;
-        if !(b.wait_after_min <= b.wait_after && b.wait_after <= b.wait_after_max) {
-            return Err(ConfigError::BudgetOrder {
-                min: b.wait_after_min,
-                wait_after: b.wait_after,
-                max: b.wait_after_max,
-            });
-        }
+        self.budgets.to_config().validate()?;
         if self.max_events_per_sec < 1000 {
             return Err(ConfigError::EventRate(self.max_events_per_sec));
+        }
+        if let Some(period) = self.sched_sample.filter(|p| *p < MIN_SCHED_SAMPLE) {
+            return Err(ConfigError::SchedSample(period));
         }
         if let Some(p) = self.thread_patterns.iter().find(|p| !p.contains("{N}")) {
             return Err(ConfigError::PatternWithoutIndex(p.clone()));
@@ -241,7 +283,18 @@ mod tests {
         assert_eq!(c.validate(), Err(ConfigError::NoVcpus));
         c.max_vcpus = 4;
         c.budgets.wait_after_max = 1;
-        assert!(matches!(c.validate(), Err(ConfigError::BudgetOrder { .. })));
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Budgets(BudgetError::WaitRange { .. }))
+        ));
+        c.budgets = BudgetsUs::default();
+        c.budgets.wait_after_min = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("rule"));
+        c.budgets = BudgetsUs::default();
+        c.sched_sample = Some(Duration::from_micros(10));
+        assert!(matches!(c.validate(), Err(ConfigError::SchedSample(_))));
+        c.sched_sample = None;
+        assert_eq!(c.validate(), Ok(()));
         c.budgets = BudgetsUs::default();
         c.thread_patterns.push("vcpu".into());
         assert!(matches!(
@@ -251,13 +304,25 @@ mod tests {
     }
 
     #[test]
-    fn budgets_convert_with_the_guest_tsc() {
-        let b = BudgetsUs::default();
-        let t = b.to_tsc(2_000_000); // 2 GHz: 2000 cycles per microsecond
-        assert_eq!(t.spin_window, 40_000);
-        assert_eq!(t.wait_after, 100_000);
-        assert_eq!(t.wait_after_max, 2_000_000);
-        assert_eq!(b.to_tsc(0).spin_window, u64::MAX);
-        assert_eq!(us_to_tsc(u64::MAX, u64::MAX), u64::MAX);
+    fn worker_priorities_parse_with_their_rule() {
+        assert_eq!("inherit".parse(), Ok(WorkerPriority::Inherit));
+        assert_eq!("nice:-10".parse(), Ok(WorkerPriority::Nice(-10)));
+        assert_eq!("fifo:1".parse(), Ok(WorkerPriority::Fifo(1)));
+        for bad in [
+            "", "nice", "nice:-21", "fifo:0", "fifo:100", "rr:1", "nice:x",
+        ] {
+            let e = bad.parse::<WorkerPriority>().unwrap_err();
+            assert!(e.to_string().contains("rule"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn budgets_default_to_the_in_process_hosts() {
+        assert_eq!(BudgetsUs::default().to_config(), BudgetConfig::default());
+        let huge = BudgetsUs {
+            spin_window_max: u64::MAX,
+            ..BudgetsUs::default()
+        };
+        assert_eq!(huge.to_config().notify_after_max_ns, u64::MAX);
     }
 }

@@ -14,20 +14,29 @@
 //! - [`server`]: the daemon's sockets (one frontend at a time per socket, a fresh backend per
 //!   connection), peer credentials, the telemetry control socket and shutdown.
 //!
+//! - [`sched`]: who runs, seen from outside the VMM: the vCPU threads sampled in `/proc`, so
+//!   that the backend sets `NOT_RUNNING` in the hint pages of descheduled vCPUs.
+//!
+//! The backend adapts the hint pages' time budgets with pvspin's own code
+//! (`pvspin_hints::PageBudgets`, which the in-process host runs too), from the guests' wait
+//! reports (taken at kicks, spin notifications and samples) and from whether a spin
+//! notification's target was descheduled.
+//!
 //! **Not implemented:** `VIRTIO_RING_F_EVENT_IDX` and indirect descriptors are not offered;
-//! no live migration or device-state transfer; budgets are published once at registration
-//! and never adapted (the host cannot see a vhost-user guest's exits); `HOST_FLAGS`'
-//! `NOT_RUNNING` is always 0 (the daemon does not know when the VMM runs a vCPU); at most
+//! no live migration or device-state transfer; no run slots (an out-of-process backend cannot
+//! gate the VMM's vCPU threads: `docs/vhost-user.md`, "What an out-of-process backend cannot
+//! do"); `NOT_RUNNING` is a sample up to one period old, not exact; at most
 //! [`config::TRANSPORT_MAX_VCPUS`] vCPUs per device (vhost-user-backend's workers reach queues
-//! 0..=63 only; vhost-user itself allows 256 queues, 127 vCPUs); boosts need the
-//! daemon to be allowed to lower nice values (`CAP_SYS_NICE` or `RLIMIT_NICE`); enabling a
-//! kick queue may deliver one spurious wake-up to its vCPU (vhost-user-backend processes every
-//! queue once when it is enabled; the ABI allows spurious wake-ups).
+//! 0..=63 only; vhost-user itself allows 256 queues, 127 vCPUs); boosts need the daemon to be
+//! allowed to lower nice values (`CAP_SYS_NICE` or `RLIMIT_NICE`); enabling a kick queue may
+//! deliver one spurious wake-up to its vCPU (vhost-user-backend processes every queue once
+//! when it is enabled; the ABI allows spurious wake-ups).
 #![deny(missing_docs)]
 
 pub mod backend;
 pub mod cli;
 pub mod config;
+pub mod sched;
 pub mod server;
 pub mod telemetry;
 pub mod testing;

@@ -370,6 +370,11 @@ fn serve_connection(
         .name(format!("{label}-restore"))
         .spawn(move || timer_backend.run_restore_timer())
         .ok();
+    let sampler_backend = backend.clone();
+    let sampler = std::thread::Builder::new()
+        .name(format!("{label}-sched"))
+        .spawn(move || sampler_backend.run_sched_sampler())
+        .ok();
     {
         let mut active = slot.active.lock().unwrap_or_else(PoisonError::into_inner);
         *active = daemon.shutdown_handle();
@@ -389,7 +394,7 @@ fn serve_connection(
         log::warn!("{label}: a vring worker did not stop; its descriptors stay open");
     }
     backend.stop();
-    if let Some(t) = timer {
+    for t in [timer, sampler].into_iter().flatten() {
         let _ = t.join();
     }
     host.disconnected(path_text);

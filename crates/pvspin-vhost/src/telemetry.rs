@@ -5,10 +5,13 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use pvspin_hints::PageBudgets;
 use serde::Serialize;
+
+use crate::sched::Reads;
 
 /// A kind of bad guest (or frontend) input, counted and logged at a bounded rate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -156,6 +159,14 @@ pub struct VmTelemetry {
     control_requests: AtomicU64,
     bad_inputs: [AtomicU64; BadInput::ALL.len()],
     rate_limit: RateLimit,
+    wait_reports: AtomicU64,
+    useful_notifications: AtomicU64,
+    not_running_set: Vec<AtomicU64>,
+    sched_passes: AtomicU64,
+    sched_thread_reads: AtomicU64,
+    sched_read_ns: AtomicU64,
+    sched_file_reads: [AtomicU64; 3],
+    budgets: OnceLock<Arc<PageBudgets>>,
 }
 
 impl VmTelemetry {
@@ -188,6 +199,51 @@ impl VmTelemetry {
             control_requests: AtomicU64::new(0),
             bad_inputs: Default::default(),
             rate_limit: RateLimit::default(),
+            wait_reports: AtomicU64::new(0),
+            useful_notifications: AtomicU64::new(0),
+            not_running_set: zeros(max_vcpus),
+            sched_passes: AtomicU64::new(0),
+            sched_thread_reads: AtomicU64::new(0),
+            sched_read_ns: AtomicU64::new(0),
+            sched_file_reads: Default::default(),
+            budgets: OnceLock::new(),
+        }
+    }
+
+    /// The budgets the VM's backend adapts (rendered per vCPU; set once).
+    pub fn set_budgets(&self, budgets: Arc<PageBudgets>) {
+        let _ = self.budgets.set(budgets);
+    }
+
+    /// Counts a wait report taken into a budget.
+    pub fn wait_report(&self) {
+        add(&self.wait_reports);
+    }
+
+    /// Counts a spin notification whose waited-for vCPU was descheduled.
+    pub fn useful_notification(&self) {
+        add(&self.useful_notifications);
+    }
+
+    /// Counts `NOT_RUNNING` set in `vcpu`'s page.
+    pub fn not_running_set(&self, vcpu: u32) {
+        if let Some(c) = self.not_running_set.get(vcpu as usize) {
+            add(c);
+        }
+    }
+
+    /// Counts a scheduler sampler pass: `threads` vCPU threads read with `reads`, in `ns`.
+    pub fn sched_pass(&self, threads: u32, reads: Reads, ns: u64) {
+        add(&self.sched_passes);
+        self.sched_thread_reads
+            .fetch_add(u64::from(threads), Ordering::Relaxed);
+        self.sched_read_ns.fetch_add(ns, Ordering::Relaxed);
+        for (c, n) in self
+            .sched_file_reads
+            .iter()
+            .zip([reads.schedstat, reads.stat, reads.status])
+        {
+            c.fetch_add(u64::from(n), Ordering::Relaxed);
         }
     }
 
@@ -324,6 +380,31 @@ impl VmTelemetry {
                 .iter()
                 .map(|k| (k.name().to_owned(), get(&self.bad_inputs[k.index()])))
                 .collect(),
+            wait_reports: get(&self.wait_reports),
+            useful_spin_notifications: get(&self.useful_notifications),
+            not_running_set: per_vcpu(&self.not_running_set),
+            wait_after_ns: self
+                .budgets
+                .get()
+                .map(|b| {
+                    (0..self.kicks.len())
+                        .map(|v| b.budgets().wait_after_ns(v))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            spin_window_ns: self.budgets.get().filter(|b| b.notify()).map(|b| {
+                (0..self.kicks.len())
+                    .map(|v| b.budgets().notify_after_ns(v))
+                    .collect()
+            }),
+            sched: SchedSnapshot {
+                passes: get(&self.sched_passes),
+                thread_reads: get(&self.sched_thread_reads),
+                read_ns: get(&self.sched_read_ns),
+                schedstat_reads: get(&self.sched_file_reads[0]),
+                stat_reads: get(&self.sched_file_reads[1]),
+                status_reads: get(&self.sched_file_reads[2]),
+            },
         }
     }
 }
@@ -371,6 +452,39 @@ pub struct VmSnapshot {
     pub control_requests: u64,
     /// Bad inputs, by kind.
     pub bad_inputs: BTreeMap<String, u64>,
+    /// Wait reports taken from hint pages into the budgets.
+    pub wait_reports: u64,
+    /// Spin notifications whose waited-for vCPU was descheduled at the last sample (the
+    /// notification window resets on those, and doubles on the others).
+    pub useful_spin_notifications: u64,
+    /// Times `NOT_RUNNING` was set in the vCPU's page, per vCPU.
+    pub not_running_set: Vec<u64>,
+    /// Spin-before-waiting budget now, per vCPU, ns.
+    pub wait_after_ns: Vec<u64>,
+    /// Spin-before-notifying budget now, per vCPU, ns (absent with `--yield off`: guests are
+    /// told never to notify).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spin_window_ns: Option<Vec<u64>>,
+    /// The scheduler sampler's work.
+    pub sched: SchedSnapshot,
+}
+
+/// What the scheduler sampler read, and what it cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SchedSnapshot {
+    /// Sampler passes.
+    pub passes: u64,
+    /// vCPU threads read (one per registered vCPU per pass).
+    pub thread_reads: u64,
+    /// CPU time the sampler thread spent reading them, ns (divided by `thread_reads`: the
+    /// cost per vCPU per read).
+    pub read_ns: u64,
+    /// `schedstat` files read.
+    pub schedstat_reads: u64,
+    /// `stat` files read.
+    pub stat_reads: u64,
+    /// `status` files read.
+    pub status_reads: u64,
 }
 
 impl VmSnapshot {
@@ -385,6 +499,10 @@ impl VmSnapshot {
         t.unset_queue_events +=
             self.kicks_unset_queue + self.spins_without_page + self.spins_not_spinning;
         t.paced += self.paced;
+        t.wait_reports += self.wait_reports;
+        t.not_running_set += self.not_running_set.iter().sum::<u64>();
+        t.sched_thread_reads += self.sched.thread_reads;
+        t.sched_read_ns += self.sched.read_ns;
     }
 }
 
@@ -409,6 +527,14 @@ pub struct Totals {
     pub unset_queue_events: u64,
     /// Times a VM's worker thread slept at its event rate.
     pub paced: u64,
+    /// Wait reports taken into budgets.
+    pub wait_reports: u64,
+    /// Times `NOT_RUNNING` was set.
+    pub not_running_set: u64,
+    /// vCPU threads the scheduler sampler read.
+    pub sched_thread_reads: u64,
+    /// CPU time those reads took, ns.
+    pub sched_read_ns: u64,
 }
 
 /// The daemon's telemetry: connection counts, the VMs connected now, and totals.
@@ -523,7 +649,7 @@ impl Families {
         typ: &str,
         help: &str,
         labels: &[(&str, String)],
-        value: u64,
+        value: impl std::fmt::Display,
     ) {
         let entry = self.by_name.entry(family.to_owned()).or_insert_with(|| {
             self.order.push(family.to_owned());
@@ -571,6 +697,11 @@ impl Families {
     }
 }
 
+/// Nanoseconds as a Prometheus seconds value.
+fn ns_as_seconds(ns: u64) -> String {
+    format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
+}
+
 fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -610,6 +741,9 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
         ("rejected_guest_inputs", t.bad_inputs),
         ("unset_queue_events", t.unset_queue_events),
         ("paced", t.paced),
+        ("wait_reports", t.wait_reports),
+        ("not_running_set", t.not_running_set),
+        ("sched_thread_reads", t.sched_thread_reads),
     ] {
         f.counter(
             &format!("pvspin_vhost_host_{what}_total"),
@@ -724,6 +858,75 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
                 "Guest inputs pvspind rejected, by kind.",
                 &[l(), ("kind", kind.clone())],
                 *value,
+            );
+        }
+        f.counter(
+            "pvspin_hint_wait_reports_total",
+            "Wait reports taken from hint pages into the budgets.",
+            &[l()],
+            vm.wait_reports,
+        );
+        f.counter(
+            "pvspin_vhost_useful_spin_notifications_total",
+            "Spin notifications whose waited-for vCPU was descheduled at the last sample.",
+            &[l()],
+            vm.useful_spin_notifications,
+        );
+        for (i, ns) in vm.wait_after_ns.iter().enumerate() {
+            f.sample(
+                "pvspin_budget_wait_after_seconds",
+                "gauge",
+                "The vCPU's spin budget before waiting (hint page).",
+                &[l(), ("vcpu", i.to_string())],
+                ns_as_seconds(*ns),
+            );
+        }
+        for (i, ns) in vm.spin_window_ns.iter().flatten().enumerate() {
+            f.sample(
+                "pvspin_budget_notify_after_seconds",
+                "gauge",
+                "The vCPU's spin budget before notifying (hint page).",
+                &[l(), ("vcpu", i.to_string())],
+                ns_as_seconds(*ns),
+            );
+        }
+        for (i, n) in vm.not_running_set.iter().enumerate() {
+            f.counter(
+                "pvspin_vhost_not_running_set_total",
+                "Times pvspind set NOT_RUNNING in the vCPU's hint page (its thread was runnable but descheduled).",
+                &[l(), ("vcpu", i.to_string())],
+                *n,
+            );
+        }
+        f.counter(
+            "pvspin_vhost_sched_passes_total",
+            "Scheduler sampler passes over the VM's vCPU threads.",
+            &[l()],
+            vm.sched.passes,
+        );
+        f.counter(
+            "pvspin_vhost_sched_thread_reads_total",
+            "vCPU threads the scheduler sampler read.",
+            &[l()],
+            vm.sched.thread_reads,
+        );
+        f.sample(
+            "pvspin_vhost_sched_read_seconds_total",
+            "counter",
+            "CPU time the scheduler sampler spent reading /proc for the VM's vCPU threads.",
+            &[l()],
+            ns_as_seconds(vm.sched.read_ns),
+        );
+        for (file, n) in [
+            ("schedstat", vm.sched.schedstat_reads),
+            ("stat", vm.sched.stat_reads),
+            ("status", vm.sched.status_reads),
+        ] {
+            f.counter(
+                "pvspin_vhost_sched_file_reads_total",
+                "/proc files the scheduler sampler read, by file.",
+                &[l(), ("file", file.to_owned())],
+                n,
             );
         }
     }

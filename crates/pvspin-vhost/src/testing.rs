@@ -260,3 +260,137 @@ impl crate::yield_policy::ThreadActions for FakeThreads {
         }
     }
 }
+
+/// A fake `/proc` for the scheduler sampler: vCPU `i` is thread `FakeSched::TID_BASE + i`
+/// of process `pid`; each thread's state and counts are set by the test. Clones share the
+/// threads, so a test keeps a handle after giving the fake to a backend.
+#[derive(Clone, Debug)]
+pub struct FakeSched {
+    pid: u32,
+    threads: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<u32, FakeTask>>>,
+}
+
+/// One fake thread: state, `schedstat` and switch-outs.
+#[derive(Clone, Copy, Debug)]
+struct FakeTask {
+    state: crate::sched::TaskState,
+    stat: crate::sched::SchedStat,
+    switches_out: u64,
+}
+
+impl FakeSched {
+    /// Thread id of vCPU 0.
+    pub const TID_BASE: u32 = 2000;
+
+    /// Process `pid` with `vcpus` vCPU threads, all blocked and never run.
+    pub fn new(pid: u32, vcpus: u32) -> Self {
+        let threads = (0..vcpus)
+            .map(|v| {
+                (
+                    Self::TID_BASE + v,
+                    FakeTask {
+                        state: crate::sched::TaskState::Blocked,
+                        stat: crate::sched::SchedStat::default(),
+                        switches_out: 0,
+                    },
+                )
+            })
+            .collect();
+        Self {
+            pid,
+            threads: std::sync::Arc::new(std::sync::Mutex::new(threads)),
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut std::collections::BTreeMap<u32, FakeTask>) -> R) -> R {
+        f(&mut self
+            .threads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Sets thread `tid`'s state and switch counts.
+    pub fn set(&self, tid: u32, state: crate::sched::TaskState, switches_in: u64, out: u64) {
+        self.with(|t| {
+            if let Some(task) = t.get_mut(&tid) {
+                task.state = state;
+                task.stat.switches_in = switches_in;
+                task.switches_out = out;
+            }
+        });
+    }
+
+    /// Adds `ns` to thread `tid`'s run time (a tick or a switch-out).
+    pub fn add_run(&self, tid: u32, ns: u64) {
+        self.with(|t| {
+            if let Some(task) = t.get_mut(&tid) {
+                task.stat.run_ns += ns;
+            }
+        });
+    }
+
+    /// Thread `tid` exits.
+    pub fn remove(&self, tid: u32) {
+        self.with(|t| t.remove(&tid));
+    }
+
+    /// vCPU `v` is on a CPU (switched in once more than out, its run time moved).
+    pub fn running(&self, v: u32) {
+        self.step(v, crate::sched::TaskState::Runnable, 1);
+    }
+
+    /// vCPU `v` is runnable but descheduled.
+    pub fn preempted(&self, v: u32) {
+        self.step(v, crate::sched::TaskState::Runnable, 0);
+    }
+
+    /// vCPU `v` is blocked (halted).
+    pub fn blocked(&self, v: u32) {
+        self.step(v, crate::sched::TaskState::Blocked, 0);
+    }
+
+    fn step(&self, v: u32, state: crate::sched::TaskState, on_cpu: u64) {
+        let tid = Self::TID_BASE + v;
+        self.with(|t| {
+            if let Some(task) = t.get_mut(&tid) {
+                task.state = state;
+                task.stat.run_ns += 1000;
+                task.stat.switches_in += 1;
+                task.switches_out = task.stat.switches_in - on_cpu;
+            }
+        });
+    }
+
+    fn task(&self, tid: u32) -> std::io::Result<FakeTask> {
+        self.with(|t| t.get(&tid).copied())
+            .ok_or_else(|| std::io::ErrorKind::NotFound.into())
+    }
+}
+
+impl crate::sched::SchedSource for FakeSched {
+    fn vcpu_threads(&mut self, pid: u32) -> std::io::Result<std::collections::BTreeMap<u32, u32>> {
+        if pid != self.pid {
+            return Err(std::io::ErrorKind::NotFound.into());
+        }
+        Ok(self.with(|t| t.keys().map(|tid| (tid - Self::TID_BASE, *tid)).collect()))
+    }
+
+    fn watch(&mut self, pid: u32, tid: u32, vcpu: u32) -> bool {
+        pid == self.pid && Some(tid) == Self::TID_BASE.checked_add(vcpu) && self.task(tid).is_ok()
+    }
+
+    fn schedstat(&mut self, tid: u32) -> std::io::Result<crate::sched::SchedStat> {
+        Ok(self.task(tid)?.stat)
+    }
+
+    fn state(&mut self, tid: u32) -> std::io::Result<crate::sched::TaskState> {
+        Ok(self.task(tid)?.state)
+    }
+
+    fn switches(&mut self, tid: u32) -> std::io::Result<(crate::sched::TaskState, u64)> {
+        let t = self.task(tid)?;
+        Ok((t.state, t.switches_out))
+    }
+
+    fn forget(&mut self, _tid: u32) {}
+}

@@ -361,7 +361,9 @@ fn kicks_registration_config_and_telemetry() {
     };
     assert_eq!(vm.control(r), STATUS_OK);
     assert_eq!(vm.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
-    assert_eq!(vm.host::<u64>(hint::SPIN_WINDOW_TSC), 20 * 1000);
+    // The in-process host's defaults: a 100 us window (1 GHz guest TSC: cycles are ns).
+    assert_eq!(vm.host::<u64>(hint::SPIN_WINDOW_TSC), 100 * 1000);
+    assert_eq!(vm.host::<u64>(hint::WAIT_AFTER_TSC), 50 * 1000);
     assert_eq!(vm.host::<u32>(hint::TSC_KHZ), 1_000_000);
     assert_eq!(vm.host::<u32>(hint::HOST_SEQ), 1);
     // A bad vCPU gets its status.
@@ -530,6 +532,105 @@ fn wait_for(what: &str, pred: impl Fn() -> bool) {
     while !pred() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The scheduler sampler on real threads: this process plays the VMM with two busy "vCPU"
+/// threads pinned to one CPU, so at any time one of them is runnable but descheduled. The
+/// daemon must flag it NOT_RUNNING in its page (and only a registered vCPU's page), and clear
+/// every flag when the frontend goes away.
+#[test]
+fn a_descheduled_vcpu_thread_is_flagged_not_running() {
+    let dir = TempDir::new();
+    let (sock, control) = (dir.path("a.sock"), dir.path("ctl"));
+    let _d = Daemon::start(
+        &[
+            "--socket",
+            sock.to_str().unwrap(),
+            "--control",
+            control.to_str().unwrap(),
+            "--max-vcpus",
+            "2",
+            "--yield",
+            "off",
+            "--vcpu-thread-pattern",
+            "pvns-vcpu{N}",
+        ],
+        &[&sock, &control],
+    );
+    // Two busy threads sharing the first CPU this process may use.
+    let cpu = {
+        // SAFETY: an all-zero cpu_set_t is an empty set; sched_getaffinity fills it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: pid 0 is this thread; `set` has the size passed.
+        let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+        assert_eq!(rc, 0);
+        // SAFETY: CPU_ISSET reads the set for an index below CPU_SETSIZE.
+        (0..libc::CPU_SETSIZE as usize)
+            .find(|c| unsafe { libc::CPU_ISSET(*c, &set) })
+            .unwrap()
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy: Vec<_> = (0..2)
+        .map(|v| {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(format!("pvns-vcpu{v}"))
+                .spawn(move || {
+                    // SAFETY: an all-zero cpu_set_t is empty; CPU_SET adds one valid index.
+                    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+                    // SAFETY: `cpu` is below CPU_SETSIZE.
+                    unsafe { libc::CPU_SET(cpu, &mut set) };
+                    // SAFETY: pid 0 is this thread; `set` has the size passed.
+                    let rc =
+                        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+                    assert_eq!(rc, 0);
+                    let deadline = Instant::now() + WAIT * 3;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        std::hint::spin_loop();
+                    }
+                })
+                .unwrap()
+        })
+        .collect();
+    let mut vm = Vm::connect(&sock, 2);
+    vm.set_up(0, 0x1000, 8);
+    // Only vCPU 0 registers a page.
+    let r = ControlRequest {
+        op: OP_REGISTER_HINT_PAGE,
+        vcpu: 0,
+        gpa: PAGE,
+        arg: 1_000_000,
+    };
+    assert_eq!(vm.control(r), STATUS_OK);
+    // vCPU 0's thread is descheduled about half the time; the sampler must see it at least
+    // once (bounded).
+    wait_for("NOT_RUNNING on vCPU 0's page", || {
+        vm.host::<u32>(hint::HOST_FLAGS) & hint::NOT_RUNNING != 0
+    });
+    let doc = until(&control, "a sample", |d| {
+        vm_entry(d, "a.sock")["sched"]["thread_reads"].as_u64() > Some(10)
+    });
+    let a = vm_entry(&doc, "a.sock");
+    assert!(a["not_running_set"][0].as_u64() >= Some(1), "{doc}");
+    assert_eq!(a["not_running_set"][1], 0, "vCPU 1 has no page: {doc}");
+    assert!(a["sched"]["read_ns"].as_u64() > Some(0), "{doc}");
+    // The frontend goes: the daemon forgets the page and leaves no flag in it.
+    drop(vm.frontend);
+    until(&control, "the disconnect", |d| {
+        d["host"]["connections_active"] == 0
+    });
+    let flags: u32 = vm
+        .mem
+        .load(
+            GuestAddress(PAGE + hint::HOST_FLAGS as u64),
+            std::sync::atomic::Ordering::Acquire,
+        )
+        .unwrap();
+    assert_eq!(flags & hint::NOT_RUNNING, 0, "a flag outlived the frontend");
+    stop.store(true, Ordering::Relaxed);
+    for t in busy {
+        t.join().unwrap();
     }
 }
 

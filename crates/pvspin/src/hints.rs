@@ -3,16 +3,16 @@
 //! guest's wait reports.
 //!
 //! Per exit of vCPU `v` with a registered page: the guest's report of its last wait
-//! (`LAST_WAIT_TSC`, taken once) adapts `v`'s wait budget (`pvspin_yield::SpinBudgets`), and a
-//! changed budget is published back to the page in TSC cycles. Nothing here adds an ioctl or
-//! an exit: the page is read and written in place.
+//! (`LAST_WAIT_TSC`, taken once) adapts `v`'s wait budget, and a changed budget is published
+//! back to the page in TSC cycles (`pvspin_hints::PageBudgets`, the code `pvspind` runs too).
+//! Nothing here adds an ioctl or an exit: the page is read and written in place.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pvspin_hints::{GuestPageMap, HintPage, HintPages, RegisterError};
-use pvspin_yield::{ns_to_tsc, tsc_to_ns, BudgetConfig, SpinBudgets};
+use pvspin_hints::{GuestPageMap, HintPages, PageBudgets, RegisterError};
+use pvspin_yield::BudgetConfig;
 
 use crate::ConfigError;
 
@@ -78,11 +78,11 @@ struct Counters {
 #[derive(Debug)]
 pub(crate) struct HintState {
     pub(crate) pages: HintPages,
-    pub(crate) budgets: SpinBudgets,
+    /// The budgets, and whether spin notifications are on (else the published spin window
+    /// is "never").
+    pub(crate) budgets: PageBudgets,
     /// The guest TSC frequency, learned from the first vCPU (`KVM_GET_TSC_KHZ`).
     tsc_khz: AtomicU32,
-    /// Whether spin notifications are on (else the published spin window is "never").
-    notify: bool,
     counters: Counters,
 }
 
@@ -96,13 +96,12 @@ impl HintState {
         vcpus: usize,
         notify: bool,
     ) -> Result<Self, ConfigError> {
-        let budgets = SpinBudgets::new(vcpus, options.budgets)
+        let budgets = PageBudgets::new(vcpus, options.budgets, notify)
             .map_err(|e| ConfigError::HintPages(e.to_string()))?;
         Ok(Self {
             pages: HintPages::new(options.memory.clone(), vcpus),
             budgets,
             tsc_khz: AtomicU32::new(0),
-            notify,
             counters: Counters::default(),
         })
     }
@@ -117,30 +116,13 @@ impl HintState {
         self.tsc_khz.load(Ordering::Relaxed)
     }
 
-    /// Writes `v`'s budgets to `page` in TSC cycles.
-    pub(crate) fn publish(&self, v: usize, page: HintPage) {
-        let khz = self.tsc_khz();
-        let window = if self.notify {
-            ns_to_tsc(self.budgets.notify_after_ns(v), khz)
-        } else {
-            u64::MAX
-        };
-        page.publish_budgets(window, ns_to_tsc(self.budgets.wait_after_ns(v), khz), khz);
-    }
-
     /// SHARED_PAGE from `v`.
     pub(crate) fn register(&self, v: usize, pfn: u32) -> Result<(), RegisterError> {
         match self.pages.register(v, pfn) {
             Ok(page) => {
                 bump(&self.counters.registrations);
                 if let Some(page) = page {
-                    let cfg = self.budgets.config();
-                    let khz = self.tsc_khz();
-                    page.publish_wait_bounds(
-                        ns_to_tsc(cfg.wait_after_min_ns, khz),
-                        ns_to_tsc(cfg.wait_after_max_ns, khz),
-                    );
-                    self.publish(v, page);
+                    self.budgets.on_register(v, page, self.tsc_khz());
                 }
                 Ok(())
             }
@@ -155,25 +137,15 @@ impl HintState {
     /// the reported wait in ns, if there was one.
     pub(crate) fn on_exit(&self, v: usize) -> Option<u64> {
         let page = self.pages.get(v)?;
-        let cycles = page.take_last_wait()?;
+        let ns = self.budgets.on_wait_report(v, page, self.tsc_khz())?;
         bump(&self.counters.wait_reports);
-        let ns = tsc_to_ns(cycles, self.tsc_khz());
-        let before = self.budgets.wait_after_ns(v);
-        let after = self.budgets.on_wait(v, ns);
-        if before != after {
-            self.publish(v, page);
-        }
         Some(ns)
     }
 
     /// A spin notification of `v` was acted on usefully (its target was not running) or not.
     pub(crate) fn on_notification(&self, v: usize, useful: bool) {
-        let before = self.budgets.notify_after_ns(v);
-        if self.budgets.on_notification(v, useful) != before {
-            if let Some(page) = self.pages.get(v) {
-                self.publish(v, page);
-            }
-        }
+        self.budgets
+            .on_notification(v, useful, self.pages.get(v), self.tsc_khz());
     }
 
     pub(crate) fn note_wait(&self, kick_pending: bool, timed_out: bool) {
@@ -203,9 +175,10 @@ impl HintState {
 
     /// vCPU `v`'s budgets now.
     pub(crate) fn budgets(&self, v: usize) -> crate::telemetry::Budgets {
+        let b = self.budgets.budgets();
         crate::telemetry::Budgets {
-            wait_after_ns: self.budgets.wait_after_ns(v),
-            notify_after_ns: self.notify.then(|| self.budgets.notify_after_ns(v)),
+            wait_after_ns: b.wait_after_ns(v),
+            notify_after_ns: self.budgets.notify().then(|| b.notify_after_ns(v)),
         }
     }
 }

@@ -300,6 +300,11 @@ impl PvPlatform for Platform {
             return;
         };
         p.store32(hint::SPIN_STATE, hint::SPIN_IDLE);
+        if VIRTIO_NOTIFY.load(Ordering::Relaxed) != 0 {
+            // Waits too: a guest without spin notifications (kick only), or one whose
+            // notification window grew (the backend adapts it), notifies rarely or never.
+            registration_check(cpu);
+        }
         if let Some(a) = p.u64_at(hint::LAST_WAIT_TSC) {
             a.store(ticks.max(1), Ordering::Relaxed);
         }
@@ -348,16 +353,7 @@ impl PvPlatform for Platform {
             if let (true, Some(page), Some(queue)) =
                 (VIRTIO_SPIN.load(Ordering::Relaxed), page(cpu), spin_queue(max, cpu))
             {
-                // Now and then (an MMIO read exits): a restarted backend has forgotten the
-                // hint pages, and the device's ConfigGeneration says so.
-                // Only this vCPU writes its count: no locked add.
-                if let Some(count) = SPIN_NOTIFICATIONS.get(cpu as usize) {
-                    let n = count.load(Ordering::Relaxed);
-                    count.store(n.wrapping_add(1), Ordering::Relaxed);
-                    if n % REGISTRATION_CHECK_EVERY == 0 {
-                        crate::virtio::reregister_if_needed(hint_page_gpa);
-                    }
-                }
+                registration_check(cpu);
                 page.store32(hint::WAITING_FOR, encode(wait));
                 page.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
                 crate::virtio::notify(notify, queue);
@@ -471,11 +467,25 @@ fn hint_page_gpa(i: u32) -> u64 {
         .map_or(0, |p| p as *const HintPage as u64)
 }
 
-/// Spin notifications per vCPU through the virtio device, and how often one of them checks
-/// whether the hint pages must be registered again.
-static SPIN_NOTIFICATIONS: [AtomicU32; MAX_PV_VCPUS as usize] =
+/// Spin notifications and waits per vCPU through the virtio device, and how often one of them
+/// checks whether the hint pages must be registered again.
+static SLOW_PATH_EVENTS: [AtomicU32; MAX_PV_VCPUS as usize] =
     [const { AtomicU32::new(0) }; MAX_PV_VCPUS as usize];
 const REGISTRATION_CHECK_EVERY: u32 = 64;
+
+/// One slow-path event (a spin notification or a wait) of `cpu` through the virtio device: now
+/// and then (an MMIO read exits) it checks whether a restarted backend has forgotten the hint
+/// pages, which the device's ConfigGeneration says.
+fn registration_check(cpu: u32) {
+    // Only this vCPU writes its count: no locked add.
+    if let Some(count) = SLOW_PATH_EVENTS.get(cpu as usize) {
+        let n = count.load(Ordering::Relaxed);
+        count.store(n.wrapping_add(1), Ordering::Relaxed);
+        if n % REGISTRATION_CHECK_EVERY == 0 {
+            crate::virtio::reregister_if_needed(hint_page_gpa);
+        }
+    }
+}
 
 /// Turns PV kicks on through the pvspin virtio device at `base` (vCPU 0 brings it up and
 /// registers every vCPU's hint page; the others wait for it). Waiters halt with `hlt` in
