@@ -291,6 +291,9 @@ fn lock_workload_at_the_daemons_vcpu_limit() {
             "{json}"
         );
         assert!(daemon_kicks(&json) > 0, "{json}");
+    });
+}
+
 /// The daemon runs pvspin's budget code and forwards kicks from a real-time worker: a 4-vCPU
 /// user-mode guest on this host's 2 CPUs (issue 22's workload) spins through most contended
 /// acquisitions instead of halting, as in process. Before (a fixed notification window, no

@@ -127,24 +127,20 @@ pub enum YieldMode {
 /// keep both host CPUs busy waited for a CPU at every kick (the scheduler lets a running
 /// thread finish its slice, milliseconds), the waits outgrew the wait budget's ceiling and
 /// every acquisition ended in a halt (issue 22; `docs/benchmarks.md`, "pvspind at parity").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// The default is [`WorkerPriority::Inherit`]: real time only when the operator asks, since the
+/// worker runs what guests send and at real-time priority that CPU time is taken from every
+/// co-tenant's fair-class threads (bounded by the pacing, but taken all the same).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WorkerPriority {
     /// Leave the thread as created.
+    #[default]
     Inherit,
     /// `setpriority` to this nice value (below the current one: `CAP_SYS_NICE` or
     /// `RLIMIT_NICE`).
     Nice(i32),
     /// `SCHED_FIFO` at this priority (1-99; `CAP_SYS_NICE` or `RLIMIT_RTPRIO`).
     Fifo(u8),
-}
-
-impl Default for WorkerPriority {
-    fn default() -> Self {
-        // Real time only when the operator asks: a guest's kicks would otherwise run at a
-        // priority above every co-tenant's fair-class threads (bounded by the pacing, but
-        // still taken from them).
-        WorkerPriority::Inherit
-    }
 }
 
 impl std::str::FromStr for WorkerPriority {
