@@ -60,7 +60,20 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 3 {
         return;
     }
-    let nr = 1 + u32::from(u16::from_le_bytes([data[0], data[1]]) % 300);
+    // Every vCPU count the device accepts (1..=MAX_VCPUS); one above is refused by rule.
+    let nr = 1 + u32::from(u16::from_le_bytes([data[0], data[1]])) % (pvspin_kick::MAX_VCPUS + 1);
+    if nr > pvspin_kick::MAX_VCPUS {
+        let refused = KickDevice::userspace_with_clock(
+            KickConfig {
+                port: BASE,
+                nr_vcpus: nr,
+                ..KickConfig::default()
+            },
+            Box::new(ManualClock::new(0)),
+        );
+        assert!(refused.is_err(), "more than MAX_VCPUS vCPUs accepted");
+        return;
+    }
     let extra = u32::from(data[2]) & (FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT);
     let dev = KickDevice::userspace_with_clock(
         KickConfig {

@@ -7,8 +7,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_kvm::stats::{parse, HEADER_SIZE};
 use pvspin::{PvspinVcpuCounters, VcpuTelemetry, VmTelemetry};
+use pvspin_kvm::stats::{parse, HEADER_SIZE};
 
 fuzz_target!(|input: &[u8]| {
     if input.len() < 2 {

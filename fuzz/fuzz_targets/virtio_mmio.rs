@@ -7,9 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_vmm::virtio_mmio::{
-    MmioEffect, MmioRegisters, STATUS_DRIVER_OK, STATUS_FEATURES_OK,
-};
+use pvspin_vmm::virtio_mmio::{MmioEffect, MmioRegisters, STATUS_DRIVER_OK, STATUS_FEATURES_OK};
 
 const VERSION_1: u64 = 1 << 32;
 const OFFERED: u64 = VERSION_1 | 0b11;
@@ -50,7 +48,10 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         for (index, queue) in regs.ready_queues() {
-            assert!(present[index], "queue {index} the device does not have is ready");
+            assert!(
+                present[index],
+                "queue {index} the device does not have is ready"
+            );
             assert!(queue.num.is_power_of_two() && queue.num <= 8);
         }
     }
