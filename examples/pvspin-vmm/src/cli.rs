@@ -331,9 +331,10 @@ pub struct VmArgs {
     /// Guest workload.
     #[arg(long, value_enum, default_value_t = WorkloadArg::Lock)]
     pub workload: WorkloadArg,
-    /// Lock taken by the lock workload.
-    #[arg(long, value_enum, default_value_t = LockArg::Ticket)]
-    pub lock: LockArg,
+    /// Lock taken by the lock workload [default: ticket; with --guest stock: queued, Linux's
+    /// pv qspinlock, the one lock a stock guest has a PV version of].
+    #[arg(long, value_enum)]
+    pub lock: Option<LockArg>,
     /// Paravirtual locks.
     #[arg(long, value_enum, default_value_t = PvArg::Off)]
     pub pv: PvArg,
@@ -596,7 +597,13 @@ impl VmArgs {
         RunConfig {
             vcpus: self.vcpus,
             workload: self.workload.into(),
-            lock: self.lock.into(),
+            lock: self.lock.map_or(
+                match self.guest {
+                    GuestArg::Stock => LockKind::Queued,
+                    GuestArg::Pvspin => LockKind::Ticket,
+                },
+                Into::into,
+            ),
             iterations: self.iterations,
             cs_work: self.cs_work,
             ncs_work: self.ncs_work,
@@ -891,6 +898,11 @@ mod tests {
         assert_eq!(stock.guest, GuestKind::Stock);
         assert_eq!(stock.guest_spin_threshold(), 1 << 15);
         assert_eq!(stock.validate(8), Ok(()));
+        // Without --lock: the ticket lock for a pvspin guest, the pv qspinlock for a stock one.
+        assert_eq!(pvspin.lock, LockKind::Ticket);
+        let stock_default = parse(&["--guest", "stock", "--pv", "kick"]);
+        assert_eq!(stock_default.lock, LockKind::Queued);
+        assert_eq!(stock_default.validate(8), Ok(()));
         let set = parse(&["--guest", "stock", "--spin-threshold", "64"]);
         assert_eq!((set.guest_spin_threshold(), set.spin_threshold), (64, 64));
         // A refused stock run is a usage error (exit code 2), before /dev/kvm is opened.
