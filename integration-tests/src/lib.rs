@@ -178,3 +178,28 @@ pub fn with_watchdog<T>(
     done.store(true, Ordering::Release);
     out
 }
+
+/// Waits for `child`, killing it (and panicking, naming `what`) once it has run past `limit`:
+/// a test that runs the VMM as a child process never waits on it without a bound. Returns its
+/// exit status, stdout and stderr.
+pub fn finish_child(
+    mut child: std::process::Child,
+    what: &str,
+    limit: std::time::Duration,
+) -> (std::process::ExitStatus, String, String) {
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("waiting for the child").is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {limit:?}, killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let output = child.wait_with_output().expect("the child's output");
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}

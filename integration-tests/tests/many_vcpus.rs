@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use pvspin_integration_tests::{kvm_required, run_vmm_child_if_asked, with_watchdog};
+use pvspin_integration_tests::{finish_child, kvm_required, run_vmm_child_if_asked, with_watchdog};
 
 /// The environment variable that turns this binary into the example VMM: its arguments,
 /// separated by `\x1f`.
@@ -70,22 +70,9 @@ fn vmm_ok(test: &str, args: &[&str]) -> String {
     stdout
 }
 
-fn finish(mut child: Child, what: &str) -> (ExitStatus, String, String) {
-    let start = Instant::now();
-    while child.try_wait().expect("waiting for the child").is_none() {
-        if start.elapsed() > CHILD_LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: still running after {CHILD_LIMIT:?}, killed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = child.wait_with_output().expect("the child's output");
-    (
-        output.status,
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+/// [`finish_child`] bounded by [`CHILD_LIMIT`].
+fn finish(child: Child, what: &str) -> (ExitStatus, String, String) {
+    finish_child(child, what, CHILD_LIMIT)
 }
 
 /// The run's JSON report (the last line of stdout).

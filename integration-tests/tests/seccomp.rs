@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pvspin::seccomp::{self, ThreadKind};
-use pvspin_integration_tests::kvm_or_skip;
+use pvspin_integration_tests::{finish_child, kvm_or_skip};
 use seccompiler::SeccompAction;
 
 /// The environment variable that turns this binary into the example VMM: its arguments,
@@ -54,23 +54,9 @@ fn spawn_vmm(args: &[&str]) -> Child {
         .expect("starting the VMM child")
 }
 
-/// Waits for `child` (killing it past [`CHILD_LIMIT`]); its status, stdout and stderr.
-fn finish(mut child: Child, what: &str) -> (ExitStatus, String, String) {
-    let start = Instant::now();
-    while child.try_wait().expect("waiting for the child").is_none() {
-        if start.elapsed() > CHILD_LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: still running after {CHILD_LIMIT:?}, killed");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let output = child.wait_with_output().expect("the child's output");
-    (
-        output.status,
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+/// [`finish_child`] bounded by [`CHILD_LIMIT`].
+fn finish(child: Child, what: &str) -> (ExitStatus, String, String) {
+    finish_child(child, what, CHILD_LIMIT)
 }
 
 /// Runs the VMM with `args` and checks it exited with `code`; returns its stdout.
