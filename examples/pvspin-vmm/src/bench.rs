@@ -40,6 +40,12 @@ pub struct Variant {
     /// The guest (`@stock`, `@pvspin`; `None`: the run's `--guest`), so stock and
     /// pvspin-aware guests sit side by side in one table.
     pub guest: Option<GuestKind>,
+    /// KVM's halt-polling limit in ns (`/poll=N`; `None`: the run's `--halt-poll-ns`), so
+    /// wake paths with and without halt polling sit side by side in one table.
+    pub halt_poll_ns: Option<u32>,
+    /// Spin on the userspace path's latch before sleeping, in us (`/park=N`; `None`: the
+    /// run's `--park-spin-us`).
+    pub park_spin_us: Option<u64>,
 }
 
 impl Variant {
@@ -77,7 +83,21 @@ impl Variant {
             None => (variant.to_string(), None),
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
+        let (mut halt_poll_ns, mut park_spin_us) = (None, None);
+        let number = |opt: &str, value: &str| {
+            value
+                .parse::<u32>()
+                .map_err(|_| format!("{text:?}: {opt} needs a number, not {value:?}"))
+        };
         for opt in options.iter().flat_map(|o| o.split('/')) {
+            if let Some(value) = opt.strip_prefix("poll=") {
+                halt_poll_ns = Some(number("poll=", value)?);
+                continue;
+            }
+            if let Some(value) = opt.strip_prefix("park=") {
+                park_spin_us = Some(u64::from(number("park=", value)?));
+                continue;
+            }
             match opt {
                 "spins" => budgets = Some(crate::config::BudgetMode::Spins),
                 "time" => budgets = Some(crate::config::BudgetMode::Time),
@@ -87,7 +107,7 @@ impl Variant {
                 "vhost" => vhost = true,
                 other => {
                     return Err(format!(
-                    "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots, vhost)"
+                    "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US)"
                 ))
                 }
             }
@@ -141,9 +161,12 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(format!("{text:?}: unexpected {extra:?}"));
         }
-        if pv == PvMode::Off && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost) {
+        let wake_options = halt_poll_ns.is_some() || park_spin_us.is_some();
+        if pv == PvMode::Off
+            && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost || wake_options)
+        {
             return Err(format!(
-                "{text:?}: wait, budget, slot and vhost options need a PV mode"
+                "{text:?}: wait, budget, slot, vhost, poll and park options need a PV mode"
             ));
         }
         Ok(Self {
@@ -156,6 +179,8 @@ impl Variant {
             slots,
             vhost,
             guest: None,
+            halt_poll_ns,
+            park_spin_us,
         })
     }
 
@@ -176,6 +201,12 @@ impl Variant {
         }
         if self.vhost {
             s.push_str("/vhost");
+        }
+        if let Some(ns) = self.halt_poll_ns {
+            s.push_str(&format!("/poll={ns}"));
+        }
+        if let Some(us) = self.park_spin_us {
+            s.push_str(&format!("/park={us}"));
         }
         s
     }
@@ -214,7 +245,7 @@ impl Variant {
     }
 
     /// `base` with this variant's lock and PV settings and `hogs` hog threads.
-    fn config(&self, base: &RunConfig, hogs: u32) -> RunConfig {
+    pub fn config(&self, base: &RunConfig, hogs: u32) -> RunConfig {
         RunConfig {
             lock: self.lock,
             pv: self.pv,
@@ -232,6 +263,8 @@ impl Variant {
                 None
             },
             guest: self.guest.unwrap_or(base.guest),
+            halt_poll_ns: self.halt_poll_ns.or(base.halt_poll_ns),
+            park_spin_us: self.park_spin_us.unwrap_or(base.park_spin_us),
             hogs,
             ..base.clone()
         }
@@ -639,7 +672,7 @@ fn run_vms(
 }
 
 /// Waits for child `pid`; returns its exit status (or 128 + signal) and the CPU seconds it used.
-fn wait_with_rusage(pid: u32) -> Result<(i32, f64), RunError> {
+pub(crate) fn wait_with_rusage(pid: u32) -> Result<(i32, f64), RunError> {
     let mut status = 0;
     // SAFETY: rusage is plain data, written by the kernel.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -693,6 +726,8 @@ where
             slots: None,
             vhost: base.vhost_user.is_some(),
             guest: None,
+            halt_poll_ns: None,
+            park_spin_us: None,
         }]
     } else {
         options.variants.clone()

@@ -39,7 +39,7 @@ pub enum Command {
     /// vCPUs).
     Report(ReportArgs),
     /// A co-tenant for benchmarks: busy threads for a fixed time, then one JSON line with the
-    /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
+    /// work they got done (`bench --suite confinement` runs it beside a VM).
     #[command(hide = true)]
     Cotenant(CotenantArgs),
 }
@@ -549,6 +549,9 @@ impl From<StatsFormatArg> for pvspin::TelemetryFormat {
     }
 }
 
+/// `bench --runs` when not given.
+pub const DEFAULT_RUNS: u32 = 5;
+
 /// Options of `bench`.
 #[derive(Clone, Debug, Args)]
 pub struct BenchArgs {
@@ -558,12 +561,13 @@ pub struct BenchArgs {
     /// Hog counts to compare, one case each.
     #[arg(long, value_delimiter = ',', default_value = "0,2,4")]
     pub hogs: Vec<u32>,
-    /// Runs per case (cases are interleaved run by run, so noise spreads evenly).
-    #[arg(long, default_value_t = 5)]
-    pub runs: u32,
+    /// Runs per case (cases are interleaved run by run, so noise spreads evenly) [default: 5;
+    /// with --suite: each table's own, 1 with --quick].
+    #[arg(long)]
+    pub runs: Option<u32>,
     /// Variants to compare side by side, `lock:pv[/option...][:kick-path[:actuator]][@guest]`
     /// (e.g. `ticket:off,ticket:kick,queued:kick:userspace`; options `spins`, `time`, `hlt`,
-    /// `doorbell`, `slots`, `vhost`; `@stock` or `@pvspin` picks the guest, default --guest,
+    /// `doorbell`, `slots`, `vhost`, `poll=NS` (halt polling), `park=US` (userspace spin); `@stock` or `@pvspin` picks the guest, default --guest,
     /// so `queued:kick@pvspin,queued:kick@stock` compares a pvspin-aware and a stock guest in
     /// one table); the first is the baseline. Default: the one --lock/--pv/--kick-path/--guest
     /// describe.
@@ -583,6 +587,39 @@ pub struct BenchArgs {
     /// count, every run shown (ping-pong: kick-to-wake percentiles per variant).
     #[arg(long, value_name = "PATH.svg")]
     pub plot: Option<std::path::PathBuf>,
+    /// Run a named suite instead: every table of one part of docs/benchmarks.md, each a bench
+    /// of its own (or several, round by round), its runs, table and plot written to --out
+    /// (`TABLE.jsonl`, `TABLE.txt`, `TABLE.svg`, and `suite.txt` with the machine, the load and
+    /// every command). The suite sets every other bench option. `--suite list` lists them.
+    #[arg(long, value_name = "NAME")]
+    pub suite: Option<String>,
+    /// With --suite: where its files go [default: bench-out/NAME].
+    #[arg(long, value_name = "DIR", requires = "suite")]
+    pub out: Option<std::path::PathBuf>,
+    /// With --suite: scaled down (fewer iterations, 1 run per case unless --runs) for smoke
+    /// tests; its numbers are not the published ones.
+    #[arg(long, requires = "suite")]
+    pub quick: bool,
+    /// With --suite: print each table's commands and variants; run nothing.
+    #[arg(long, requires = "suite")]
+    pub dry_run: bool,
+    /// With --suite vhost or vhost-parity: the pvspind binary [default: beside this one].
+    #[arg(long, value_name = "PATH", requires = "suite")]
+    pub pvspind: Option<std::path::PathBuf>,
+    /// With --suite ab: build A (e.g. the previous main's pvspin-vmm).
+    #[arg(long, value_name = "PATH", requires = "suite")]
+    pub build_a: Option<std::path::PathBuf>,
+    /// With --suite ab: build B, run alternately with A, round by round.
+    #[arg(long, value_name = "PATH", requires = "suite")]
+    pub build_b: Option<std::path::PathBuf>,
+    /// With --suite kick-latency: the C probes' directory (`e2b_doorbell`, built with its
+    /// `build.sh` in a temporary copy), run round by round beside pvspin's ping-pong.
+    #[arg(long, value_name = "DIR", requires = "suite")]
+    pub probes: Option<std::path::PathBuf>,
+    /// With --suite ab: the bench arguments both builds run (after `--`), in place of the
+    /// suite's.
+    #[arg(last = true, value_name = "BENCH ARGS", requires = "suite")]
+    pub suite_args: Vec<String>,
     /// Internal: this process is VM `--child-vm` of a multi-VM run of case `--child-case`.
     #[arg(long, hide = true, requires = "child_vm")]
     pub child_case: Option<usize>,
@@ -698,6 +735,10 @@ where
         }
     };
     let vm_args = match &cli.command {
+        Command::Bench(args) if args.suite.is_some() => {
+            let mut stdout = std::io::stdout().lock();
+            return crate::suite::command(args, &mut stdout);
+        }
         Command::Run(args) => &args.vm,
         Command::Bench(args) => &args.vm,
         Command::Report(args) => {
@@ -788,7 +829,7 @@ where
     let child = args.child_case.zip(args.child_vm);
     let options = BenchOptions {
         hogs: args.hogs.clone(),
-        runs: args.runs,
+        runs: args.runs.unwrap_or(DEFAULT_RUNS),
         variants: args.variants.clone(),
         vms: args.vms.max(1),
         child,

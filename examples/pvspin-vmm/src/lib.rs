@@ -17,6 +17,7 @@ pub mod plot;
 pub mod report;
 pub mod saved;
 pub mod seccomp;
+pub mod suite;
 pub mod vcpu;
 pub mod vhost;
 pub mod virtio_mmio;

@@ -142,6 +142,50 @@ fn render_panels(panels: &[Panel]) -> Result<String, PlotError> {
     Ok(svg)
 }
 
+/// The SVG of one ratio per category, each run a circle, e.g. a co-tenant's throughput
+/// beside each kind of VM against a baseline (`categories`: name, the runs' ratios). The axis
+/// shows each category's number, the legend its name.
+pub fn render_ratios(
+    title: &str,
+    subtitle: &str,
+    y_desc: &str,
+    categories: &[(String, Vec<f64>)],
+) -> Result<String, PlotError> {
+    let series: Vec<Series> = categories
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, values))| !values.is_empty())
+        .map(|(i, (name, values))| {
+            let mut s = Series {
+                name: format!("{}: {name}", i + 1),
+                ..Series::default()
+            };
+            add_case(&mut s, i as f64, values.iter().copied());
+            s
+        })
+        .collect();
+    if series.is_empty() {
+        return Err(PlotError::Empty);
+    }
+    render_panels(&[Panel {
+        title: title.to_string(),
+        subtitle: subtitle.to_string(),
+        x_desc: "case (numbered as in the legend)".into(),
+        y_desc: y_desc.to_string(),
+        x_ticks: (0..categories.len())
+            .map(|i| (i as f64, (i + 1).to_string()))
+            .collect(),
+        x_range: -0.5..categories.len() as f64 - 0.5,
+        series,
+        reference_y: Some(1.0),
+        key: vec![
+            "filled dot: median of the runs",
+            "circle: one run",
+            "bar: fastest to slowest run",
+        ],
+    }])
+}
+
 /// Writes `svg` (from [`render_svg`] or [`render_ab_svg`]) to the file `path`.
 pub fn write(path: &Path, svg: &str) -> Result<(), PlotError> {
     std::fs::write(path, svg).map_err(|source| PlotError::Write {

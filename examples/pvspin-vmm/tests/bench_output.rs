@@ -317,3 +317,183 @@ fn bench_stdout_holds_the_table_alone() {
     svg_text(&std::fs::read_to_string(&svg).unwrap());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The `variants:` lines of a dry run, per table (`table NAME:` lines start one).
+fn dry_run_variants(text: &str) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("table ") {
+            out.push((rest.split(':').next().unwrap().to_string(), Vec::new()));
+        } else if let Some(variants) = line.trim().strip_prefix("variants: ") {
+            out.last_mut()
+                .expect("variants inside a table")
+                .1
+                .push(variants.to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn every_suite_lists_and_dry_runs_its_tables() {
+    let list = stdout(&vmm(&["bench", "--suite", "list"]));
+    let names: Vec<&str> = list
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "seed",
+            "seed-kernel",
+            "overcommit",
+            "actuators",
+            "short-cs",
+            "kick-latency",
+            "slots",
+            "stock-slots",
+            "confinement",
+            "vhost",
+            "vhost-parity",
+            "ab"
+        ],
+        "{list}"
+    );
+    for name in &names {
+        let text = stdout(&vmm(&[
+            "bench",
+            "--suite",
+            name,
+            "--quick",
+            "--dry-run",
+            "--out",
+            "OUT",
+        ]));
+        assert!(text.starts_with(&format!("suite {name}: ")), "{text}");
+        let tables = dry_run_variants(&text);
+        assert!(!tables.is_empty(), "{text}");
+        for (table, variants) in &tables {
+            // Every table's bench names its variants; confinement runs VMs by hand.
+            assert!(
+                *name == "confinement" || !variants.is_empty(),
+                "{name} {table}: {text}"
+            );
+        }
+    }
+    // The published variants, table by table.
+    let slots = stdout(&vmm(&["bench", "--suite", "slots", "--quick", "--dry-run"]));
+    let four = "ticket:kick:in-kernel ticket:kick+yield:in-kernel ticket:kick:userspace \
+                ticket:kick/slots:userspace";
+    let expected: Vec<(String, Vec<String>)> = [
+        ("user-4", four),
+        ("user-6", four),
+        ("user-8", four),
+        ("user-2", four),
+        ("kernel-4", four),
+        ("kernel-6", four),
+        ("kernel-8", four),
+        ("kernel-2", four),
+        ("vms", "ticket:kick:in-kernel ticket:kick/slots:userspace"),
+    ]
+    .iter()
+    .map(|(t, v)| (t.to_string(), vec![v.to_string()]))
+    .collect();
+    assert_eq!(dry_run_variants(&slots), expected, "{slots}");
+    assert!(slots.contains("--vms 2 "), "{slots}");
+    assert!(slots.contains("--iterations 300 "), "quick: {slots}");
+    let ab = stdout(&vmm(&[
+        "bench",
+        "--suite",
+        "ab",
+        "--dry-run",
+        "--runs",
+        "7",
+        "--",
+        "--cs-mode",
+        "user",
+        "--iterations",
+        "2000000",
+        "--hogs",
+        "0",
+        "--variants",
+        "ticket:kick",
+    ]));
+    assert!(
+        ab.contains("$BUILD_A bench --cs-mode user --iterations 2000000"),
+        "{ab}"
+    );
+    assert!(ab.contains("$BUILD_B bench --cs-mode user"), "{ab}");
+    assert!(ab.contains("(x7, round by round"), "{ab}");
+    // An unknown suite is a usage error.
+    let out = Command::new(VMM)
+        .args(["bench", "--suite", "nope", "--dry-run"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// One real suite, scaled down: every table's runs, table and plot land in the output
+/// directory, and the saved runs give the table again.
+#[test]
+fn a_quick_suite_writes_runs_tables_and_plots() {
+    if !kvm_or_skip("a_quick_suite_writes_runs_tables_and_plots") {
+        return;
+    }
+    let dir = scratch("suite");
+    let out_dir = dir.join("out");
+    let mut child = Command::new(VMM)
+        .args([
+            "bench",
+            "--suite",
+            "kick-latency",
+            "--quick",
+            "--runs",
+            "2",
+            "--out",
+        ])
+        .arg(&out_dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: the VMs have their own bounds, the suite must not outlive them.
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(240) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the quick suite ran past 240 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for table in ["kernel", "user"] {
+        let jsonl = out_dir.join(format!("{table}.jsonl"));
+        let saved = std::fs::read_to_string(out_dir.join(format!("{table}.txt"))).unwrap();
+        let again = stdout(&vmm(&["report", jsonl.to_str().unwrap()]));
+        assert!(saved.starts_with(&again), "{table}:\n{saved}\n---\n{again}");
+        assert!(saved.contains("us/handoff"), "{saved}");
+        assert_eq!(
+            saved.lines().filter(|l| l.starts_with("case ")).count(),
+            if table == "kernel" { 6 } else { 3 },
+            "{saved}"
+        );
+        let svg = svg_text(&std::fs::read_to_string(out_dir.join(format!("{table}.svg"))).unwrap());
+        assert!(svg.contains("Kick-to-wake latency per kick path"), "{svg}");
+    }
+    let log = std::fs::read_to_string(out_dir.join("suite.txt")).unwrap();
+    assert!(log.contains("load average"), "{log}");
+    assert!(
+        log.contains("--variants ticket:kick/poll=0:in-kernel"),
+        "{log}"
+    );
+    assert!(text.contains("== kernel:"), "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
