@@ -798,7 +798,7 @@ where
     let workload = vmm::workload_name(base.workload);
     let mut table = BenchTable {
         title: format!(
-            "{}{workload} workload on {} vCPUs ({} mode), {} {} each, cs {} ncs {}, {} runs per case, interleaved",
+            "{}{workload} workload on {} vCPUs ({} mode{}), {} {} each, cs {} ncs {}, {} runs per case, interleaved",
             if options.vms > 1 {
                 format!("{} VMs at once, separate processes, each: ", options.vms)
             } else {
@@ -806,6 +806,8 @@ where
             },
             vm.vcpus,
             if base.user_mode { "user" } else { "kernel" },
+            vm.cpu_limit
+                .map_or(String::new(), |cpus| format!(", under a {cpus}-CPU limit")),
             vm.iterations,
             if workload == "pingpong" { "handoffs" } else { "acquisitions" },
             vm.cs_work,

@@ -22,15 +22,16 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Runs one VM and prints a summary line and a JSON line.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
     ///
     /// Variants run side by side, interleaved run by run. Progress goes to stderr (a bar with
     /// the case, variant, run and the time left, when stderr is a terminal and without
     /// --quiet), the table alone to stdout (per row: mean (sd), median, slowest run, the
     /// change against the first variant, T/T1x, every run), every run's record to --json-out
-    /// (`report` prints the table again from it); --plot draws the table as SVG.
-    Bench(BenchArgs),
+    /// (`report` prints the table again from it); --plot draws the table as SVG. --suite NAME
+    /// runs every table of one part of docs/benchmarks.md instead (--suite list).
+    Bench(Box<BenchArgs>),
     /// Prints saved benches' tables again, or two benches side by side, without running VMs.
     ///
     /// Reads what `bench --json-out` wrote and prints each bench's table as `bench` printed

@@ -1511,8 +1511,8 @@ impl Runner {
         }
         match summary {
             Summary::PerHandoff => {
-                for k in 0..arms.len() {
-                    if matches!(arms[k], Arm::Bench { .. }) {
+                for (k, arm) in arms.iter().enumerate() {
+                    if matches!(arm, Arm::Bench { .. }) {
                         text.push_str(&per_handoff(&json(k))?);
                     }
                 }
@@ -1536,6 +1536,7 @@ impl Runner {
                         })
                         .collect();
                     self.write(&format!("{name}-probe.jsonl"), &probe_json)?;
+                    text.push_str(&per_handoff(&json(0))?);
                     text.push_str(&probe_summary(&json(0), cases, &probe_p50)?);
                 }
             }
