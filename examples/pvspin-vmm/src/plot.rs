@@ -679,10 +679,26 @@ fn y_axis(panel: &Panel) -> Axis {
     }
 }
 
-/// A tick's label: at most 3 significant digits, no trailing zeros.
+/// A tick's label: at most 3 significant digits, no trailing zeros; thousands grouped from
+/// 10,000 up (log axes of latencies reach millions of µs).
 fn tick_label(v: f64) -> String {
     if v == 0.0 {
         return "0".into();
+    }
+    if v.abs() >= 10_000.0 {
+        let digits = format!("{:.0}", v.abs());
+        let mut grouped = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i) % 3 == 0 {
+                grouped.push(',');
+            }
+            grouped.push(c);
+        }
+        return if v < 0.0 {
+            format!("-{grouped}")
+        } else {
+            grouped
+        };
     }
     let decimals = (2 - v.abs().log10().floor() as i32).max(0) as usize;
     let text = format!("{v:.decimals$}");
@@ -862,6 +878,9 @@ mod tests {
         assert_eq!(tick_label(0.05), "0.05");
         assert_eq!(tick_label(2.5), "2.5");
         assert_eq!(tick_label(1500.0), "1500");
+        assert_eq!(tick_label(10_000.0), "10,000");
+        assert_eq!(tick_label(1_000_000.0), "1,000,000");
+        assert_eq!(tick_label(-250_000.0), "-250,000");
         assert_eq!(tick_label(1.0), "1");
     }
 }
