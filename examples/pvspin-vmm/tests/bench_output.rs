@@ -425,6 +425,17 @@ fn every_suite_lists_and_dry_runs_its_tables() {
     );
     assert!(ab.contains("$BUILD_B bench --cs-mode user"), "{ab}");
     assert!(ab.contains("(x7, round by round"), "{ab}");
+    // Bench options the suite would ignore are refused.
+    for extra in [
+        &["--variants", "ticket:off"][..],
+        &["--hogs", "0"],
+        &["--plot", "x.svg"],
+    ] {
+        let mut args = vec!["bench", "--suite", "seed", "--dry-run"];
+        args.extend_from_slice(extra);
+        let out = Command::new(VMM).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
     // An unknown suite is a usage error.
     let out = Command::new(VMM)
         .args(["bench", "--suite", "nope", "--dry-run"])
