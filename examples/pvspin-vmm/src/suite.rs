@@ -1262,10 +1262,23 @@ impl Runner {
     }
 
     fn run(&self, steps: &[Step], out: &mut dyn Write) -> Result<(), SuiteError> {
-        // Check every bench command before spending minutes on the first ones.
+        // Check every bench command, build and daemon before spending minutes on the first
+        // tables.
         for step in steps {
-            if let Step::Table { name, arms, .. } = step {
+            if let Step::Table {
+                name,
+                arms,
+                daemons,
+                ..
+            } = step
+            {
+                if !daemons.is_empty() {
+                    self.pvspind()?;
+                }
                 for arm in arms {
+                    if let Arm::Bench { binary, .. } = arm {
+                        self.binary(*binary)?;
+                    }
                     if let Arm::Bench {
                         args,
                         binary: Binary::This,

@@ -436,6 +436,16 @@ fn every_suite_lists_and_dry_runs_its_tables() {
         let out = Command::new(VMM).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
+    // A suite without the builds or daemon it needs is refused before anything runs.
+    let dir = scratch("suite-needs");
+    let out = Command::new(VMM)
+        .args(["bench", "--suite", "ab", "--out"])
+        .arg(dir.join("ab"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--build-a"));
+    assert!(!dir.join("ab").exists());
     // An unknown suite is a usage error.
     let out = Command::new(VMM)
         .args(["bench", "--suite", "nope", "--dry-run"])
