@@ -471,13 +471,9 @@ fn scaling_panel(tables: &[Labelled<'_>]) -> Option<Panel> {
     Some(Panel {
         title: "Scaling: time per lock acquisition against vCPUs".into(),
         subtitle: format!(
-            "guest time / (vCPUs x acquisitions per vCPU), {} benches: {}",
+            "guest time / (vCPUs x acquisitions per vCPU); {} benches, the first: {}",
             locks.len(),
-            locks
-                .iter()
-                .map(|t| t.table.title.as_str())
-                .collect::<Vec<_>>()
-                .join(" | ")
+            locks.first().map_or("", |t| t.table.title.as_str())
         ),
         x_desc: "vCPUs".into(),
         y_desc: format!("time per acquisition ({unit})"),

@@ -138,6 +138,9 @@ pub enum Arm {
     Bench {
         /// Which build.
         binary: Binary,
+        /// Its name among the table's arms (its file is `TABLE-LABEL.jsonl`); empty: its
+        /// number.
+        label: &'static str,
         /// `bench`'s arguments without `--runs`, `--json-out`, `--plot`.
         args: Vec<String>,
     },
@@ -335,6 +338,7 @@ fn args(text: &str) -> Vec<String> {
 fn bench(text: &str) -> Vec<Arm> {
     vec![Arm::Bench {
         binary: Binary::This,
+        label: "",
         args: args(text),
     }]
 }
@@ -548,7 +552,8 @@ fn slots(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
             o.n(300_000, 3000)
         )),
     ));
-    let user = steps.clone();
+    // The 2-vCPU table has hogs, the others do not: the figure against vCPUs leaves it out.
+    let user = steps[..3].to_vec();
     steps.push(combine(
         "user",
         "run slots: time per acquisition against vCPUs, user mode (§8.1)",
@@ -579,7 +584,7 @@ fn slots(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
     steps.push(combine(
         "kernel",
         "run slots: time per acquisition against vCPUs, kernel mode (§8.2)",
-        &kernel,
+        &kernel[..3],
     ));
     steps.push(table(
         "vms",
@@ -732,6 +737,7 @@ fn vhost(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
         vec![
             Arm::Bench {
                 binary: Binary::This,
+                label: "paced",
                 args: args(&format!(
                     "{common} --pv-backend vhost-user:{{sockets}}/paced.sock --variants \
                      ticket:kick:in-kernel,ticket:kick:signal-msi,ticket:kick:userspace,\
@@ -740,6 +746,7 @@ fn vhost(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
             },
             Arm::Bench {
                 binary: Binary::This,
+                label: "unpaced",
                 args: args(&format!(
                     "{common} --pv-backend vhost-user:{{sockets}}/unpaced.sock --variants \
                      ticket:kick/vhost:in-kernel"
@@ -870,10 +877,12 @@ fn ab(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
         arms: vec![
             Arm::Bench {
                 binary: Binary::A,
+                label: "a",
                 args: args.clone(),
             },
             Arm::Bench {
                 binary: Binary::B,
+                label: "b",
                 args,
             },
         ],
@@ -997,10 +1006,10 @@ fn binary_name(binary: Binary) -> &'static str {
 }
 
 /// The outputs of an arm: `NAME.jsonl`, or `NAME-K.jsonl` / `NAME-a.jsonl` with several.
-fn arm_file(name: &str, k: usize, arms: usize, summary: Summary) -> String {
-    match (arms, summary) {
-        (1, _) => format!("{name}.jsonl"),
-        (_, Summary::Ab) => format!("{name}-{}.jsonl", if k == 0 { "a" } else { "b" }),
+fn arm_file(name: &str, k: usize, arms: &[Arm]) -> String {
+    match arms.get(k) {
+        _ if arms.len() == 1 => format!("{name}.jsonl"),
+        Some(Arm::Bench { label, .. }) if !label.is_empty() => format!("{name}-{label}.jsonl"),
         _ => format!("{name}-{}.jsonl", k + 1),
     }
 }
@@ -1027,7 +1036,7 @@ fn dry_run(
                 runs,
                 arms,
                 daemons,
-                summary,
+                ..
             } => {
                 let _ = writeln!(text, "table {name}: {what}; {runs} runs per case");
                 for d in daemons {
@@ -1035,13 +1044,13 @@ fn dry_run(
                 }
                 for (k, arm) in arms.iter().enumerate() {
                     match arm {
-                        Arm::Bench { binary, args } => {
+                        Arm::Bench { binary, args, .. } => {
                             let variants =
                                 check_bench_args(args).map_err(|message| SuiteError::Plan {
                                     table: name.clone(),
                                     message,
                                 })?;
-                            let file = dir.join(arm_file(name, k, arms.len(), *summary));
+                            let file = dir.join(arm_file(name, k, arms));
                             let runs = if arms.len() > 1 {
                                 format!("--runs 1 (x{runs}, round by round with the other arms)")
                             } else {
@@ -1282,6 +1291,7 @@ impl Runner {
                     if let Arm::Bench {
                         args,
                         binary: Binary::This,
+                        ..
                     } = arm
                     {
                         check_bench_args(args).map_err(|message| SuiteError::Plan {
@@ -1470,11 +1480,11 @@ impl Runner {
         log: &mut String,
     ) -> Result<String, SuiteError> {
         let running = self.start_daemons(daemons, sockets)?;
-        let json = |k: usize| self.path(&arm_file(name, k, arms.len(), summary));
+        let json = |k: usize| self.path(&arm_file(name, k, arms));
         let svg = self.path(&format!("{name}.svg"));
         let mut text;
         let mut probe_p50: Vec<Vec<f64>> = Vec::new();
-        if let [Arm::Bench { binary, args }] = arms {
+        if let [Arm::Bench { binary, args, .. }] = arms {
             let tail: Vec<String> = [
                 "--runs".to_string(),
                 runs.to_string(),
@@ -1497,7 +1507,7 @@ impl Runner {
             for round in 0..runs {
                 for (k, arm) in arms.iter().enumerate() {
                     match arm {
-                        Arm::Bench { binary, args } => {
+                        Arm::Bench { binary, args, .. } => {
                             let part = parts.join(format!("arm{k}-round{round}.jsonl"));
                             let tail: Vec<String> = [
                                 "--runs".to_string(),
