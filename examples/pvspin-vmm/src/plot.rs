@@ -81,6 +81,9 @@ struct Series {
     run_lines: Vec<Vec<(f64, f64)>>,
     /// Fastest to slowest run at x: a bar.
     spreads: Vec<(f64, f64, f64)>,
+    /// Medians of cases with runs stopped by the bound (counted as the bound, so the time is
+    /// at least this): marked apart.
+    bounded: Vec<(f64, f64)>,
 }
 
 /// One figure.
@@ -274,6 +277,7 @@ fn overcommit_panel(t: Labelled<'_>) -> Panel {
             };
             let x = i as f64 + dodge(j, variants.len(), 0.5);
             add_case(&mut s, x, case.seconds.iter().map(|v| v / scale));
+            mark_bounded(&mut s, case);
         }
         series.push(s);
     }
@@ -315,6 +319,13 @@ fn overcommit_panel(t: Labelled<'_>) -> Panel {
             "circle: one run",
             "bar: fastest to slowest run",
         ],
+    }
+}
+
+/// Marks the median `add_case` just added when some of `case`'s runs were stopped by the bound.
+fn mark_bounded(s: &mut Series, case: &CaseResult) {
+    if case.timed_out > 0 {
+        s.bounded.extend(s.line.last().copied());
     }
 }
 
@@ -360,6 +371,7 @@ fn ab_panel(a: &BenchTable, b: &BenchTable) -> Option<Panel> {
             }
             let x = i as f64 + dodge(j, variants.len(), 0.5);
             add_case(&mut s, x, cb.seconds.iter().map(|v| v / base));
+            mark_bounded(&mut s, &cb);
         }
         if !s.line.is_empty() {
             series.push(s);
@@ -462,6 +474,7 @@ fn scaling_panel(tables: &[Labelled<'_>]) -> Option<Panel> {
                 x,
                 case.seconds.iter().map(|s| per_acquisition(t, *s) * scale),
             );
+            mark_bounded(&mut series[j], case);
         }
     }
     for s in &mut series {
@@ -529,6 +542,7 @@ fn latency_panel(t: Labelled<'_>) -> Option<Panel> {
                 runs: case.kick_to_wake.iter().flat_map(ladder).collect(),
                 run_lines: case.kick_to_wake.iter().map(ladder).collect(),
                 spreads: Vec::new(),
+                bounded: Vec::new(),
             }
         })
         .collect();
@@ -790,6 +804,11 @@ fn draw_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &Panel) -> Resul
                 .map(|p| Circle::new(*p, 3, color.mix(0.8).stroke_width(1))),
         )?;
         chart.draw_series(s.line.iter().map(|p| Circle::new(*p, 5, color.filled())))?;
+        chart.draw_series(
+            s.bounded
+                .iter()
+                .map(|p| TriangleMarker::new(*p, 9, color.stroke_width(2))),
+        )?;
     }
     draw_legend(&legend_area, panel)
 }
@@ -797,7 +816,9 @@ fn draw_panel(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &Panel) -> Resul
 /// The legend, beside the chart: what the marks mean, then one line per series.
 fn draw_legend(area: &DrawingArea<SVGBackend<'_>, Shift>, panel: &Panel) -> Result<(), PlotError> {
     let mut y = 14;
-    for key in &panel.key {
+    let bounded = panel.series.iter().any(|s| !s.bounded.is_empty());
+    let bound_key = "triangle: runs stopped by the bound, time is at least this";
+    for key in panel.key.iter().chain(bounded.then_some(&bound_key)) {
         area.draw(&Text::new(
             (*key).to_string(),
             (4, y),
@@ -866,6 +887,41 @@ mod tests {
             ["queued:kick/slots:signal-msi@stock,", "2 hogs"]
         );
         assert_eq!(wrap("abcdefghij", 4, &[' ']), ["abcd", "efgh", "ij"]);
+    }
+
+    #[test]
+    fn runs_stopped_by_the_bound_are_marked_apart() {
+        let case = |hogs, seconds: &[f64], timed_out| CaseResult {
+            seconds: seconds.to_vec(),
+            timed_out,
+            ..CaseResult::new(hogs, crate::bench::Variant::parse("ticket:off").unwrap())
+        };
+        let table = BenchTable {
+            title: "t".into(),
+            workload: "lock".into(),
+            vcpus: 2,
+            vms: 1,
+            host_cpus: 2,
+            iterations: 10,
+            cases: vec![case(0, &[1.0, 1.2], 0), case(2, &[4.0, 20.0], 1)],
+        };
+        let labelled = [Labelled {
+            label: None,
+            table: &table,
+        }];
+        let svg = render_svg(&labelled).unwrap();
+        assert!(svg.contains("triangle: runs stopped by the bound"), "{svg}");
+        assert_eq!(panels(&labelled)[0].series[0].bounded.len(), 1);
+        let unbounded = BenchTable {
+            cases: vec![case(0, &[1.0], 0), case(2, &[4.0], 0)],
+            ..table.clone()
+        };
+        let svg = render_svg(&[Labelled {
+            label: None,
+            table: &unbounded,
+        }])
+        .unwrap();
+        assert!(!svg.contains("triangle:"), "{svg}");
     }
 
     #[test]
