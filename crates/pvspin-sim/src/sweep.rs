@@ -1,0 +1,74 @@
+//! Grids of simulations, written as CSV.
+
+use std::fmt::Write as _;
+
+use crate::config::{SimConfig, Variant};
+use crate::engine::{Sim, SimError};
+
+/// One point of a sweep.
+#[derive(Clone, Debug)]
+pub struct Point {
+    /// Host CPUs.
+    pub host_cpus: usize,
+    /// VMs.
+    pub vms: usize,
+    /// vCPUs per VM.
+    pub vcpus: usize,
+    /// The variant.
+    pub variant: Variant,
+}
+
+/// The CSV header [`row`] writes under.
+pub const HEADER: &str = "host_cpus,vms,vcpus_per_vm,total_vcpus,overcommit,variant,sim_ms,acquisitions,ns_per_acquisition,acq_per_vcpu_s,halts,kicks,boosts,slot_preemptions,slot_lends,events,wall_ms";
+
+/// Simulates `p` for `duration_ns` with `base`'s workload and seed; returns its CSV row.
+pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimError> {
+    let mut cfg = base.clone();
+    cfg.host_cpus = p.host_cpus;
+    cfg.vms = p.vms;
+    cfg.vcpus = p.vcpus;
+    cfg.variant = p.variant;
+    cfg.iterations = None;
+    cfg.duration_ns = Some(duration_ns);
+    let start = std::time::Instant::now();
+    let r = Sim::new(cfg)?.run();
+    let wall = start.elapsed().as_secs_f64() * 1e3;
+    let acq = r.acquisitions();
+    let total = p.vms * p.vcpus;
+    let per_acq = if acq == 0 {
+        f64::INFINITY
+    } else {
+        // Per VM: its time over its acquisitions, averaged.
+        duration_ns as f64 * p.vms as f64 / acq as f64
+    };
+    let sum = |f: fn(&crate::engine::VmReport) -> u64| r.vms.iter().map(f).sum::<u64>();
+    let slot = |f: fn(&pvspin_slots::SlotStats) -> u64| {
+        r.vms
+            .iter()
+            .filter_map(|v| v.slots.as_ref().map(f))
+            .sum::<u64>()
+    };
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{},{},{},{},{:.2},{},{:.1},{},{:.0},{:.0},{},{},{},{},{},{},{:.0}",
+        p.host_cpus,
+        p.vms,
+        p.vcpus,
+        total,
+        total as f64 / p.host_cpus as f64,
+        p.variant,
+        duration_ns as f64 / 1e6,
+        acq,
+        per_acq,
+        acq as f64 / total as f64 / (duration_ns as f64 / 1e9),
+        sum(|v| v.halts),
+        sum(|v| v.kicks),
+        sum(|v| v.boosts),
+        slot(|s| s.preemptions),
+        slot(|s| s.lends),
+        r.events,
+        wall
+    );
+    Ok(s)
+}
