@@ -82,6 +82,10 @@ pub struct Report {
     pub events: u64,
     /// Whether every VM finished (runs that end by iterations).
     pub finished: bool,
+    /// CPU time each host thread received, ns: the VMs' vCPU threads in order, then the hogs.
+    pub thread_cpu_ns: Vec<u64>,
+    /// Quota periods in which each VM's group was throttled (empty without a CPU limit).
+    pub throttled_periods: Vec<u64>,
 }
 
 impl Report {
@@ -410,6 +414,13 @@ impl Sim {
 
     /// Runs to the end (every VM finished, the bound, or the duration) and reports.
     pub fn run(mut self) -> Report {
+        self.start_all();
+        self.run_loop();
+        self.finish()
+    }
+
+    /// Puts every thread on the host at time 0.
+    fn start_all(&mut self) {
         let nv = self.vcpus.len() as u32;
         for tid in 0..nv {
             let first = self.rng.range(0, self.ncs_ns);
@@ -418,11 +429,9 @@ impl Sim {
             vc.left = first;
         }
         for tid in 0..self.threads.len() as u32 {
-            if tid < nv {
-                // Before its first KVM_RUN the vCPU asks for a slot.
-                if !self.slot_enter(tid) {
-                    continue;
-                }
+            // Before its first KVM_RUN a vCPU asks for a slot.
+            if tid < nv && !self.slot_enter(tid) {
+                continue;
             }
             self.make_runnable(tid);
         }
@@ -432,6 +441,9 @@ impl Sim {
         }
         let b = self.cost.balance_ns;
         self.at(b, Ev::Balance);
+    }
+
+    fn run_loop(&mut self) {
         let by_iterations = self.cfg.iterations.is_some();
         while let Some(Reverse((t, _, ev))) = self.heap.pop() {
             if t > self.end_ns {
@@ -447,11 +459,16 @@ impl Sim {
                 break;
             }
         }
-        let end_ns = if by_iterations {
-            self.now
-        } else {
-            self.end_ns
-        };
+    }
+
+    fn finish(mut self) -> Report {
+        let by_iterations = self.cfg.iterations.is_some();
+        if !by_iterations {
+            self.now = self.end_ns;
+        }
+        for cpu in 0..self.cpus.len() as u32 {
+            self.account(cpu);
+        }
         let finished = self.vms.iter().all(|vm| vm.done == vm.n);
         let vms = self
             .vms
@@ -464,9 +481,11 @@ impl Sim {
             .collect();
         Report {
             vms,
-            end_ns,
+            end_ns: self.now,
             events: self.events,
             finished,
+            thread_cpu_ns: self.threads.iter().map(|t| t.cpu_ns).collect(),
+            throttled_periods: self.groups.iter().map(|g| g.throttled_periods).collect(),
         }
     }
 
@@ -1173,5 +1192,138 @@ fn lock_index(lock: LockKind, guest: Guest) -> usize {
         (LockKind::Ticket, _) => 0,
         (LockKind::Tas, _) => 1,
         (LockKind::Queued, _) => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Variant;
+
+    fn cfg(variant: &str, vcpus: usize, iterations: u64) -> SimConfig {
+        let v: Variant = variant.parse().unwrap();
+        let mut c = SimConfig::new(v, vcpus, iterations);
+        c.cs_work = 5_000;
+        c.ncs_work = 5_000;
+        c
+    }
+
+    /// Every variant, overcommitted: each acquisition counted once per vCPU and in total, no
+    /// two vCPUs ever inside the critical section, every run finished.
+    #[test]
+    fn every_acquisition_is_counted_exactly_and_exclusion_holds() {
+        for variant in [
+            "ticket:off",
+            "tas:off",
+            "queued:off",
+            "ticket:kick",
+            "ticket:kick+yield",
+            "queued:kick",
+            "queued:kick+yield",
+            "ticket:kick:signal-msi",
+            "ticket:kick:userspace",
+            "queued:kick:in-kernel@stock",
+            "queued:kick/slots:in-kernel@stock",
+            "queued:kick/slots:signal-msi@stock",
+            "queued:kick/slots:userspace",
+            "ticket:kick/slots:in-kernel",
+            "ticket:kick+yield/slots:in-kernel",
+        ] {
+            for (vcpus, hogs) in [(2, 2), (5, 0), (8, 1)] {
+                let mut c = cfg(variant, vcpus, 300);
+                c.hogs = hogs;
+                c.seed = 3;
+                let mut sim = Sim::new(c).unwrap();
+                sim.start_all();
+                sim.run_loop();
+                assert!(
+                    sim.vcpus.iter().all(|v| v.acq == 300),
+                    "{variant} {vcpus}/{hogs}: per-vCPU counts {:?}",
+                    sim.vcpus.iter().map(|v| v.acq).collect::<Vec<_>>()
+                );
+                let r = sim.finish();
+                assert!(r.finished, "{variant} {vcpus}/{hogs} did not finish");
+                assert_eq!(r.acquisitions(), 300 * vcpus as u64, "{variant}");
+                assert_eq!(r.vms[0].exclusion_violations, 0, "{variant}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_run_and_seeds_differ() {
+        let mut c = cfg("ticket:kick+yield/slots:in-kernel", 6, 400);
+        c.hogs = 1;
+        let a = Sim::new(c.clone()).unwrap().run();
+        let b = Sim::new(c.clone()).unwrap().run();
+        assert_eq!(a, b);
+        let differ = (2..6).any(|seed| {
+            let mut d = c.clone();
+            d.seed = seed;
+            Sim::new(d).unwrap().run() != a
+        });
+        assert!(differ, "the seed changes nothing");
+    }
+
+    /// Always-runnable threads share the CPUs evenly; a heavier one gets its weight's share.
+    #[test]
+    fn the_scheduler_is_fair_by_weight() {
+        // One VM of one TAS vCPU (alone: never blocks) and 3 hogs on 2 CPUs, 1 s.
+        let mut c = cfg("tas:off", 1, 1);
+        c.iterations = None;
+        c.duration_ns = Some(1_000_000_000);
+        c.hogs = 3;
+        let r = Sim::new(c.clone()).unwrap().run();
+        for (t, &ns) in r.thread_cpu_ns.iter().enumerate() {
+            assert!(
+                (450_000_000..=550_000_000).contains(&ns),
+                "thread {t} got {ns} ns of 1 s with 4 threads on 2 CPUs"
+            );
+        }
+        // One CPU, two hogs and the vCPU; hog 1 at twice the weight gets half the CPU.
+        c.host_cpus = 1;
+        c.hogs = 2;
+        let mut sim = Sim::new(c).unwrap();
+        sim.start_all();
+        sim.set_weight(1, 2048);
+        sim.run_loop();
+        let r = sim.finish();
+        let (v, heavy, light) = (r.thread_cpu_ns[0], r.thread_cpu_ns[1], r.thread_cpu_ns[2]);
+        assert!((450_000_000..=550_000_000).contains(&heavy), "heavy {heavy}");
+        assert!((200_000_000..=300_000_000).contains(&v), "vcpu {v}");
+        assert!((200_000_000..=300_000_000).contains(&light), "light {light}");
+    }
+
+    /// A VM limited to half a CPU gets half a CPU, throttled every period.
+    #[test]
+    fn quota_throttles_the_vm_to_its_limit() {
+        let mut c = cfg("tas:off", 2, 1);
+        c.iterations = None;
+        c.duration_ns = Some(1_000_000_000);
+        c.cpu_limit = Some(0.5);
+        let r = Sim::new(c.clone()).unwrap().run();
+        let vm: u64 = r.thread_cpu_ns.iter().sum();
+        assert!(
+            (450_000_000..=560_000_000).contains(&vm),
+            "a 0.5-CPU VM got {vm} ns of CPU in 1 s"
+        );
+        assert!(r.throttled_periods[0] >= 9, "{:?}", r.throttled_periods);
+        // Without the limit it gets both CPUs.
+        c.cpu_limit = None;
+        let r = Sim::new(c).unwrap().run();
+        let vm: u64 = r.thread_cpu_ns.iter().sum();
+        assert!(vm > 1_900_000_000, "unlimited: {vm}");
+    }
+
+    /// Wake-up preemption: a vCPU that halts and is kicked runs before a hog finishes its
+    /// slice, so PV beats plain spinning under overcommit.
+    #[test]
+    fn pv_kick_beats_spinning_under_overcommit() {
+        let time = |variant: &str| {
+            let mut c = cfg(variant, 4, 2000);
+            c.seed = 5;
+            Sim::new(c).unwrap().run().guest_seconds()
+        };
+        let (off, kick) = (time("ticket:off"), time("ticket:kick"));
+        assert!(kick * 2.0 < off, "ticket:kick {kick} s against ticket:off {off} s");
     }
 }

@@ -42,6 +42,8 @@ pub(crate) struct Thread {
     pub(crate) exec_start: u64,
     pub(crate) slice_start: u64,
     pub(crate) group: Option<u32>,
+    /// CPU time received, ns.
+    pub(crate) cpu_ns: u64,
 }
 
 impl Thread {
@@ -54,6 +56,7 @@ impl Thread {
             exec_start: 0,
             slice_start: 0,
             group,
+            cpu_ns: 0,
         }
     }
 }
@@ -186,7 +189,7 @@ impl Sim {
     }
 
     /// Charges the running thread of `cpu` up to now.
-    fn account(&mut self, cpu: u32) {
+    pub(crate) fn account(&mut self, cpu: u32) {
         let now = self.now;
         let Some(curr) = self.cpus[cpu as usize].curr else {
             return;
@@ -194,6 +197,7 @@ impl Sim {
         let t = &mut self.threads[curr as usize];
         let delta = now.saturating_sub(t.exec_start);
         t.exec_start = now;
+        t.cpu_ns += delta;
         t.vruntime += delta * 1024 / u64::from(t.weight);
         let vr = t.vruntime;
         if let Some(g) = t.group {
