@@ -209,6 +209,8 @@ struct Vcpu {
     /// Whether the thread is on a CPU.
     on_cpu: bool,
     boost_token: u64,
+    /// When it began to wait for a slot.
+    slot_since: u64,
 }
 
 #[derive(Debug, Default)]
@@ -361,6 +363,7 @@ impl Sim {
                     saved: None,
                     on_cpu: false,
                     boost_token: 0,
+                    slot_since: 0,
                 });
             }
         }
@@ -999,7 +1002,13 @@ impl Sim {
         };
         let local = self.vcpus[v as usize].idx as usize;
         let sig = self.signals(m);
-        let r = s.poll_enter(local, self.now, &sig);
+        let since = if self.vcpus[v as usize].act == Act::SlotWait {
+            self.vcpus[v as usize].slot_since
+        } else {
+            self.now
+        };
+        self.vcpus[v as usize].slot_since = since;
+        let r = s.poll_enter(local, since, &sig);
         self.apply(m, sig);
         match r {
             Ok(_) => {
@@ -1041,6 +1050,13 @@ impl Sim {
         }
         let m = vc.vm as usize;
         let local = vc.idx as usize;
+        let since = vc.slot_since;
+        if let Some(s) = self.vms[m].slots.clone() {
+            // The woken thread's enter() looks once more: granted, and its wait is counted.
+            let sig = self.signals(m);
+            let _ = s.poll_enter(local, since, &sig);
+        }
+        let vc = &mut self.vcpus[v as usize];
         self.vms[m].board.unpark(local);
         self.vms[m].board.on_enter_run(local);
         let (act, left) = vc.saved.take().unwrap_or((Act::Spin, 0));

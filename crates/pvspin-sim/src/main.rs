@@ -61,6 +61,10 @@ enum Cmd {
         /// The seed.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Also run every point with each VM limited to its share of the host (cgroup quota
+        /// of host CPUs / VMs), which sizes the run slots to it.
+        #[arg(long)]
+        fair_share: bool,
     },
 }
 
@@ -125,6 +129,7 @@ fn main() -> ExitCode {
             cs_work,
             ncs_work,
             seed,
+            fair_share,
         } => (|| {
             let variants = parse_variants(&variants)?;
             let mut base = SimConfig::new(variants[0], 1, 1);
@@ -139,17 +144,25 @@ fn main() -> ExitCode {
                         if t % m != 0 {
                             continue;
                         }
-                        for &variant in &variants {
-                            let p = Point {
-                                host_cpus: h,
-                                vms: m,
-                                vcpus: t / m,
-                                variant,
-                            };
-                            let row = sweep::row(&base, &p, duration_ms * 1_000_000)
-                                .map_err(|e| e.to_string())?;
-                            eprintln!("{row}");
-                            writeln!(f, "{row}").map_err(|e| e.to_string())?;
+                        let shares: &[bool] = if fair_share && m > 1 {
+                            &[false, true]
+                        } else {
+                            &[false]
+                        };
+                        for &share in shares {
+                            for &variant in &variants {
+                                let p = Point {
+                                    host_cpus: h,
+                                    vms: m,
+                                    vcpus: t / m,
+                                    variant,
+                                    fair_share: share,
+                                };
+                                let row = sweep::row(&base, &p, duration_ms * 1_000_000)
+                                    .map_err(|e| e.to_string())?;
+                                eprintln!("{row}");
+                                writeln!(f, "{row}").map_err(|e| e.to_string())?;
+                            }
                         }
                     }
                 }

@@ -16,10 +16,13 @@ pub struct Point {
     pub vcpus: usize,
     /// The variant.
     pub variant: Variant,
+    /// Each VM limited to its share of the host (`host_cpus / vms` CPUs, cgroup quota), so
+    /// run slots size themselves to it.
+    pub fair_share: bool,
 }
 
 /// The CSV header [`row`] writes under.
-pub const HEADER: &str = "host_cpus,vms,vcpus_per_vm,total_vcpus,overcommit,variant,sim_ms,acquisitions,ns_per_acquisition,acq_per_vcpu_s,halts,kicks,boosts,slot_preemptions,slot_lends,events,wall_ms";
+pub const HEADER: &str = "host_cpus,vms,vcpus_per_vm,total_vcpus,overcommit,vm_cpu_limit,variant,sim_ms,acquisitions,ns_per_acquisition,acq_per_vcpu_s,halts,kicks,boosts,slot_preemptions,slot_lends,events,wall_ms";
 
 /// Simulates `p` for `duration_ns` with `base`'s workload and seed; returns its CSV row.
 pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimError> {
@@ -30,6 +33,10 @@ pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimE
     cfg.variant = p.variant;
     cfg.iterations = None;
     cfg.duration_ns = Some(duration_ns);
+    cfg.cpu_limit = p
+        .fair_share
+        .then(|| p.host_cpus as f64 / p.vms as f64)
+        .filter(|&l| l < p.host_cpus as f64);
     let start = std::time::Instant::now();
     let r = Sim::new(cfg)?.run();
     let wall = start.elapsed().as_secs_f64() * 1e3;
@@ -51,12 +58,13 @@ pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimE
     let mut s = String::new();
     let _ = write!(
         s,
-        "{},{},{},{},{:.2},{},{:.1},{},{:.0},{:.0},{},{},{},{},{},{},{:.0}",
+        "{},{},{},{},{:.2},{},{},{:.1},{},{:.0},{:.0},{},{},{},{},{},{},{:.0}",
         p.host_cpus,
         p.vms,
         p.vcpus,
         total,
         total as f64 / p.host_cpus as f64,
+        cfg_limit(p),
         p.variant,
         duration_ns as f64 / 1e6,
         acq,
@@ -71,4 +79,12 @@ pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimE
         wall
     );
     Ok(s)
+}
+
+fn cfg_limit(p: &Point) -> String {
+    if p.fair_share && p.vms > 1 {
+        format!("{}", p.host_cpus as f64 / p.vms as f64)
+    } else {
+        String::new()
+    }
 }
