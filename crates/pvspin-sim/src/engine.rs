@@ -22,8 +22,7 @@ use pvspin_hints::PageBudgets;
 use pvspin_slots::{RunSlots, SlotClock, SlotConfig, SlotSignals, SlotStats, SlotWaker};
 use pvspin_track::VcpuBoard;
 use pvspin_yield::{
-    BoostTrial, BudgetConfig, Decision, DirectedYield, PolicyConfig, SpinNotification,
-    TrialConfig,
+    BoostTrial, BudgetConfig, Decision, DirectedYield, PolicyConfig, SpinNotification, TrialConfig,
 };
 use thiserror::Error;
 
@@ -178,7 +177,13 @@ impl Act {
     fn timed(self) -> bool {
         matches!(
             self,
-            Act::Ncs | Act::Take | Act::Cs | Act::Kick | Act::WaitExit | Act::Resume | Act::SignalExit
+            Act::Ncs
+                | Act::Take
+                | Act::Cs
+                | Act::Kick
+                | Act::WaitExit
+                | Act::Resume
+                | Act::SignalExit
         )
     }
 }
@@ -660,7 +665,11 @@ impl Sim {
     fn acquire(&mut self, v: u32) {
         let m = self.vcpus[v as usize].vm as usize;
         let lk = &mut self.vms[m].lock;
-        if lk.owner.is_none() && (self.cfg.variant.lock == LockKind::Tas || lk.queue.is_empty() || self.cfg.variant.guest == Guest::Stock) {
+        if lk.owner.is_none()
+            && (self.cfg.variant.lock == LockKind::Tas
+                || lk.queue.is_empty()
+                || self.cfg.variant.guest == Guest::Stock)
+        {
             lk.owner = Some(v);
             let t = self.cost.uncontended_ns;
             self.start(v, Act::Take, t);
@@ -679,9 +688,7 @@ impl Sim {
         let var = self.cfg.variant;
         let deadline = match (var.pv, var.guest) {
             (PvMode::Off, _) => u64::MAX,
-            (_, Guest::Stock) => {
-                self.now + self.cost.stock_spin_threshold * self.cost.pause_ns
-            }
+            (_, Guest::Stock) => self.now + self.cost.stock_spin_threshold * self.cost.pause_ns,
             _ => {
                 let vc = &self.vcpus[v as usize];
                 let b = self.vms[vc.vm as usize].budgets.budgets();
@@ -855,7 +862,9 @@ impl Sim {
                     .spinners
                     .iter()
                     .copied()
-                    .filter(|&w| self.vcpus[w as usize].on_cpu && self.vcpus[w as usize].act == Act::Spin)
+                    .filter(|&w| {
+                        self.vcpus[w as usize].on_cpu && self.vcpus[w as usize].act == Act::Spin
+                    })
                     .collect();
                 if !running.is_empty() {
                     let w = running[self.rng.below(running.len())];
@@ -938,7 +947,8 @@ impl Sim {
         }
         let vc = &mut self.vcpus[n as usize];
         if vc.act == Act::Halted {
-            let lat = self.cost.kick_to_wake_ns[var.path.index()].saturating_sub(self.cost.resume_ns);
+            let lat =
+                self.cost.kick_to_wake_ns[var.path.index()].saturating_sub(self.cost.resume_ns);
             let token = vc.wake_token;
             self.at(self.now + lat, Ev::Wake(n, token));
         } else {
@@ -1009,7 +1019,7 @@ impl Sim {
         };
         self.vcpus[v as usize].slot_since = since;
         let r = s.poll_enter(local, since, &sig);
-        self.apply(m, sig);
+        self.apply(m, &sig);
         match r {
             Ok(_) => {
                 self.vms[m].board.on_enter_run(local);
@@ -1081,12 +1091,12 @@ impl Sim {
         let local = self.vcpus[v as usize].idx as usize;
         let sig = self.signals(m);
         let keep = s.exited(local, &sig);
-        self.apply(m, sig);
+        self.apply(m, &sig);
         keep
     }
 
     /// Carries out what a slot call asked: preemptions and grants.
-    fn apply(&mut self, m: usize, sig: Signals) {
+    fn apply(&mut self, m: usize, sig: &Signals) {
         let pre = std::mem::take(&mut *lock(&sig.preempts));
         for h in pre {
             self.preempt(self.vms[m].base + h as u32);
@@ -1106,7 +1116,10 @@ impl Sim {
     /// The slot policy asks `v` to leave KVM_RUN (the interrupter's signal).
     fn preempt(&mut self, v: u32) {
         let vc = &mut self.vcpus[v as usize];
-        if matches!(vc.act, Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit) {
+        if matches!(
+            vc.act,
+            Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit
+        ) {
             return;
         }
         if vc.on_cpu {
@@ -1120,7 +1133,10 @@ impl Sim {
 
     fn forced_exit(&mut self, v: u32) {
         let vc = &self.vcpus[v as usize];
-        if matches!(vc.act, Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit) {
+        if matches!(
+            vc.act,
+            Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit
+        ) {
             return;
         }
         self.interrupt(v, 1);
@@ -1130,7 +1146,10 @@ impl Sim {
     fn interrupt(&mut self, v: u32, cost: u64) {
         let now = self.now;
         let vc = &mut self.vcpus[v as usize];
-        if matches!(vc.act, Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit) {
+        if matches!(
+            vc.act,
+            Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit
+        ) {
             if vc.on_cpu && vc.act == Act::SignalExit {
                 self.arm(v);
             }
@@ -1144,7 +1163,10 @@ impl Sim {
     }
 
     fn arm_watch(&mut self, m: usize) {
-        if self.vms[m].slots.is_none() || self.vms[m].watch_armed || !self.cfg.variant.path.halts_in_kvm() {
+        if self.vms[m].slots.is_none()
+            || self.vms[m].watch_armed
+            || !self.cfg.variant.path.halts_in_kvm()
+        {
             return;
         }
         self.vms[m].watch_armed = true;
@@ -1168,7 +1190,7 @@ impl Sim {
             let halted = self.vcpus[(base + local as u32) as usize].halted_in_kvm;
             let sig = self.signals(m);
             s.halt_changed(local, halted, &sig);
-            self.apply(m, sig);
+            self.apply(m, &sig);
         }
         let any = !set.is_empty();
         self.vms[m].watch_set = set;
@@ -1304,9 +1326,15 @@ mod tests {
         sim.run_loop();
         let r = sim.finish();
         let (v, heavy, light) = (r.thread_cpu_ns[0], r.thread_cpu_ns[1], r.thread_cpu_ns[2]);
-        assert!((450_000_000..=550_000_000).contains(&heavy), "heavy {heavy}");
+        assert!(
+            (450_000_000..=550_000_000).contains(&heavy),
+            "heavy {heavy}"
+        );
         assert!((200_000_000..=300_000_000).contains(&v), "vcpu {v}");
-        assert!((200_000_000..=300_000_000).contains(&light), "light {light}");
+        assert!(
+            (200_000_000..=300_000_000).contains(&light),
+            "light {light}"
+        );
     }
 
     /// A VM limited to half a CPU gets half a CPU, throttled every period.
@@ -1340,6 +1368,9 @@ mod tests {
             Sim::new(c).unwrap().run().guest_seconds()
         };
         let (off, kick) = (time("ticket:off"), time("ticket:kick"));
-        assert!(kick * 2.0 < off, "ticket:kick {kick} s against ticket:off {off} s");
+        assert!(
+            kick * 2.0 < off,
+            "ticket:kick {kick} s against ticket:off {off} s"
+        );
     }
 }

@@ -9,7 +9,10 @@ use pvspin_sim::sweep::{self, Point};
 use pvspin_sim::{Sim, SimConfig, Variant};
 
 #[derive(Parser, Debug)]
-#[command(name = "pvspin-sim", about = "Deterministic simulator of pvspin on big hosts")]
+#[command(
+    name = "pvspin-sim",
+    about = "Deterministic simulator of pvspin on big hosts"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -248,11 +251,21 @@ fn validate(path: &str, seeds: u64) -> Result<(), String> {
         }
         let f: Vec<&str> = line.split(',').collect();
         if f.len() < 6 {
-            return Err(format!("{path}:{}: want hogs,vcpus,iterations,variant,median_s,slowest_s", n + 1));
+            return Err(format!(
+                "{path}:{}: want hogs,vcpus,iterations,variant,median_s,slowest_s",
+                n + 1
+            ));
         }
-        let num = |i: usize| f[i].trim().parse::<f64>().map_err(|e| format!("{path}:{}: {e}", n + 1));
+        let num = |i: usize| {
+            f[i].trim()
+                .parse::<f64>()
+                .map_err(|e| format!("{path}:{}: {e}", n + 1))
+        };
         let (hogs, vcpus, iters) = (num(0)? as usize, num(1)? as usize, num(2)? as u64);
-        let variant: Variant = f[3].trim().parse().map_err(|e: pvspin_sim::ConfigError| e.to_string())?;
+        let variant: Variant = f[3]
+            .trim()
+            .parse()
+            .map_err(|e: pvspin_sim::ConfigError| e.to_string())?;
         let measured = num(4)?;
         let mut times = Vec::new();
         for seed in 1..=seeds.max(1) {

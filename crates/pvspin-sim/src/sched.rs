@@ -275,7 +275,9 @@ impl Sim {
                 let base = (self.latency / nr).max(self.min_gran);
                 let slice = self.rng.range(base / 2, base + base / 2);
                 let t = &self.threads[curr as usize];
-                if self.now.saturating_sub(t.slice_start) >= slice || first + self.latency < t.vruntime {
+                if self.now.saturating_sub(t.slice_start) >= slice
+                    || first + self.latency < t.vruntime
+                {
                     self.preempt_curr(cpu);
                 }
             }
@@ -354,8 +356,7 @@ impl Sim {
             };
             self.queued_total -= 1;
             let t = &mut self.threads[tid as usize];
-            t.vruntime =
-                vr - self.cpus[hi].min_vruntime.min(vr) + self.cpus[lo].min_vruntime;
+            t.vruntime = vr - self.cpus[hi].min_vruntime.min(vr) + self.cpus[lo].min_vruntime;
             t.state = TState::Blocked;
             self.enqueue(lo as u32, tid, false);
         }

@@ -1022,7 +1022,11 @@ mod tests {
         assert_eq!(s.poll_enter(1, 500_001, &sig), Err(1_000_000));
         assert_eq!(*seen.lock().unwrap(), vec![0]);
         s.leave(0);
-        assert_eq!(*seen.lock().unwrap(), vec![0, 1], "the queued vCPU is named");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![0, 1],
+            "the queued vCPU is named"
+        );
         assert!(s.holds(1));
     }
 
