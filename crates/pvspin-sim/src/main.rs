@@ -30,6 +30,9 @@ enum Cmd {
         /// Seeds per row (the median is compared).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
+        /// Override the context-switch cost, ns (to test its sensitivity).
+        #[arg(long)]
+        context_switch_ns: Option<u64>,
     },
     /// Simulate a grid of host CPUs, VMs and vCPUs for each variant; write CSV.
     Sweep {
@@ -121,7 +124,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => run(&a),
-        Cmd::Validate { measured, seeds } => validate(&measured, seeds),
+        Cmd::Validate {
+            measured,
+            seeds,
+            context_switch_ns,
+        } => validate(&measured, seeds, context_switch_ns),
         Cmd::Sweep {
             out,
             duration_ms,
@@ -239,7 +246,7 @@ fn run(a: &RunArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn validate(path: &str, seeds: u64) -> Result<(), String> {
+fn validate(path: &str, seeds: u64, context_switch_ns: Option<u64>) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -283,6 +290,9 @@ fn validate(path: &str, seeds: u64) -> Result<(), String> {
                 cfg.ncs_work = c;
             }
             cfg.bound_ns = 60_000_000_000;
+            if let Some(ns) = context_switch_ns {
+                cfg.cost.context_switch_ns = ns;
+            }
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
             times.push(r.guest_seconds());
         }
