@@ -845,6 +845,36 @@ impl Sim {
             self.drain(m);
         }
         self.block(v);
+        self.not_running_now(v);
+    }
+
+    /// `v` stopped running (halted, or waits for a slot): spinners on a CPU that wait for it
+    /// see that in their next look (the hint page's NOT_RUNNING for pvspin guests, the
+    /// steal-time `preempted` byte that slots set for stock guests) and wait now.
+    fn not_running_now(&mut self, v: u32) {
+        if self.cfg.variant.pv == PvMode::Off {
+            return;
+        }
+        let m = self.vcpus[v as usize].vm as usize;
+        let spinners: Vec<u32> = self.vms[m]
+            .lock
+            .queue
+            .iter()
+            .copied()
+            .filter(|&w| {
+                let vc = &self.vcpus[w as usize];
+                w != v && vc.on_cpu && vc.act == Act::Spin
+            })
+            .collect();
+        for w in spinners {
+            if self.vcpus[w as usize].act == Act::Spin
+                && self.vcpus[w as usize].on_cpu
+                && self.waited_for(w) == Some(v)
+                && self.waits_early(w)
+            {
+                self.wait(w);
+            }
+        }
     }
 
     /// A kick's wake-up arrives: the thread becomes runnable.
@@ -1076,6 +1106,7 @@ impl Sim {
                 if self.threads[v as usize].state == TState::Running {
                     self.block(v);
                 }
+                self.not_running_now(v);
                 false
             }
         }
