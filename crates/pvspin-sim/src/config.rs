@@ -54,6 +54,9 @@ pub enum LockKind {
     Tas,
     /// MCS queued lock (`PvQueuedLock` with PV; Linux's pv qspinlock for the stock guest).
     Queued,
+    /// Ticket lock whose waiters back off in proportion to their place in the queue, with an
+    /// auto-tuned unit (`BackoffTicketLock`; `PvBackoffTicketLock` with PV).
+    Backoff,
 }
 
 /// Paravirtual mode.
@@ -135,6 +138,7 @@ impl FromStr for Variant {
             Some("ticket") => LockKind::Ticket,
             Some("tas") => LockKind::Tas,
             Some("queued") => LockKind::Queued,
+            Some("backoff") => LockKind::Backoff,
             _ => return Err(bad()),
         };
         let pv_part = parts.next().unwrap_or("off");
@@ -201,6 +205,7 @@ impl fmt::Display for Variant {
             LockKind::Ticket => "ticket",
             LockKind::Tas => "tas",
             LockKind::Queued => "queued",
+            LockKind::Backoff => "backoff",
         };
         let pv = match self.pv {
             PvMode::Off => "off",
@@ -342,6 +347,8 @@ mod tests {
             "queued:kick/slots:signal-msi@stock",
             "queued:kick/slots:userspace",
             "ticket:kick/slots:in-kernel",
+            "backoff:off",
+            "backoff:kick:in-kernel",
         ] {
             let v: Variant = s.parse().unwrap();
             assert_eq!(v.to_string(), s);

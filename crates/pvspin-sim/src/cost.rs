@@ -72,6 +72,9 @@ pub struct CostModel {
     pub pause_ns: u64,
     /// The stock guest's spins before it halts (Linux's `SPIN_THRESHOLD`, `1 << 15`).
     pub stock_spin_threshold: u64,
+    /// The backoff lock's unit bounds, in spins: `HandoverEstimate::MIN_SPINS` and
+    /// `MAX_SPINS` of `pvspin-guest` (1 and 1024), each spin [`CostModel::pause_ns`].
+    pub backoff_unit_spins: (u64, u64),
     /// How long a directed-yield boost lasts at most. Source: `pvspin-vmm --help`, "--actuator
     /// nice: nice -10 boost of the waited-for vCPU's thread for at most 2 ms".
     pub boost_ns: u64,
@@ -114,6 +117,7 @@ impl Default for CostModel {
             slot_wake_ns: 15_000,
             pause_ns: 28,
             stock_spin_threshold: 1 << 15,
+            backoff_unit_spins: (1, 1024),
             boost_ns: 2_000_000,
             boost_weight: 9548,
             tick_ns: 1_000_000,

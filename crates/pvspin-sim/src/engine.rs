@@ -216,6 +216,8 @@ struct Vcpu {
     boost_token: u64,
     /// When it began to wait for a slot.
     slot_since: u64,
+    /// Backoff lock: it was two or more places from the head, so it sleeps between looks.
+    backed_off: bool,
 }
 
 #[derive(Debug, Default)]
@@ -226,6 +228,10 @@ struct LockState {
     queue: VecDeque<u32>,
     /// TAS spinners.
     spinners: Vec<u32>,
+    /// Backoff lock: the waiters' estimate of one hand-over, ns (an EWMA of the time between
+    /// releases, as its waiters sample it, clamped to the unit's bounds).
+    unit_ns: u64,
+    last_release: u64,
 }
 
 struct Vm {
@@ -369,6 +375,7 @@ impl Sim {
                     on_cpu: false,
                     boost_token: 0,
                     slot_since: 0,
+                    backed_off: false,
                 });
             }
         }
@@ -709,6 +716,9 @@ impl Sim {
         } else {
             lk.queue.push_back(v);
         }
+        // Two or more places from the head (a holder and a waiter ahead): backoff sleeps.
+        let deep = lk.queue.len() >= 2;
+        self.vcpus[v as usize].backed_off = self.cfg.variant.lock == LockKind::Backoff && deep;
         self.spin_start(v);
     }
 
@@ -740,7 +750,8 @@ impl Sim {
         let h = self.cost.handoff_ns[lock_index(var.lock, var.guest)];
         let lk = &mut self.vms[m].lock;
         if lk.owner == Some(v) && !lk.in_cs {
-            self.start(v, Act::Take, h);
+            let late = self.backoff_lateness(v);
+            self.start(v, Act::Take, h + late);
             return;
         }
         if lk.owner.is_none() {
@@ -763,6 +774,18 @@ impl Sim {
             return;
         }
         self.arm(v);
+    }
+
+    /// How late a backoff waiter takes a lock handed to it: a waiter that was two or more
+    /// places back sleeps a unit (or more) between looks, so it notices its turn up to a unit
+    /// late (drawn uniformly); one that was next in line from the start polls every spin.
+    fn backoff_lateness(&mut self, v: u32) -> u64 {
+        if !std::mem::take(&mut self.vcpus[v as usize].backed_off) {
+            return 0;
+        }
+        let m = self.vcpus[v as usize].vm as usize;
+        let unit = self.vms[m].lock.unit_ns;
+        self.rng.range(0, unit)
     }
 
     /// The vCPU `v` waits for: the holder (ticket), the predecessor (queued).
@@ -809,6 +832,8 @@ impl Sim {
             }
         }
         let vc = &mut self.vcpus[v as usize];
+        // A backoff waiter stops backing off when it waits; woken, it looks at once.
+        vc.backed_off = false;
         vc.wait_t0 = self.now;
         let t = draw(&mut self.rng, self.cost.wait_exit);
         self.start(v, Act::WaitExit, t);
@@ -918,6 +943,15 @@ impl Sim {
         vm.lock.in_cs = false;
         vm.lock.owner = None;
         vm.report.acquisitions += 1;
+        if var.lock == LockKind::Backoff {
+            // The waiters' sample: the time between hand-overs, preemptions included.
+            let (lo, hi) = self.cost.backoff_unit_spins;
+            let (lo, hi) = (lo * self.cost.pause_ns, hi * self.cost.pause_ns);
+            let sample = self.now.saturating_sub(vm.lock.last_release).clamp(lo, hi);
+            let unit = vm.lock.unit_ns.clamp(lo, hi);
+            vm.lock.unit_ns = (unit * 7 + sample) / 8;
+            vm.lock.last_release = self.now;
+        }
         self.vcpus[v as usize].acq += 1;
         let mut kicked = None;
         match var.lock {
@@ -956,7 +990,8 @@ impl Sim {
                         if blocked {
                             kicked = Some(n);
                         } else if n_on_cpu && na == Act::Spin {
-                            self.start(n, Act::Take, h);
+                            let late = self.backoff_lateness(n);
+                            self.start(n, Act::Take, h + late);
                         }
                     }
                 }
@@ -1292,7 +1327,7 @@ impl Sim {
 fn lock_index(lock: LockKind, guest: Guest) -> usize {
     match (lock, guest) {
         (_, Guest::Stock) => 3,
-        (LockKind::Ticket, _) => 0,
+        (LockKind::Ticket | LockKind::Backoff, _) => 0,
         (LockKind::Tas, _) => 1,
         (LockKind::Queued, _) => 2,
     }
@@ -1320,6 +1355,8 @@ mod tests {
             "ticket:off",
             "tas:off",
             "queued:off",
+            "backoff:off",
+            "backoff:kick",
             "ticket:kick",
             "ticket:kick+yield",
             "queued:kick",
