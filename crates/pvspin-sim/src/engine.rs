@@ -2,7 +2,7 @@
 //!
 //! Time is simulated nanoseconds; events are ordered by (time, sequence number), so a seed
 //! fixes the run. A vCPU's guest makes progress only while its thread runs on a host CPU
-//! ([`crate::sched`]); each guest step (non-critical work, critical section, hand-over, an
+//! (the `sched` module); each guest step (non-critical work, critical section, hand-over, an
 //! exit's cost) is one pending event, cancelled by a token when the thread loses its CPU and
 //! charged only for the time it ran.
 //!

@@ -1,11 +1,12 @@
 //! A deterministic discrete-event simulator of pvspin on hosts we do not have.
 //!
 //! It models host CPUs under a CFS-like fair scheduler (weights, slices, wake-up preemption,
-//! CPU hogs, cgroup quota throttling: [`sched`]), VMs whose vCPU threads run a guest lock
-//! workload (ticket, TAS, MCS queued, Linux's pv qspinlock as a stock guest runs it; critical
+//! CPU hogs, cgroup quota throttling), VMs whose vCPU threads run a guest lock workload
+//! (ticket, TAS, backoff, MCS queued, Linux's pv qspinlock as a stock guest runs it; critical
 //! and non-critical sections; PV wait and kick), and the VMM's pvspin hooks ([`engine`]).
-//! pvspin's own policies decide, unchanged: `pvspin_slots::RunSlots`, `pvspin_hints::PageBudgets`,
-//! `pvspin_yield::DirectedYield` over a `pvspin_track::VcpuBoard`, `pvspin_yield::BoostTrial`.
+//! pvspin's own policies decide, unchanged: `pvspin_slots::RunSlots`,
+//! `pvspin_hints::PageBudgets`, `pvspin_yield::DirectedYield` over a `pvspin_track::VcpuBoard`,
+//! `pvspin_yield::BoostTrial`.
 //! Every cost comes from one documented struct ([`CostModel`]) with the source of each number.
 //!
 //! ```

@@ -1,7 +1,8 @@
 //! The host scheduler: a CFS-like fair scheduler per host CPU.
 //!
-//! Each CPU has a run queue ordered by virtual runtime (ns of CPU weighted by `1024 /
-//! weight`). The running thread is charged at every tick (`CostModel::tick_ns`) and at every
+//! Each CPU has a run queue ordered by virtual deadline, EEVDF's order: virtual runtime (ns of
+//! CPU weighted by `1024 / weight`) plus the base slice weighted the same way, so equal weights
+//! run in virtual-runtime order and a boosted (heavier) thread comes first. The running thread is charged at every tick (`CostModel::tick_ns`) and at every
 //! switch; at a tick it yields its CPU once it ran its slice, `max(latency / nr_running,
 //! min_granularity)`, to the leftmost queued thread. A thread that wakes is placed at
 //! `max(its vruntime, min_vruntime - latency / 2)` (the sleeper credit of
@@ -42,6 +43,8 @@ pub(crate) struct Thread {
     pub(crate) exec_start: u64,
     pub(crate) slice_start: u64,
     pub(crate) group: Option<u32>,
+    /// Its run-queue key while queued (virtual deadline).
+    pub(crate) key: u64,
     /// CPU time received, ns.
     pub(crate) cpu_ns: u64,
 }
@@ -56,12 +59,13 @@ impl Thread {
             exec_start: 0,
             slice_start: 0,
             group,
+            key: 0,
             cpu_ns: 0,
         }
     }
 }
 
-/// One host CPU.
+/// One host CPU: `rq` holds (virtual deadline, thread).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Cpu {
     pub(crate) curr: Option<u32>,
@@ -139,12 +143,19 @@ impl Sim {
             return;
         }
         self.threads[tid as usize].state = TState::Queued;
-        let vr = self.threads[tid as usize].vruntime;
-        self.cpus[cpu as usize].rq.insert((vr, tid));
-        self.queued_total += 1;
+        self.rq_insert(cpu, tid);
         if wakeup {
             self.check_preempt(cpu, tid);
         }
+    }
+
+    /// Queues `tid` on `cpu` under its virtual deadline.
+    fn rq_insert(&mut self, cpu: u32, tid: u32) {
+        let t = &mut self.threads[tid as usize];
+        t.key = t.vruntime + self.min_gran * 1024 / u64::from(t.weight);
+        let key = t.key;
+        self.cpus[cpu as usize].rq.insert((key, tid));
+        self.queued_total += 1;
     }
 
     /// Wake-up preemption: the running thread leaves if `tid` is ahead by the granularity.
@@ -153,8 +164,9 @@ impl Sim {
         let Some(curr) = self.cpus[cpu as usize].curr else {
             return;
         };
-        let gran = self.wakeup_gran * 1024 / u64::from(self.threads[tid as usize].weight);
-        if self.threads[curr as usize].vruntime > self.threads[tid as usize].vruntime + gran {
+        let c = &self.threads[curr as usize];
+        let curr_key = c.vruntime + self.min_gran * 1024 / u64::from(c.weight);
+        if curr_key > self.threads[tid as usize].key + self.wakeup_gran {
             self.preempt_curr(cpu);
         }
     }
@@ -162,7 +174,7 @@ impl Sim {
     /// Removes a queued thread from its run queue.
     pub(crate) fn dequeue(&mut self, tid: u32) {
         let t = &self.threads[tid as usize];
-        if t.state == TState::Queued && self.cpus[t.cpu as usize].rq.remove(&(t.vruntime, tid)) {
+        if t.state == TState::Queued && self.cpus[t.cpu as usize].rq.remove(&(t.key, tid)) {
             self.queued_total -= 1;
         }
     }
@@ -203,9 +215,12 @@ impl Sim {
         if let Some(g) = t.group {
             self.groups[g as usize].used += delta;
         }
+        let first = self.cpus[cpu as usize]
+            .rq
+            .first()
+            .map_or(vr, |&(_, t)| self.threads[t as usize].vruntime);
         let c = &mut self.cpus[cpu as usize];
-        let left = c.rq.first().map_or(vr, |&(v, _)| v.min(vr));
-        c.min_vruntime = c.min_vruntime.max(left);
+        c.min_vruntime = c.min_vruntime.max(first.min(vr));
     }
 
     /// Takes the running thread off `cpu` (the caller sets its new state).
@@ -220,10 +235,8 @@ impl Sim {
 
     fn preempt_curr(&mut self, cpu: u32) {
         if let Some(curr) = self.stop_running(cpu) {
-            let vr = self.threads[curr as usize].vruntime;
             self.threads[curr as usize].state = TState::Queued;
-            self.cpus[cpu as usize].rq.insert((vr, curr));
-            self.queued_total += 1;
+            self.rq_insert(cpu, curr);
         }
         self.pick_next(cpu);
     }
@@ -241,9 +254,10 @@ impl Sim {
                 .max_by_key(|&c| (self.cpus[c].rq.len(), std::cmp::Reverse(c)))
                 .filter(|&c| !self.cpus[c].rq.is_empty());
             if let Some(src) = busiest {
-                if let Some((vr, tid)) = self.cpus[src].rq.pop_first() {
+                if let Some((_, tid)) = self.cpus[src].rq.pop_first() {
                     self.queued_total -= 1;
                     let t = &mut self.threads[tid as usize];
+                    let vr = t.vruntime;
                     t.vruntime = vr - self.cpus[src].min_vruntime.min(vr)
                         + self.cpus[cpu as usize].min_vruntime;
                     self.run_on(cpu, tid);
@@ -269,7 +283,8 @@ impl Sim {
         }
         if self.cpus[cpu as usize].curr == Some(curr) {
             let c = &self.cpus[cpu as usize];
-            if let Some(&(first, _)) = c.rq.first() {
+            if let Some(&(_, first)) = c.rq.first() {
+                let first = self.threads[first as usize].vruntime;
                 let nr = c.rq.len() as u64 + 1;
                 // Slices vary with lag, interrupts and the kernel's own threads: +-50%.
                 let base = (self.latency / nr).max(self.min_gran);
@@ -351,11 +366,12 @@ impl Sim {
             if nr(&self.cpus[hi]) < nr(&self.cpus[lo]) + 2 {
                 return;
             }
-            let Some((vr, tid)) = self.cpus[hi].rq.pop_last() else {
+            let Some((_, tid)) = self.cpus[hi].rq.pop_last() else {
                 return;
             };
             self.queued_total -= 1;
             let t = &mut self.threads[tid as usize];
+            let vr = t.vruntime;
             t.vruntime = vr - self.cpus[hi].min_vruntime.min(vr) + self.cpus[lo].min_vruntime;
             t.state = TState::Blocked;
             self.enqueue(lo as u32, tid, false);
@@ -369,10 +385,18 @@ impl Sim {
             let cpu = self.threads[tid as usize].cpu;
             self.account(cpu);
         }
-        self.threads[tid as usize].weight = weight.max(1);
-        if state == TState::Queued && weight > 1024 {
+        if state == TState::Queued {
+            // Re-keyed under its new weight; a heavier thread may now preempt (the kernel's
+            // prio_changed check after set_user_nice).
+            self.dequeue(tid);
+            self.threads[tid as usize].weight = weight.max(1);
             let cpu = self.threads[tid as usize].cpu;
-            self.check_preempt(cpu, tid);
+            self.rq_insert(cpu, tid);
+            if weight > 1024 {
+                self.check_preempt(cpu, tid);
+            }
+        } else {
+            self.threads[tid as usize].weight = weight.max(1);
         }
     }
 }
