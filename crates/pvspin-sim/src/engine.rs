@@ -881,22 +881,27 @@ impl Sim {
             return;
         }
         let m = self.vcpus[v as usize].vm as usize;
-        let spinners: Vec<u32> = self.vms[m]
-            .lock
-            .queue
-            .iter()
-            .copied()
-            .filter(|&w| {
-                let vc = &self.vcpus[w as usize];
-                w != v && vc.on_cpu && vc.act == Act::Spin
-            })
-            .collect();
-        for w in spinners {
-            if self.vcpus[w as usize].act == Act::Spin
-                && self.vcpus[w as usize].on_cpu
-                && self.waited_for(w) == Some(v)
-                && self.waits_early(w)
-            {
+        let lk = &self.vms[m].lock;
+        // Who waits for `v`: every waiter of a ticket lock `v` holds; the successor of `v` in
+        // a queued lock (the head, when `v` holds it). One pass, not one search per waiter.
+        let waiters: Vec<u32> = match self.cfg.variant.lock {
+            LockKind::Queued => {
+                let next = if lk.owner == Some(v) {
+                    lk.queue.front().copied()
+                } else {
+                    lk.queue
+                        .iter()
+                        .position(|&w| w == v)
+                        .and_then(|p| lk.queue.get(p + 1).copied())
+                };
+                next.into_iter().collect()
+            }
+            _ if lk.owner == Some(v) => lk.queue.iter().copied().collect(),
+            _ => Vec::new(),
+        };
+        for w in waiters {
+            let vc = &self.vcpus[w as usize];
+            if w != v && vc.on_cpu && vc.act == Act::Spin && self.waits_early(w) {
                 self.wait(w);
             }
         }

@@ -88,3 +88,47 @@ fn cfg_limit(p: &Point) -> String {
         String::new()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_has_every_column_and_the_fair_share_limit() {
+        let v: Variant = "ticket:kick/slots".parse().unwrap();
+        let base = SimConfig::new(v, 1, 1);
+        let p = Point {
+            host_cpus: 8,
+            vms: 2,
+            vcpus: 8,
+            variant: v,
+            fair_share: true,
+        };
+        let row = row(&base, &p, 20_000_000).unwrap();
+        let cols: Vec<&str> = row.split(',').collect();
+        assert_eq!(cols.len(), HEADER.split(',').count(), "{row}");
+        assert_eq!(
+            &cols[..7],
+            &[
+                "8",
+                "2",
+                "8",
+                "16",
+                "2.00",
+                "4",
+                "ticket:kick/slots:in-kernel"
+            ]
+        );
+        assert!(cols[8].parse::<u64>().unwrap() > 0, "acquisitions: {row}");
+        let p = Point {
+            fair_share: false,
+            ..p
+        };
+        let row = super::row(&base, &p, 20_000_000).unwrap();
+        assert_eq!(
+            row.split(',').nth(5),
+            Some(""),
+            "no limit without a fair share"
+        );
+    }
+}
