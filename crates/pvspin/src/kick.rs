@@ -121,7 +121,7 @@ impl RemrdSink for VmMsiSink {
     fn signal_remrd(&self, apic_id: u32) -> Result<bool, SinkError> {
         let msi = irqchip::remrd_msi(apic_id).map_err(|err| SinkError {
             apic_id,
-            reason: err.to_string(),
+            source: Box::new(err),
         })?;
         // SAFETY: KVM_SIGNAL_MSI reads one kvm_msi, which lives across the call; the fd is a
         // VM fd (a dup of the VMM's).
@@ -129,7 +129,7 @@ impl RemrdSink for VmMsiSink {
         if ret < 0 {
             return Err(SinkError {
                 apic_id,
-                reason: std::io::Error::last_os_error().to_string(),
+                source: Box::new(std::io::Error::last_os_error()),
             });
         }
         Ok(ret > 0)
