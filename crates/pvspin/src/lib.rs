@@ -58,7 +58,9 @@ pub use kick::{
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
-pub use pvspin_hints::{BufferPageMap, GuestPageMap};
+#[cfg(feature = "test-utils")]
+pub use pvspin_hints::BufferPageMap;
+pub use pvspin_hints::GuestPageMap;
 pub use pvspin_hints::{Confinement, Verdict};
 pub use pvspin_kick::{KickPath, KickStats, Reject};
 pub use pvspin_slots::{entitled_cpus, SlotConfig, SlotStats};
