@@ -134,16 +134,13 @@ impl HintPage {
 }
 
 /// Why a registration was refused (guest input: counted and ignored by the caller).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
 pub enum RegisterError {
-    /// The page frame is not guest RAM (or not mapped contiguously).
-    #[error("hint page at GPA {0:#x} is not guest RAM")]
+    /// hint page at GPA {0:#x} is not guest RAM
     NotRam(u64),
-    /// No vCPU with this index.
-    #[error("no vCPU {0}")]
+    /// no vCPU {0}
     NoSuchVcpu(usize),
-    /// The map returned a pointer that is not 8-byte aligned (a VMM bug).
-    #[error("hint page at GPA {0:#x} maps to a misaligned host address")]
+    /// hint page at GPA {0:#x} maps to a misaligned host address
     Misaligned(u64),
 }
 
@@ -245,12 +242,14 @@ unsafe impl<B: vm_memory::bitmap::Bitmap + Send + Sync + fmt::Debug> GuestPageMa
 }
 
 /// A [`GuestPageMap`] over one host buffer standing in for guest RAM at GPA 0 (tests, fuzzing,
-/// simulators).
+/// simulators; feature `test-utils`).
+#[cfg(any(test, feature = "test-utils"))]
 #[derive(Debug)]
 pub struct BufferPageMap {
     buf: Box<[AtomicU64]>,
 }
 
+#[cfg(any(test, feature = "test-utils"))]
 impl BufferPageMap {
     /// The 8-byte word at `gpa` (rounded down to 8), as the guest would access it.
     ///
@@ -272,6 +271,7 @@ impl BufferPageMap {
 
 // SAFETY: pages are inside `buf` (checked below), which is 8-byte aligned, lives as long as the
 // map and is only accessed through atomics.
+#[cfg(any(test, feature = "test-utils"))]
 unsafe impl GuestPageMap for BufferPageMap {
     fn host_page(&self, gpa: u64) -> Option<NonNull<u8>> {
         let page = SHARED_PAGE_SIZE as usize;

@@ -177,9 +177,7 @@ impl<K: KickChoice> PvSpinBuilder<K> {
         }
         let cpuid_base = self.cpuid_base.unwrap_or(pvspin_abi::cpuid::DEFAULT_BASE);
         if cpuid::check_base(cpuid_base).is_err() {
-            return Err(ConfigError::Rule(
-                "pvspin's CPUID base is 0x100-aligned, in 0x40000100..=0x4000ff00 (PvSpinBuilder::cpuid_base)",
-            ));
+            return Err(ConfigError::CpuidBase(cpuid_base));
         }
         let kick_options = self.kick.options();
         let mut paravirt = self.paravirt;

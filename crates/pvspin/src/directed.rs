@@ -179,17 +179,17 @@ fn confined_actuator<'a>(
         return Ok(name);
     }
     let why = match verdict {
-        Verdict::NotConfined { reason } => reason.clone(),
-        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup".into(),
+        Verdict::NotConfined { reason } => reason.as_str(),
+        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup",
     };
     if !options.fallback {
-        return Err(ConfigError::Actuator {
-            name: name.to_string(),
-            reason: format!(
-                "rule: a guest must not raise its VM's CPU share, and this boost would not be \
-                 confined ({why}); run the VMM alone in its own cpu cgroup, or accept \
-                 Confinement::Unconfined"
-            ),
+        let name = name.to_string();
+        return Err(match verdict {
+            Verdict::NotConfined { .. } => ConfigError::BoostNotConfined {
+                name,
+                verdict: verdict.clone(),
+            },
+            _ => ConfigError::FifoNotConfined { name },
         });
     }
     let step = if name == "fifo" && verdict.allows_nice() {
@@ -217,9 +217,9 @@ impl YieldState {
         } else {
             pvspin_hints::by_name_with_start(name, vcpus, deadline, start)
         }
-        .map_err(|err| ConfigError::Actuator {
+        .map_err(|source| ConfigError::Actuator {
             name: name.to_string(),
-            reason: err.to_string(),
+            source,
         })?;
         let mut state = Self::with_actuator(options, vcpus, actuator)?;
         state.confinement = verdict;
@@ -232,11 +232,11 @@ impl YieldState {
         vcpus: usize,
         actuator: Box<dyn Actuator>,
     ) -> Result<Self, ConfigError> {
-        let rule = |err: &dyn std::fmt::Display| ConfigError::DirectedYield(err.to_string());
         Ok(Self {
-            board: VcpuBoard::new(vcpus).map_err(|e| rule(&e))?,
-            policy: DirectedYield::new(options.policy).map_err(|e| rule(&e))?,
-            windows: SpinWindows::new(vcpus, options.windows).map_err(|e| rule(&e))?,
+            board: VcpuBoard::new(vcpus).map_err(ConfigError::DirectedYieldBoard)?,
+            policy: DirectedYield::new(options.policy).map_err(ConfigError::DirectedYieldPolicy)?,
+            windows: SpinWindows::new(vcpus, options.windows)
+                .map_err(ConfigError::DirectedYieldWindows)?,
             actuator,
             mem: None,
             trial: options

@@ -55,12 +55,15 @@ pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, St
 pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalCollision, SignalInterrupter, VcpuThread};
 pub use kick::{
-    KickIoEvent, KickOptions, KickWiring, RouteFault, VmMsiSink, DEFAULT_PARK_BOUND, MAX_GSI,
+    KickIoEvent, KickOptions, KickWiring, RouteFault, RouteFaults, VmMsiSink, DEFAULT_PARK_BOUND,
+    MAX_GSI,
 };
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine;
+#[cfg(feature = "test-utils")]
+pub use pvspin_hints::BufferPageMap;
+pub use pvspin_hints::GuestPageMap;
 pub use pvspin_hints::DEFAULT_ACTUATOR;
-pub use pvspin_hints::{BufferPageMap, GuestPageMap};
 pub use pvspin_hints::{Confinement, Verdict};
 pub use pvspin_kick::{KickPath, KickStats, Reject};
 pub use pvspin_slots::{entitled_cpus, SlotConfig, SlotStats};
@@ -120,181 +123,205 @@ pub trait VcpuInterrupter: Send + Sync + Debug {
 }
 
 /// Invalid configuration given to the builder or the hooks.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum ConfigError {
-    /// `vcpus` was never set.
-    #[error("the number of vCPUs must be set (PvSpinBuilder::vcpus)")]
+    /// the number of vCPUs must be set (PvSpinBuilder::vcpus)
     MissingVcpus,
-    /// `vcpus` out of range.
-    #[error("the number of vCPUs must be between 1 and {max}, got {got} (rule: pvspin_abi::MAX_VCPUS; a kick names the vCPU's 8-bit initial APIC ID and a REMRD MSI cannot address 0xFF, the xAPIC broadcast ID, alone; x2APIC IDs are not supported)")]
+    /// the number of vCPUs must be between 1 and {max}, got {got} (rule: pvspin_abi::MAX_VCPUS; a
+    /// kick names the vCPU's 8-bit initial APIC ID and a REMRD MSI cannot address 0xFF, the xAPIC
+    /// broadcast ID, alone; x2APIC IDs are not supported)
     VcpuCount {
         /// What was asked for.
         got: usize,
         /// The limit.
         max: usize,
     },
-    /// No interrupter was given.
-    #[error("a VcpuInterrupter must be set (PvSpinBuilder::interrupter): pvspin must be able to get a vCPU out of KVM_RUN")]
+    /// a VcpuInterrupter must be set (PvSpinBuilder::interrupter): pvspin must be able to get a
+    /// vCPU out of KVM_RUN
     MissingInterrupter,
-    /// A vCPU index at or beyond the configured count.
-    #[error("vCPU index {index} is out of range: the VM was configured with {vcpus} vCPUs")]
+    /// vCPU index {index} is out of range: the VM was configured with {vcpus} vCPUs
     VcpuIndex {
         /// The index given.
         index: usize,
         /// The configured count.
         vcpus: usize,
     },
-    /// `configure_vcpu` called twice for one index.
-    #[error("vCPU {0} is already configured: configure_vcpu must be called once per vCPU")]
+    /// vCPU {0} is already configured: configure_vcpu must be called once per vCPU
     VcpuConfiguredTwice(usize),
-    /// The paravirt plan was requested for another number of vCPUs than the builder's.
-    #[error("rule: the paravirt plan's vCPU count must be the VM's: PlanRequest::vcpus is {plan}, PvSpinBuilder::vcpus is {builder}")]
+    /// rule: the paravirt plan's vCPU count must be the VM's: PlanRequest::vcpus is {plan},
+    /// PvSpinBuilder::vcpus is {builder}
     PlanVcpus {
         /// `PlanRequest::vcpus`.
         plan: u32,
         /// `PvSpinBuilder::vcpus`.
         builder: usize,
     },
-    /// `keep_hypercall_quirk(true)` with a plan request that asks to disable the quirk.
-    #[error("rule: keep_hypercall_quirk(true) contradicts PlanRequest::disable_fix_hypercall_quirk = Some(true)")]
+    /// rule: keep_hypercall_quirk(true) contradicts PlanRequest::disable_fix_hypercall_quirk =
+    /// Some(true)
     QuirkConflict,
-    /// The directed-yield policy or window configuration broke a rule.
-    #[error("directed yield: {0}")]
-    DirectedYield(String),
-    /// The hint-page budgets broke a rule.
-    #[error("hint pages: {0}")]
-    HintPages(String),
-    /// The run-slot configuration broke a rule.
-    #[error("run slots: {0}")]
+    /// directed yield: {0}
+    DirectedYieldBoard(#[source] pvspin_track::BoardError),
+    /// directed yield: {0}
+    DirectedYieldPolicy(#[source] pvspin_yield::PolicyError),
+    /// directed yield: {0}
+    DirectedYieldWindows(#[source] pvspin_yield::WindowError),
+    /// hint pages: {0}
+    HintPages(#[source] pvspin_yield::BudgetError),
+    /// run slots: {0}
     RunSlots(#[from] pvspin_slots::SlotError),
-    /// The run slots' halt watcher thread could not start.
-    #[error("run slots: {0}")]
+    /// run slots: {0}
     HaltWatcher(#[from] pvspin_slots::WatchError),
-    /// An ordering or combination rule of the embedding API, named.
-    #[error("rule: {0}")]
-    Rule(&'static str),
-    /// The in-kernel kick path's GSIs broke a rule.
-    #[error("rule: kick GSIs: {0}")]
-    KickGsis(String),
-    /// The doorbell port range does not fit in the 16-bit port space.
-    #[error("rule: the doorbell's {count} ports from {port:#x} must fit below 0x10000")]
+    /// rule: pvspin's CPUID base is 0x100-aligned, in 0x40000100..=0x4000ff00
+    /// (PvSpinBuilder::cpuid_base), got {0:#x}
+    CpuidBase(u32),
+    /// rule: run slots on the in-kernel and signal-msi kick paths need KVM's per-vCPU binary
+    /// statistic `blocking` (KVM_GET_STATS_FD): halts there never leave KVM_RUN
+    RunSlotsNeedBlockingStat,
+    /// rule: check_routes checks the kick routes of PvSpin::set_kick_gsis, which has not run
+    RoutesBeforeGsis,
+    /// rule: to edit CPUID without a vCPU, pvspin must know whether the VM has an in-kernel LAPIC:
+    /// give a kick path or PlanRequest::lapic_in_kernel, or use edit_cpuid_for_vcpu
+    LapicUnknown,
+    /// rule: the in-kernel and signal-msi kick paths need an in-kernel LAPIC: create the irqchip
+    /// (KVM_CREATE_IRQCHIP) before the vCPUs
+    KickPathNeedsLapic,
+    /// rule: the userspace kick path needs HLT exits, which an in-kernel LAPIC keeps inside KVM:
+    /// with an irqchip use KickPath::SignalMsi or InKernel
+    UserspaceKickWithLapic,
+    /// rule: the in-kernel kick path needs its GSIs (PvSpin::set_kick_gsis) and their routes and
+    /// eventfds applied before configure_vcpu
+    KickGsisMissing,
+    /// rule: only the in-kernel kick path has GSI routes and ioeventfds
+    GsisWithoutInKernelPath,
+    /// rule: kick GSIs: one GSI per vCPU: {vcpus} vCPUs, {gsis} GSIs
+    KickGsiCount {
+        /// The number of vCPUs.
+        vcpus: usize,
+        /// The number of GSIs given.
+        gsis: usize,
+    },
+    /// rule: kick GSIs: GSI {0} given twice
+    KickGsiTwice(u32),
+    /// rule: kick GSIs: GSI {0} is not below KVM's {MAX_GSI:}
+    KickGsiRange(u32),
+    /// rule: kick GSIs: the kick GSIs are set once
+    KickGsisSetTwice,
+    /// rule: the doorbell's {count} ports from {port:#x} must fit below 0x10000
     DoorbellPort {
         /// The first port asked for.
         port: u16,
         /// The number of ports of the doorbell.
         count: u16,
     },
-    /// `configure_vm` on a VM that has vCPUs already.
-    #[error(
-        "rule: configure_vm runs after KVM_CREATE_VM and before the first KVM_CREATE_VCPU, and \
-         KVM says this VM has vCPUs already (it refuses VM-wide settings such as exit \
-         disabling once one exists, and an irqchip made afterwards misses them)"
-    )]
+    /// rule: configure_vm runs after KVM_CREATE_VM and before the first KVM_CREATE_VCPU, and KVM
+    /// says this VM has vCPUs already (it refuses VM-wide settings such as exit disabling once one
+    /// exists, and an irqchip made afterwards misses them)
     VmAfterVcpus,
-    /// The in-kernel kick path without an in-kernel irqchip (KVM answers `EINVAL` to its
-    /// irqfds).
-    #[error(
-        "rule: the in-kernel kick path needs the VMM's in-kernel irqchip (KVM_CREATE_IRQCHIP, \
-         or a split irqchip) before {call}: KVM refuses the kick irqfds without one \
-         (KVM_IRQFD: EINVAL)"
-    )]
+    /// rule: the in-kernel kick path needs the VMM's in-kernel irqchip (KVM_CREATE_IRQCHIP, or a
+    /// split irqchip) before {call}: KVM refuses the kick irqfds without one (KVM_IRQFD: EINVAL)
     NoIrqchip {
         /// The call that found none.
         call: &'static str,
     },
-    /// The kick wiring registered twice (KVM answers `EBUSY` to an eventfd that is an irqfd
-    /// already, `EEXIST` to an ioeventfd that exists).
-    #[error(
-        "rule: the kick wiring is registered once: KVM says its irqfds or ioeventfds are \
-         registered already (by KickWiring::register or the VMM's own calls); a VMM that \
-         rebuilds its GSI table re-applies KickWiring::routes only"
-    )]
+    /// rule: the kick wiring is registered once: KVM says its irqfds or ioeventfds are registered
+    /// already (by KickWiring::register or the VMM's own calls); a VMM that rebuilds its GSI table
+    /// re-applies KickWiring::routes only
     WiringRegisteredTwice,
-    /// A routing table lacks or changes pvspin's kick routes ([`KickWiring::verify`]).
-    #[error(
-        "rule: the GSI routing table the VMM applies keeps pvspin's kick routes \
-         (KickWiring::routes; KVM_SET_GSI_ROUTING replaces the whole table), or kicks to these \
-         vCPUs wake nobody: {}",
-        kick::route_faults_text(.faults)
-    )]
+    /// rule: the GSI routing table the VMM applies keeps pvspin's kick routes
+    /// (KickWiring::routes; KVM_SET_GSI_ROUTING replaces the whole table), or kicks to these
+    /// vCPUs wake nobody: {faults}
     KickRoutes {
         /// What differs, per vCPU.
-        faults: Vec<RouteFault>,
+        faults: RouteFaults,
     },
-    /// A vCPU's APIC ID (set by KVM from its vCPU id) is not its pvspin index.
-    #[error(
-        "rule: pvspin's vCPU {index} is KVM vCPU id {index} (KVM_CREATE_VCPU({index})), but its \
-         LAPIC has APIC ID {apic_id}: KVM sets the APIC ID from the vCPU id, and the in-kernel \
-         and signal-msi kicks of vCPU i go to APIC ID i, so they would reach another vCPU or \
-         nobody"
-    )]
+    /// rule: pvspin's vCPU {index} is KVM vCPU id {index} (KVM_CREATE_VCPU({index})), but its LAPIC
+    /// has APIC ID {apic_id}: KVM sets the APIC ID from the vCPU id, and the in-kernel and
+    /// signal-msi kicks of vCPU i go to APIC ID i, so they would reach another vCPU or nobody
     ApicId {
         /// The vCPU's pvspin index.
         index: usize,
         /// Its APIC ID (its KVM vCPU id, unless the VMM changed it).
         apic_id: u32,
     },
-    /// In-kernel path: a vCPU's kick ioeventfd is not registered as the wiring gives it.
-    #[error(
-        "rule: vCPU {index}'s kick ioeventfd is registered before configure_vcpu as \
-         KickWiring::ioevents gives it (port {port:#x}, 4 bytes, datamatch {index}), and KVM \
-         has none: every kick to it would exit to userspace (a u64 datamatch registers an \
-         8-byte ioeventfd that the guest's 4-byte OUT never matches; use KickWiring::register)"
-    )]
+    /// rule: vCPU {index}'s kick ioeventfd is registered before configure_vcpu as
+    /// KickWiring::ioevents gives it (port {port:#x}, 4 bytes, datamatch {index}), and KVM has
+    /// none: every kick to it would exit to userspace (a u64 datamatch registers an 8-byte
+    /// ioeventfd that the guest's 4-byte OUT never matches; use KickWiring::register)
     KickIoeventfd {
         /// The vCPU.
         index: usize,
         /// The KICK port.
         port: u16,
     },
-    /// In-kernel path: a vCPU's kick irqfd is not registered.
-    #[error(
-        "rule: vCPU {index}'s kick irqfd (its eventfd at GSI {gsi}) is registered before \
-         configure_vcpu (KickWiring::irqfds or KickWiring::register), and KVM has none: its \
-         kicks would wake nobody"
-    )]
+    /// rule: vCPU {index}'s kick irqfd (its eventfd at GSI {gsi}) is registered before
+    /// configure_vcpu (KickWiring::irqfds or KickWiring::register), and KVM has none: its kicks
+    /// would wake nobody
     KickIrqfd {
         /// The vCPU.
         index: usize,
         /// Its kick GSI.
         gsi: u32,
     },
-    /// vCPU `index`'s CPUID in KVM is not what pvspin's edit made.
-    #[error("rule: set vCPU {index}'s CPUID from PvSpin::edit_cpuid with KVM_SET_CPUID2 before configure_vcpu: {what}")]
+    /// rule: set vCPU {index}'s CPUID from PvSpin::edit_cpuid with KVM_SET_CPUID2 before
+    /// configure_vcpu: {what}
     Cpuid {
         /// The vCPU.
         index: usize,
         /// What is missing.
-        what: String,
+        what: CpuidFault,
     },
-    /// The actuator could not be built (unknown name, or a boost the process may not apply,
-    /// such as `fifo` without real-time privilege, with `fallback` off).
-    #[error("directed yield actuator {name:?}: {reason}")]
+    /// directed yield actuator {name:?}: {source}
     Actuator {
         /// The name asked for.
         name: String,
         /// Why it was refused.
-        reason: String,
+        #[source]
+        source: pvspin_hints::ActuatorError,
+    },
+    /// directed yield actuator {name:?}: rule: a guest must not raise its VM's CPU share, and this
+    /// boost would not be confined ({verdict}); run the VMM alone in its own cpu cgroup, or accept
+    /// Confinement::Unconfined
+    BoostNotConfined {
+        /// The name asked for.
+        name: String,
+        /// The confinement check's answer.
+        verdict: Verdict,
+    },
+    /// directed yield actuator {name:?}: rule: a guest must not raise its VM's CPU share, and this
+    /// boost would not be confined (SCHED_FIFO preempts every fair-class task on its CPU, whatever
+    /// the cgroup); run the VMM alone in its own cpu cgroup, or accept Confinement::Unconfined
+    FifoNotConfined {
+        /// The name asked for.
+        name: String,
     },
 }
 
+/// What is wrong with a vCPU's CPUID in KVM ([`ConfigError::Cpuid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
+pub enum CpuidFault {
+    /// pvspin's leaves are missing at {0:#x}
+    LeavesMissing(u32),
+    /// its initial APIC ID (CPUID 01H/0BH/1FH) is not its index
+    ApicIdNotIndex,
+    /// edit_cpuid was never called for it (the paravirt plan edits it)
+    NeverEdited,
+}
+
 /// Errors from the setup hooks.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub enum Error {
+    /// {0}
+    ///
     /// The configuration is invalid.
-    #[error(transparent)]
     Config(#[from] ConfigError),
-    /// A KVM quirk could not be changed.
-    #[error("configuring KVM quirks: {0}")]
+    /// configuring KVM quirks: {0}
     Quirk(#[from] QuirkError),
-    /// The paravirt plan was refused or could not be applied.
-    #[error("paravirt plan: {0}")]
+    /// paravirt plan: {0}
     Plan(#[from] PlanError),
-    /// The host cannot report the CPL at exits through sync registers (directed yield).
-    #[error("directed yield: {0}")]
+    /// directed yield: {0}
     SyncRegs(#[from] CplError),
-    /// `KVM_SET_CPUID2` failed.
-    #[error("KVM_SET_CPUID2 on vCPU {index}: {source}")]
+    /// KVM_SET_CPUID2 on vCPU {index}: {source}
     SetCpuid {
         /// The vCPU.
         index: usize,
@@ -302,8 +329,7 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// `KVM_GET_TSC_KHZ` failed (hint pages publish budgets in TSC cycles).
-    #[error("KVM_GET_TSC_KHZ on vCPU {index}: {source}")]
+    /// KVM_GET_TSC_KHZ on vCPU {index}: {source}
     TscKhz {
         /// The vCPU.
         index: usize,
@@ -311,14 +337,19 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// `configure_vcpu` before `configure_vm`.
-    #[error("configure_vm must be called before configure_vcpu")]
+    /// configure_vm must be called before configure_vcpu
     VmNotConfigured,
-    /// The kick device could not be set up.
-    #[error("kick device: {0}")]
-    Kick(String),
-    /// Registering the kick wiring failed in KVM for another reason than a named rule.
-    #[error("registering the kick wiring: {op}: {source}")]
+    /// kick device: {0}
+    Kick(#[from] pvspin_kick::KickError),
+    /// kick device: duplicating the VM fd: {0}
+    DupVmFd(#[source] std::io::Error),
+    /// kick device: creating an eventfd: {0}
+    KickEventFd(#[source] std::io::Error),
+    /// kick device: building the GSI routing table: {0:?}
+    RoutingTable(vmm_sys_util::fam::Error),
+    /// kick device: KVM_SET_GSI_ROUTING: {0}
+    SetGsiRouting(#[source] kvm_ioctls::Error),
+    /// registering the kick wiring: {op}: {source}
     KickRegister {
         /// The ioctl.
         op: &'static str,
@@ -326,8 +357,7 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// A setup check's probe failed unexpectedly.
-    #[error("checking the kick wiring: {op}: {source}")]
+    /// checking the kick wiring: {op}: {source}
     Probe {
         /// What was tried.
         op: &'static str,
@@ -335,8 +365,7 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// `KVM_GET_LAPIC` failed on a vCPU whose in-kernel LAPIC was found (the APIC-ID check).
-    #[error("KVM_GET_LAPIC on vCPU {index}: {source}")]
+    /// KVM_GET_LAPIC on vCPU {index}: {source}
     GetLapic {
         /// The vCPU.
         index: usize,
@@ -344,14 +373,11 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// A KVM call on the vCPU's irqchip failed.
-    #[error("vCPU irqchip setup: {0}")]
+    /// vCPU irqchip setup: {0}
     Irqchip(#[from] IrqchipError),
-    /// pvspin's CPUID leaves could not be added.
-    #[error("CPUID: {0}")]
+    /// CPUID: {0}
     Cpuid(#[from] cpuid::CpuidError),
-    /// `KVM_GET_CPUID2` failed (configure_vcpu checks the CPUID the VMM set).
-    #[error("KVM_GET_CPUID2 on vCPU {index}: {source}")]
+    /// KVM_GET_CPUID2 on vCPU {index}: {source}
     GetCpuid {
         /// The vCPU.
         index: usize,
@@ -539,9 +565,7 @@ impl PvSpin {
         if kick.options.path != KickPath::InKernel {
             return Ok(());
         }
-        let wiring = kick.wiring().ok_or(ConfigError::Rule(
-            "check_routes checks the kick routes of PvSpin::set_kick_gsis, which has not run",
-        ))?;
+        let wiring = kick.wiring().ok_or(ConfigError::RoutesBeforeGsis)?;
         wiring.verify(table).map_err(|err| {
             if let ConfigError::KickRoutes { faults } = &err {
                 let mut vcpus: Vec<u32> = faults.iter().map(|f| f.vcpu()).collect();
@@ -629,14 +653,7 @@ impl PvSpin {
             let plan = match (plan.lapic_in_kernel, lapic_in_kernel) {
                 (Some(_), _) => plan.clone(),
                 (None, Some(lapic)) => plan.for_lapic(lapic)?,
-                (None, None) => {
-                    return Err(ConfigError::Rule(
-                        "to edit CPUID without a vCPU, pvspin must know whether the VM has an \
-                         in-kernel LAPIC: give a kick path or PlanRequest::lapic_in_kernel, or \
-                         use edit_cpuid_for_vcpu",
-                    )
-                    .into())
-                }
+                (None, None) => return Err(ConfigError::LapicUnknown.into()),
             };
             let edit = pvspin_kvm::plan::edit_cpuid(&plan, cpuid)?;
             *edit_slot
@@ -720,28 +737,12 @@ impl PvSpin {
         let lapic = pvspin_kvm::plan::vcpu_has_in_kernel_lapic(vcpu);
         if let Some(kick) = self.kick.get() {
             match (kick.options.needs_lapic(), lapic) {
-                (true, false) => {
-                    return Err(ConfigError::Rule(
-                        "the in-kernel and signal-msi kick paths need an in-kernel LAPIC: \
-                         create the irqchip (KVM_CREATE_IRQCHIP) before the vCPUs",
-                    )
-                    .into())
-                }
-                (false, true) => {
-                    return Err(ConfigError::Rule(
-                        "the userspace kick path needs HLT exits, which an in-kernel LAPIC keeps \
-                         inside KVM: with an irqchip use KickPath::SignalMsi or InKernel",
-                    )
-                    .into())
-                }
+                (true, false) => return Err(ConfigError::KickPathNeedsLapic.into()),
+                (false, true) => return Err(ConfigError::UserspaceKickWithLapic.into()),
                 _ => {}
             }
             if kick.options.path == KickPath::InKernel && kick.wiring().is_none() {
-                return Err(ConfigError::Rule(
-                    "the in-kernel kick path needs its GSIs (PvSpin::set_kick_gsis) and their \
-                     routes and eventfds applied before configure_vcpu",
-                )
-                .into());
+                return Err(ConfigError::KickGsisMissing.into());
             }
             if lapic {
                 check_apic_id(index, vcpu)?;
@@ -761,8 +762,7 @@ impl PvSpin {
                     .take()
                     .ok_or(ConfigError::Cpuid {
                         index,
-                        what: "edit_cpuid was never called for it (the paravirt plan edits it)"
-                            .into(),
+                        what: CpuidFault::NeverEdited,
                     })?;
                 Some(AppliedVcpu {
                     cpuid: edit,
@@ -820,9 +820,9 @@ impl PvSpin {
         let what = if cpuid::find_pvspin_info(set.as_slice(), self.cpuid_base)
             != Some(kick.device.cpuid_info())
         {
-            format!("pvspin's leaves are missing at {:#x}", self.cpuid_base)
+            CpuidFault::LeavesMissing(self.cpuid_base)
         } else if !cpuid::follows_apic_id_rule(set.as_slice(), apic_id) {
-            "its initial APIC ID (CPUID 01H/0BH/1FH) is not its index".to_string()
+            CpuidFault::ApicIdNotIndex
         } else {
             return Ok(());
         };
