@@ -23,10 +23,12 @@ use std::sync::{Arc, OnceLock};
 
 use pvspin_kick::KickPath;
 
+use crate::telemetry::collect::StatsFds;
+use crate::telemetry::VcpuCounterCell;
 use crate::{
     check, cpuid, directed, hints, seccomp, slots, ConfigError, DirectedYieldOptions, HintOptions,
-    KickOptions, PlanRequest, PvSpin, SlotConfig, StatsFds, StealTimeMemory, VcpuCounterCell,
-    VcpuInterrupter, WaitOptions, MAX_VCPUS,
+    KickOptions, PlanRequest, PvSpin, SlotConfig, StealTimeMemory, VcpuInterrupter, WaitOptions,
+    MAX_VCPUS,
 };
 
 /// The builder's kick path: none yet ([`NoKick`]) or chosen ([`WithKick`]).
