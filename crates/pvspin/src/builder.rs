@@ -207,7 +207,13 @@ impl<K: KickChoice> PvSpinBuilder<K> {
             Some(options) => {
                 let start = self.helper_thread_filter.clone().map(seccomp::start_hook);
                 let mut state = directed::YieldState::new(options, vcpus, start.as_ref())?;
-                state.mem = self.steal_time.clone();
+                // One memory: without memory of its own, directed yield reads steal time
+                // through the hint pages' map.
+                state.mem = self
+                    .steal_time
+                    .clone()
+                    .or_else(|| self.hints.as_ref().map(|h| h.memory.clone()))
+                    .map(directed::PageBytes);
                 Some(Arc::new(state))
             }
             None => None,
@@ -305,11 +311,14 @@ impl PvSpinBuilder<WithKick> {
         self
     }
 
-    /// Lets directed yield see vCPUs the host preempted inside `KVM_RUN`: `memory` reads guest
-    /// bytes by GPA, and [`PvSpin::set_steal_time_gpa`] says where each vCPU's KVM steal-time
-    /// area is (the guest registers it with `MSR_KVM_STEAL_TIME`; KVM sets its `preempted`
-    /// byte when it deschedules a runnable vCPU). Candidates' bytes are read as a decision
-    /// examines them. Without it, a vCPU inside `KVM_RUN` always reads as running.
+    /// Lets directed yield see vCPUs the host preempted inside `KVM_RUN`: `memory` is the
+    /// VMM's guest memory (the [`GuestPageMap`](crate::GuestPageMap) hint pages take; a
+    /// `vm_memory::GuestMemoryMmap` is one), and [`PvSpin::set_steal_time_gpa`] says where each
+    /// vCPU's KVM steal-time area is (the guest registers it with `MSR_KVM_STEAL_TIME`; KVM sets
+    /// its `preempted` byte when it deschedules a runnable vCPU). Candidates' bytes are read as
+    /// a decision examines them. Needed only without [`hint_pages`](Self::hint_pages), whose
+    /// memory serves here too; without either, a vCPU inside `KVM_RUN` always reads as
+    /// running.
     pub fn steal_time_memory(mut self, memory: StealTimeMemory) -> Self {
         self.steal_time = Some(memory);
         self

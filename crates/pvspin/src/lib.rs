@@ -58,7 +58,7 @@ mod vm;
 
 pub use builder::{KickChoice, NoKick, PvSpinBuilder, WithKick};
 pub use check::{Problem, ProblemKind};
-pub use directed::{DirectedYieldOptions, DirectedYieldStats, GuestByteSource, StealTimeMemory};
+pub use directed::{DirectedYieldOptions, DirectedYieldStats, StealTimeMemory};
 pub use error::{ConfigError, CpuidFault, Error};
 pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalCollision, SignalInterrupter, VcpuThread};
@@ -75,7 +75,6 @@ pub use pvspin_hints::DEFAULT_ACTUATOR;
 pub use pvspin_hints::{Confinement, Verdict};
 pub use pvspin_kick::{KickPath, KickStats, Reject};
 pub use pvspin_slots::{entitled_cpus, SlotConfig, SlotStats};
-pub use pvspin_track::GuestBytes;
 pub use pvspin_yield::BudgetConfig;
 pub use pvspin_yield::{PolicyConfig, WindowConfig};
 pub use vm::{PvSpin, VmSetup};

@@ -469,9 +469,8 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             if let Some(us) = config.boost_deadline_us {
                 options.boost_deadline = Duration::from_micros(us);
             }
-            kicked = kicked
-                .directed_yield(options)
-                .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
+            // Steal-time bytes are read through the hint pages' memory: one memory for pvspin.
+            kicked = kicked.directed_yield(options);
         }
         // `RunConfig::validate` refuses slots without pvspin's in-process kick device.
         if config.run_slots.is_some() {
@@ -862,15 +861,5 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
         LockKind::Backoff => "backoff",
-    }
-}
-
-/// Guest memory as pvspin reads steal-time bytes from it.
-#[derive(Debug)]
-struct StealTimeBytes(memory::GuestMemory);
-
-impl pvspin::GuestBytes for StealTimeBytes {
-    fn read_u8(&self, gpa: u64) -> Option<u8> {
-        vm_memory::Bytes::read_obj::<u8>(&self.0, GuestAddress(gpa)).ok()
     }
 }
