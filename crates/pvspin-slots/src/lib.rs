@@ -28,7 +28,7 @@ pub mod watch;
 pub struct ReadmeDoctests;
 
 pub use policy::{
-    EnterOutcome, MonotonicClock, RunSlots, SlotClock, SlotConfig, SlotError, SlotSignals,
+    EnterOutcome, MonotonicSlotClock, RunSlots, SlotClock, SlotConfig, SlotError, SlotSignals,
     SlotStats, SlotWaker, DEFAULT_HALT_WATCH_INTERVAL,
 };
 #[cfg(not(loom))]

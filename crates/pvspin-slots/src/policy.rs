@@ -60,30 +60,27 @@ use std::time::Duration;
 use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 
 /// Errors in the slot configuration.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum SlotError {
-    /// Rule: 1 <= slots <= vcpus.
-    #[error("rule: run slots must be between 1 and the vCPU count ({vcpus}), got {slots}")]
+    /// rule: run slots must be between 1 and the vCPU count ({vcpus}), got {slots}
     Slots {
         /// Slots asked for.
         slots: usize,
         /// vCPUs.
         vcpus: usize,
     },
-    /// Rule: a quantum of at least 100 us (shorter ones cost more in forced exits than they
-    /// share), at most 1 s.
-    #[error("rule: the run-slot quantum must be between 100 us and 1 s, got {0:?}")]
+    /// rule: the run-slot quantum must be between 100 us and 1 s, got {0:?}
     Quantum(Duration),
-    /// Rule: the halt watcher polls at least every quantum, at most every 10 us.
-    #[error("rule: the halt-watch interval must be between 10 us and the quantum ({quantum:?}), got {interval:?}")]
+    /// rule: the halt-watch interval must be between 10 us and the quantum ({quantum:?}), got
+    /// {interval:?}
     HaltWatchInterval {
         /// The interval.
         interval: Duration,
         /// The quantum.
         quantum: Duration,
     },
-    /// Rule: the critical-section extension is at most the quantum.
-    #[error("rule: the critical-section extension ({extension:?}) must not exceed the quantum ({quantum:?})")]
+    /// rule: the critical-section extension ({extension:?}) must not exceed the quantum
+    /// ({quantum:?})
     Extension {
         /// The extension.
         extension: Duration,
@@ -189,15 +186,15 @@ pub trait SlotClock: Send + Sync {
 
 /// The real clock.
 #[derive(Debug)]
-pub struct MonotonicClock(std::time::Instant);
+pub struct MonotonicSlotClock(std::time::Instant);
 
-impl Default for MonotonicClock {
+impl Default for MonotonicSlotClock {
     fn default() -> Self {
         Self(std::time::Instant::now())
     }
 }
 
-impl SlotClock for MonotonicClock {
+impl SlotClock for MonotonicSlotClock {
     fn now_ns(&self) -> u64 {
         u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
@@ -383,7 +380,7 @@ impl std::fmt::Debug for RunSlots {
 impl RunSlots {
     /// Slots for `vcpus` vCPUs, on the real clock.
     pub fn new(vcpus: usize, cfg: SlotConfig) -> Result<Self, SlotError> {
-        Self::with_clock(vcpus, cfg, Box::new(MonotonicClock::default()))
+        Self::with_clock(vcpus, cfg, Box::new(MonotonicSlotClock::default()))
     }
 
     /// Slots for `vcpus` vCPUs on `clock`.

@@ -17,8 +17,8 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::backend::PvspinBackend;
-use crate::config::{BackendConfig, ConfigError};
-use crate::telemetry::{HostTelemetry, VmTelemetry};
+use crate::config::{BackendConfig, DaemonConfigError};
+use crate::telemetry::{DaemonVmTelemetry, HostTelemetry};
 
 /// How often a waiting socket thread checks for shutdown.
 const POLL_INTERVAL_MS: i32 = 200;
@@ -26,31 +26,41 @@ const POLL_INTERVAL_MS: i32 = 200;
 const CONTROL_IO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Errors of starting the server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub enum ServerError {
+    /// {0}
+    ///
     /// The backend configuration is refused.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// No vhost-user socket was given.
-    #[error("no --socket given")]
+    Config(#[from] DaemonConfigError),
+    /// no --socket given
     NoSockets,
-    /// The path exists and is not a socket.
-    #[error("{0} exists and is not a socket: refusing to replace it")]
+    /// {0} exists and is not a socket: refusing to replace it
     NotASocket(PathBuf),
-    /// The path is a socket something still listens on.
-    #[error("{0} is a live socket (another daemon serves it)")]
+    /// {0} is a live socket (another daemon serves it)
     InUse(PathBuf),
-    /// Binding failed.
-    #[error("binding {path}: {source}")]
+    /// binding {path}: {source}
     Bind {
         /// The socket path.
         path: PathBuf,
         /// The error.
         source: io::Error,
     },
-    /// Starting a thread failed.
-    #[error("starting a thread: {0}")]
+    /// starting a thread: {0}
     Thread(io::Error),
+}
+
+/// Why one frontend connection could not be served (logged; the socket thread goes on).
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+enum ConnectionError {
+    /// {0}
+    Backend(#[from] crate::backend::BackendError),
+    /// creating the vhost-user daemon: {0}
+    Daemon(vhost_user_backend::Error),
+    /// duplicating the listening socket: {0}
+    Listener(#[source] io::Error),
+    /// accepting a frontend: {0}
+    Accept(vhost_user_backend::Error),
 }
 
 /// What the daemon serves.
@@ -339,20 +349,20 @@ fn serve_connection(
     stop: &AtomicBool,
     label: &str,
     path_text: &str,
-) -> Result<(), String> {
-    let vm = Arc::new(VmTelemetry::new(label, path_text, config.max_vcpus));
-    let backend = PvspinBackend::new(config.clone(), vm.clone()).map_err(|e| e.to_string())?;
+) -> Result<(), ConnectionError> {
+    let vm = Arc::new(DaemonVmTelemetry::new(label, path_text, config.max_vcpus));
+    let backend = PvspinBackend::new(config.clone(), vm.clone())?;
     let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
     let mut daemon = VhostUserDaemon::new(label.to_owned(), backend.clone(), memory)
-        .map_err(|e| format!("creating the vhost-user daemon: {e}"))?;
-    let clone = listener.try_clone().map_err(|e| e.to_string())?;
+        .map_err(ConnectionError::Daemon)?;
+    let clone = listener.try_clone().map_err(ConnectionError::Listener)?;
     let mut vhost_listener = Listener::from(clone);
     if let Err(e) = daemon.start(&mut vhost_listener) {
         if stop_workers(&daemon) {
             drop(daemon);
             backend.close_exit_events();
         }
-        return Err(format!("accepting a frontend: {e}"));
+        return Err(ConnectionError::Accept(e));
     }
     let pid = find_peer_pid(&slot.path);
     match pid {

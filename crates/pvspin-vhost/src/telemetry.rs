@@ -136,7 +136,7 @@ impl RateLimit {
 /// The counters of one VM, i.e. of one frontend connection. Shared by the backend (which
 /// counts) and the daemon (which renders).
 #[derive(Debug)]
-pub struct VmTelemetry {
+pub struct DaemonVmTelemetry {
     vm: String,
     socket: String,
     peer_pid: Mutex<Option<u32>>,
@@ -169,7 +169,7 @@ pub struct VmTelemetry {
     budgets: OnceLock<Arc<PageBudgets>>,
 }
 
-impl VmTelemetry {
+impl DaemonVmTelemetry {
     /// Fresh counters for a VM served on `socket`, labelled `vm` (the socket's file name).
     pub fn new(vm: &str, socket: &str, max_vcpus: u32) -> Self {
         let zeros = |n: u32| (0..n).map(|_| AtomicU64::new(0)).collect();
@@ -543,7 +543,7 @@ pub struct HostTelemetry {
     connections_total: AtomicU64,
     disconnects: AtomicU64,
     /// Socket path → the VM it serves now (`None` while it waits for a frontend).
-    sockets: Mutex<BTreeMap<String, Option<Arc<VmTelemetry>>>>,
+    sockets: Mutex<BTreeMap<String, Option<Arc<DaemonVmTelemetry>>>>,
     retired: Mutex<Totals>,
 }
 
@@ -555,12 +555,12 @@ impl HostTelemetry {
 
     fn lock_sockets(
         &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<Arc<VmTelemetry>>>> {
+    ) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<Arc<DaemonVmTelemetry>>>> {
         self.sockets.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A frontend connected on `socket`; its VM counts into `vm`.
-    pub fn connected(&self, socket: &str, vm: Arc<VmTelemetry>) {
+    pub fn connected(&self, socket: &str, vm: Arc<DaemonVmTelemetry>) {
         add(&self.connections_total);
         self.lock_sockets().insert(socket.to_owned(), Some(vm));
     }
@@ -942,7 +942,7 @@ mod tests {
         let host = HostTelemetry::default();
         host.add_socket("/run/a.sock");
         host.add_socket("/run/b.sock");
-        let vm = Arc::new(VmTelemetry::new("a.sock", "/run/a.sock", 2));
+        let vm = Arc::new(DaemonVmTelemetry::new("a.sock", "/run/a.sock", 2));
         host.connected("/run/a.sock", vm.clone());
         vm.kick(1);
         vm.kick(1);

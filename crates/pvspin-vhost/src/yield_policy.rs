@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use pvspin_hints::confine::{check_at, Confinement, Verdict};
 
 use crate::config::YieldMode;
-use crate::telemetry::{VmTelemetry, YieldSkip};
+use crate::telemetry::{DaemonVmTelemetry, YieldSkip};
 
 /// How often the vCPU thread list may be re-read when a vCPU's thread is not in it.
 const THREAD_RESCAN_EVERY: Duration = Duration::from_millis(100);
@@ -202,7 +202,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         spinner: u32,
         waiting_for: Option<u32>,
         now: Instant,
-        tel: &VmTelemetry,
+        tel: &DaemonVmTelemetry,
     ) -> Outcome {
         let mut out = Outcome::default();
         if self.mode == YieldMode::Off {
@@ -226,7 +226,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         out
     }
 
-    fn deboost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &VmTelemetry) -> bool {
+    fn deboost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &DaemonVmTelemetry) -> bool {
         let Some(tid) = self.thread_of(pid, vcpu, now) else {
             tel.yield_skipped(YieldSkip::NoThread);
             return false;
@@ -241,7 +241,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         self.change(pid, vcpu, tid, self.step, Change::Deboost, now, tel)
     }
 
-    fn boost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &VmTelemetry) -> bool {
+    fn boost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &DaemonVmTelemetry) -> bool {
         let Some(tid) = self.thread_of(pid, vcpu, now) else {
             tel.yield_skipped(YieldSkip::NoThread);
             return false;
@@ -267,7 +267,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         delta: i32,
         change: Change,
         now: Instant,
-        tel: &VmTelemetry,
+        tel: &DaemonVmTelemetry,
     ) -> bool {
         if !self.actions.is_vcpu_thread(pid, tid, vcpu) {
             // The thread went away (or its id was reused): forget the map.
@@ -312,7 +312,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         true
     }
 
-    fn restore_one(&mut self, tid: u32, a: Adjustment, tel: &VmTelemetry) {
+    fn restore_one(&mut self, tid: u32, a: Adjustment, tel: &DaemonVmTelemetry) {
         self.adjusted.remove(&tid);
         let Some(pid) = self.pid else { return };
         // Put the old value back only if the thread is still ours and nobody else changed it.
@@ -325,7 +325,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
     }
 
     /// Restores every change whose deadline is at or before `now`.
-    pub fn expire(&mut self, now: Instant, tel: &VmTelemetry) {
+    pub fn expire(&mut self, now: Instant, tel: &DaemonVmTelemetry) {
         let due: Vec<(u32, Adjustment)> = self
             .adjusted
             .iter()
@@ -338,7 +338,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
     }
 
     /// Restores every change (device reset, disconnect, shutdown).
-    pub fn restore_all(&mut self, tel: &VmTelemetry) {
+    pub fn restore_all(&mut self, tel: &DaemonVmTelemetry) {
         let all: Vec<(u32, Adjustment)> = self.adjusted.iter().map(|(t, a)| (*t, *a)).collect();
         for (tid, a) in all {
             self.restore_one(tid, a, tel);
@@ -561,8 +561,8 @@ pub(crate) mod tests {
         }
     }
 
-    fn tel() -> VmTelemetry {
-        VmTelemetry::new("t", "/t", 4)
+    fn tel() -> DaemonVmTelemetry {
+        DaemonVmTelemetry::new("t", "/t", 4)
     }
 
     #[test]

@@ -767,17 +767,6 @@ mod directed_tests {
         assert_eq!((s.yields_attempted, s.yields_successful), (1, 0));
     }
 
-    /// Guest memory whose bytes tests flip while vCPUs "run".
-    #[derive(Debug)]
-    struct FlipMemory(Vec<std::sync::atomic::AtomicU8>);
-
-    impl pvspin_track::GuestBytes for FlipMemory {
-        fn read_u8(&self, gpa: u64) -> Option<u8> {
-            let i = usize::try_from(gpa).ok()?;
-            Some(self.0.get(i)?.load(std::sync::atomic::Ordering::Relaxed))
-        }
-    }
-
     #[test]
     fn steal_time_shows_preemption_inside_kvm_run_and_in_which_mode() {
         // KVM's rules (no trust in running hints): only steal time can make a vCPU ready.
@@ -786,16 +775,13 @@ mod directed_tests {
             ..DirectedYieldOptions::default()
         };
         let mut vm = vm_with(3, false, &options);
-        let mem = Arc::new(FlipMemory(
-            (0..512)
-                .map(|_| std::sync::atomic::AtomicU8::new(0))
-                .collect(),
-        ));
+        // Guest memory whose bytes the test flips while vCPUs "run".
+        let mem = Arc::new(pvspin_hints::BufferPageMap::new(1));
         // A state with the memory (the builder installs it for a real VM).
         let dy = Arc::new({
             let mut state =
                 YieldState::with_actuator(&options, 3, Box::new(vm.rec.clone())).unwrap();
-            state.mem = Some(mem.clone());
+            state.mem = Some(crate::directed::PageBytes(mem.clone()));
             for (v, gpa) in [(1usize, 64u64), (2, 128)] {
                 state.board.set_steal_time_gpa(v, Some(gpa));
             }
@@ -815,8 +801,11 @@ mod directed_tests {
         spin(&mut vm, 0, notify(Some(1)), 0);
         assert_eq!(vm.dy.stats().yield_self, 1);
         // KVM marks both preempted: the hint is used.
-        mem.0[64 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
-        mem.0[128 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        // The `preempted` byte (offset 16) of each area; the word's low byte, little-endian.
+        mem.word(64 + 16)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        mem.word(128 + 16)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
         spin(&mut vm, 0, notify(Some(1)), 0);
         assert_eq!(vm.dy.stats().yield_to_hint, 1);
         // No hint, spinner in kernel mode: the filter skips vCPU 1 (preempted in user mode).
