@@ -262,6 +262,10 @@ pub struct SimConfig {
     pub slots: usize,
     /// The seed.
     pub seed: u64,
+    /// The pvspin guest as it was before issue 19's convoy fix (pvspin-guest "no early wait
+    /// behind a kicked next owner"): it also waits at once behind a next owner that was handed
+    /// the lock and is still waking. The validation's measurements ran that guest.
+    pub early_wait_behind_waking: bool,
     /// Costs.
     pub cost: CostModel,
 }
@@ -285,6 +289,7 @@ impl SimConfig {
             quota_period_ns: 100_000_000,
             slots: 0,
             seed: 1,
+            early_wait_behind_waking: false,
             cost: CostModel::default(),
         }
     }

@@ -34,6 +34,10 @@ enum Cmd {
         /// Override the context-switch cost, ns (to test its sensitivity).
         #[arg(long)]
         context_switch_ns: Option<u64>,
+        /// Simulate today's pvspin guest (no early wait behind a kicked next owner) instead of
+        /// the one the measurements ran.
+        #[arg(long)]
+        current_guest: bool,
     },
     /// Simulate a grid of host CPUs, VMs and vCPUs for each variant; write CSV.
     Sweep {
@@ -72,6 +76,10 @@ enum Cmd {
         /// of host CPUs / VMs), which sizes the run slots to it.
         #[arg(long)]
         fair_share: bool,
+        /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind
+        /// a kicked next owner).
+        #[arg(long)]
+        early_wait_behind_waking: bool,
     },
 }
 
@@ -119,6 +127,10 @@ struct RunArgs {
     /// Stop unfinished runs here, simulated ms.
     #[arg(long, default_value_t = 60_000)]
     bound_ms: u64,
+    /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind a
+    /// kicked next owner).
+    #[arg(long)]
+    early_wait_behind_waking: bool,
 }
 
 fn main() -> ExitCode {
@@ -129,7 +141,8 @@ fn main() -> ExitCode {
             measured,
             seeds,
             context_switch_ns,
-        } => validate(&measured, seeds, context_switch_ns),
+            current_guest,
+        } => validate(&measured, seeds, context_switch_ns, current_guest),
         Cmd::Sweep {
             out,
             duration_ms,
@@ -141,12 +154,14 @@ fn main() -> ExitCode {
             ncs_work,
             seed,
             fair_share,
+            early_wait_behind_waking,
         } => (|| {
             let variants = parse_variants(&variants)?;
             let mut base = SimConfig::new(variants[0], 1, 1);
             base.cs_work = cs_work;
             base.ncs_work = ncs_work;
             base.seed = seed;
+            base.early_wait_behind_waking = early_wait_behind_waking;
             let mut f = std::fs::File::create(&out).map_err(|e| format!("{out}: {e}"))?;
             writeln!(f, "{}", sweep::HEADER).map_err(|e| e.to_string())?;
             for &h in &host_cpus {
@@ -215,6 +230,7 @@ fn run(a: &RunArgs) -> Result<(), String> {
             cfg.slots = a.slots;
             cfg.seed = seed;
             cfg.bound_ns = a.bound_ms * 1_000_000;
+            cfg.early_wait_behind_waking = a.early_wait_behind_waking;
             let start = std::time::Instant::now();
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
             let wall = start.elapsed().as_secs_f64();
@@ -247,7 +263,12 @@ fn run(a: &RunArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn validate(path: &str, seeds: u64, context_switch_ns: Option<u64>) -> Result<(), String> {
+fn validate(
+    path: &str,
+    seeds: u64,
+    context_switch_ns: Option<u64>,
+    current_guest: bool,
+) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -286,6 +307,8 @@ fn validate(path: &str, seeds: u64, context_switch_ns: Option<u64>) -> Result<()
             let mut cfg = SimConfig::new(variant, vcpus, iters);
             cfg.hogs = hogs;
             cfg.seed = seed;
+            // The measurements ran the guest before the convoy fix (all of them predate it).
+            cfg.early_wait_behind_waking = !current_guest;
             cfg.bound_ns = 10_000_000_000;
             if let Some(l) = f.get(6).and_then(|s| s.trim().parse::<f64>().ok()) {
                 cfg.cpu_limit = Some(l);
