@@ -57,7 +57,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Condvar, LockStats, Ordering, StatGuard, StatMutex};
 
 /// Errors in the slot configuration.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -342,7 +342,7 @@ fn duration_ns(d: Duration) -> u64 {
 /// call.
 pub struct RunSlots {
     cfg: SlotConfig,
-    state: Mutex<State>,
+    state: StatMutex<State>,
     wakeups: Vec<Condvar>,
     clock: Box<dyn SlotClock>,
     grants: AtomicU64,
@@ -384,7 +384,7 @@ impl RunSlots {
         cfg.validate(vcpus)?;
         Ok(Self {
             cfg,
-            state: Mutex::new(State {
+            state: StatMutex::new(State {
                 granted_at: vec![None; vcpus],
                 extended: vec![false; vcpus],
                 preempt_sent: vec![0; vcpus],
@@ -422,10 +422,14 @@ impl RunSlots {
         self.cfg
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> StatGuard<'_, State> {
+        self.state.lock()
+    }
+
+    /// How the state mutex was used (counted with the `lock-stats` feature only; zero
+    /// without it): what the benches' vCPU storm measures.
+    pub fn lock_stats(&self) -> LockStats {
+        self.state.stats()
     }
 
     /// Gives `v` a slot (the caller holds the lock and checked that one is free).
@@ -664,18 +668,10 @@ impl RunSlots {
         Step::WaitNs(wake_at.saturating_sub(now))
     }
 
-    #[cfg(not(loom))]
-    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, ns: u64) -> MutexGuard<'a, State> {
-        self.wakeups[v]
-            .wait_timeout(st, Duration::from_nanos(ns.max(1_000)))
-            .map(|(g, _)| g)
-            .unwrap_or_else(|e| e.into_inner().0)
-    }
-
-    /// Loom has no timeouts: the model checks the hand-over, which needs none.
-    #[cfg(loom)]
-    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, _ns: u64) -> MutexGuard<'a, State> {
-        self.wakeups[v].wait(st).unwrap()
+    /// Parks `v` until woken or `ns` passed (loom has no timeouts: the model checks the
+    /// hand-over, which needs none).
+    fn wait<'a>(&self, st: StatGuard<'a, State>, v: usize, ns: u64) -> StatGuard<'a, State> {
+        st.wait(&self.wakeups[v], Duration::from_nanos(ns.max(1_000)))
     }
 
     /// After `KVM_RUN` returns, on vCPU `v`'s thread: when others wait and `v`'s quantum is
@@ -882,10 +878,7 @@ impl RunSlots {
                 && st.held + st.reserved <= slots
                 && !st.lent.iter().any(|&l| l)
         };
-        let (st, _) = self
-            .watch
-            .wait_timeout_while(st, timeout, idle)
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = st.wait_while(&self.watch, timeout, idle);
         !st.shutdown
     }
 
