@@ -505,10 +505,18 @@ impl Families {
         labels: &[(&str, String)],
         value: &str,
     ) {
-        let entry = self.by_name.entry(family.to_owned()).or_insert_with(|| {
+        // Looked up before inserting: a family is made once, its samples are many (about 300
+        // per vCPU with KVM's histograms), and each key allocation would be one too many.
+        if !self.by_name.contains_key(family) {
             self.order.push(family.to_owned());
-            (typ.to_owned(), help.to_owned(), Vec::new())
-        });
+            self.by_name.insert(
+                family.to_owned(),
+                (typ.to_owned(), help.to_owned(), Vec::new()),
+            );
+        }
+        let Some(entry) = self.by_name.get_mut(family) else {
+            return;
+        };
         if entry.0 != typ {
             log::warn!(
                 "telemetry: metric family {family} seen as {} and {typ}; sample dropped",
@@ -516,7 +524,9 @@ impl Families {
             );
             return;
         }
-        let mut line = format!("{family}{suffix}");
+        let mut line = String::with_capacity(family.len() + suffix.len() + 48);
+        line.push_str(family);
+        line.push_str(suffix);
         if !labels.is_empty() {
             line.push('{');
             for (i, (k, v)) in labels.iter().enumerate() {
@@ -550,10 +560,16 @@ impl Families {
     }
 }
 
-pub(super) fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+pub(super) fn escape_label(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        // Label values are mostly numbers and names: nothing to escape, nothing to allocate.
+        return std::borrow::Cow::Borrowed(v);
+    }
+    std::borrow::Cow::Owned(
+        v.replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n"),
+    )
 }
 
 fn escape_help(v: &str) -> String {
