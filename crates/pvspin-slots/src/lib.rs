@@ -29,7 +29,7 @@ pub struct ReadmeDoctests;
 
 pub use policy::{
     EnterOutcome, MonotonicSlotClock, RunSlots, SlotClock, SlotConfig, SlotError, SlotSignals,
-    SlotStats, DEFAULT_HALT_WATCH_INTERVAL,
+    SlotStats, SlotWaker, DEFAULT_HALT_WATCH_INTERVAL,
 };
 #[cfg(not(loom))]
 pub use quota::{entitled_cpus, parse_cfs_quota, parse_cpu_max};

@@ -205,6 +205,15 @@ impl SlotClock for MonotonicSlotClock {
     }
 }
 
+/// Told when a vCPU is granted a slot, for embedders that do not park vCPU threads on the
+/// policy's condition variables (a simulator, an event loop): they learn here which waiter to
+/// resume. Called with the policy's lock held: it must not call back into [`RunSlots`] and must
+/// not block. The condition variables are notified as before, so a VMM needs none.
+pub trait SlotWaker: Send + Sync {
+    /// vCPU `v` now holds a slot (granted from the queue, by a hand-over, or taken back).
+    fn granted(&self, v: usize);
+}
+
 /// How [`RunSlots::enter`] ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EnterOutcome {
@@ -373,6 +382,8 @@ pub struct RunSlots {
     max_over_ns: AtomicU64,
     /// Wakes the halt watcher when it has something to watch.
     watch: Condvar,
+    /// Told of every grant, when set ([`RunSlots::with_waker`]).
+    waker: Option<Box<dyn SlotWaker>>,
 }
 
 impl std::fmt::Debug for RunSlots {
@@ -431,7 +442,14 @@ impl RunSlots {
             reclaims: AtomicU64::new(0),
             max_over_ns: AtomicU64::new(0),
             watch: Condvar::new(),
+            waker: None,
         })
+    }
+
+    /// These slots, telling `waker` of every grant (see [`SlotWaker`]).
+    pub fn with_waker(mut self, waker: Box<dyn SlotWaker>) -> Self {
+        self.waker = Some(waker);
+        self
     }
 
     /// The configuration.
@@ -465,6 +483,9 @@ impl RunSlots {
         self.grants.fetch_add(1, Ordering::Relaxed);
         self.max_held.fetch_max(st.held as u64, Ordering::Relaxed);
         self.note_over(st, now);
+        if let Some(waker) = &self.waker {
+            waker.granted(v);
+        }
     }
 
     /// Tracks how long more vCPUs hold slots than there are slots (only vCPUs that KVM woke
@@ -587,16 +608,29 @@ impl RunSlots {
         since_ns: u64,
         signals: &dyn SlotSignals,
     ) -> Option<EnterOutcome> {
+        self.poll_enter(v, since_ns, signals).ok()
+    }
+
+    /// [`try_enter`](Self::try_enter), saying when to ask again: `Err(ns)` when `v` is queued,
+    /// where `ns` is how long [`enter`](Self::enter) would wait before its next look (a
+    /// holder's quantum ends, or a preemption request is due again), unless a grant comes
+    /// first. For event-driven embedders (a simulator) that cannot block.
+    pub fn poll_enter(
+        &self,
+        v: usize,
+        since_ns: u64,
+        signals: &dyn SlotSignals,
+    ) -> Result<EnterOutcome, u64> {
         let mut st = self.lock();
         loop {
             match self.step(&mut st, v, since_ns, signals) {
-                Step::Done(outcome) => return Some(outcome),
+                Step::Done(outcome) => return Ok(outcome),
                 Step::Preempt(h) => {
                     drop(st);
                     signals.preempt(h);
                     st = self.lock();
                 }
-                Step::WaitNs(_) => return None,
+                Step::WaitNs(ns) => return Err(ns),
             }
         }
     }
@@ -1018,6 +1052,42 @@ mod tests {
         fn preempt(&self, v: usize) {
             self.preempted.lock().unwrap().push(v);
         }
+    }
+
+    #[derive(Debug, Default)]
+    struct Granted(Arc<StdMutex<Vec<usize>>>);
+
+    impl SlotWaker for Granted {
+        fn granted(&self, v: usize) {
+            self.0.lock().unwrap().push(v);
+        }
+    }
+
+    /// `poll_enter` says how long to wait (the holder's quantum), and the waker names every
+    /// grant, from the queue and directly.
+    #[test]
+    fn poll_enter_gives_the_wait_and_the_waker_names_each_grant() {
+        let now = Arc::new(StdAtomicU64::new(1));
+        let seen = Arc::new(StdMutex::new(Vec::new()));
+        let s = RunSlots::with_clock(2, test_config(1), Box::new(ManualClock(now.clone())))
+            .unwrap()
+            .with_waker(Box::new(Granted(seen.clone())));
+        let sig = Signals::default();
+        assert_eq!(
+            s.poll_enter(0, 1, &sig),
+            Ok(EnterOutcome::Granted { waited_ns: 0 })
+        );
+        now.store(500_001, std::sync::atomic::Ordering::SeqCst);
+        // The 2 ms quantum of vCPU 0 ends 1.5 ms from now.
+        assert_eq!(s.poll_enter(1, 500_001, &sig), Err(1_000_000));
+        assert_eq!(*seen.lock().unwrap(), vec![0]);
+        s.leave(0);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![0, 1],
+            "the queued vCPU is named"
+        );
+        assert!(s.holds(1));
     }
 
     /// The configuration the tests' times are written for (not the defaults, which may move).
