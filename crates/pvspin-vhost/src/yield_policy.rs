@@ -17,7 +17,13 @@
 //!   someone else changed the thread's nice value in between (then theirs is kept).
 //!
 //! The policy is pure over a [`ThreadActions`] implementation: [`ProcThreads`] uses procfs and
-//! `setpriority`, tests use a fake.
+//! pvspin-hints' `sched::set_nice`, tests use a fake.
+//!
+//! Why not pvspin-hints' `BoostTracker`: it boosts the threads of its own process, in
+//! vCPU-index slots fixed at start, and restores from its own watchdog thread. Here the threads
+//! belong to another process, are found and re-checked by name before every change (thread ids
+//! are reused), include deboosts of the spinner, and are restored only if nobody else changed
+//! them meanwhile, from the backend's restore timer. The shared part, the nice calls, is reused.
 
 use std::collections::BTreeMap;
 use std::io;
