@@ -3,13 +3,13 @@
 //! `vcpu="N"` labels) with a `vm` label naming the socket that serves the VM.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pvspin_hints::PageBudgets;
 use pvspin_kick::ratelimit::{Clock, MonotonicClock, RateLimiter};
+use pvspin_prometheus::Families;
 use serde::Serialize;
 
 use crate::sched::Reads;
@@ -633,77 +633,9 @@ pub struct DaemonSnapshot {
     pub vms: Vec<VmSnapshot>,
 }
 
-/// Metric families in first-seen order, each with its samples (as the library renders).
-#[derive(Default)]
-struct Families {
-    order: Vec<String>,
-    by_name: BTreeMap<String, (String, String, Vec<String>)>,
-}
-
-impl Families {
-    fn sample(
-        &mut self,
-        family: &str,
-        typ: &str,
-        help: &str,
-        labels: &[(&str, String)],
-        value: impl std::fmt::Display,
-    ) {
-        let entry = self.by_name.entry(family.to_owned()).or_insert_with(|| {
-            self.order.push(family.to_owned());
-            (typ.to_owned(), help.to_owned(), Vec::new())
-        });
-        let mut line = family.to_owned();
-        if !labels.is_empty() {
-            line.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    line.push(',');
-                }
-                let _ = write!(line, "{k}=\"{}\"", escape_label(v));
-            }
-            line.push('}');
-        }
-        let _ = write!(line, " {value}");
-        entry.2.push(line);
-    }
-
-    fn counter(&mut self, family: &str, help: &str, labels: &[(&str, String)], value: u64) {
-        self.sample(family, "counter", help, labels, value);
-    }
-
-    fn gauge(&mut self, family: &str, help: &str, labels: &[(&str, String)], value: u64) {
-        self.sample(family, "gauge", help, labels, value);
-    }
-
-    fn render(&self) -> String {
-        let mut s = String::new();
-        for name in &self.order {
-            let (typ, help, lines) = &self.by_name[name];
-            let _ = writeln!(
-                s,
-                "# HELP {name} {}",
-                help.replace('\\', "\\\\").replace('\n', "\\n")
-            );
-            let _ = writeln!(s, "# TYPE {name} {typ}");
-            for l in lines {
-                s.push_str(l);
-                s.push('\n');
-            }
-        }
-        s
-    }
-}
-
 /// Nanoseconds as a Prometheus seconds value.
 fn ns_as_seconds(ns: u64) -> String {
     format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Renders a snapshot as Prometheus text.
@@ -871,18 +803,16 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             vm.useful_spin_notifications,
         );
         for (i, ns) in vm.wait_after_ns.iter().enumerate() {
-            f.sample(
+            f.gauge(
                 "pvspin_budget_wait_after_seconds",
-                "gauge",
                 "The vCPU's spin budget before waiting (hint page).",
                 &[l(), ("vcpu", i.to_string())],
                 ns_as_seconds(*ns),
             );
         }
         for (i, ns) in vm.spin_window_ns.iter().flatten().enumerate() {
-            f.sample(
+            f.gauge(
                 "pvspin_budget_notify_after_seconds",
-                "gauge",
                 "The vCPU's spin budget before notifying (hint page).",
                 &[l(), ("vcpu", i.to_string())],
                 ns_as_seconds(*ns),
@@ -912,6 +842,7 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             "pvspin_vhost_sched_read_seconds_total",
             "counter",
             "CPU time the scheduler sampler spent reading /proc for the VM's vCPU threads.",
+            "",
             &[l()],
             ns_as_seconds(vm.sched.read_ns),
         );
