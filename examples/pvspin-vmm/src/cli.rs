@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use pvspin_kvm::guest::UnknownGuestKernel;
 use pvspin_vmm_proto::{LockKind, Workload};
 
 use crate::bench::{self, BenchOptions};
@@ -466,13 +467,18 @@ pub enum PvBackendArg {
     VhostUser(std::path::PathBuf),
 }
 
-fn parse_pv_backend(text: &str) -> Result<PvBackendArg, String> {
+/// A `--pv-backend` that is neither form.
+#[derive(Debug, thiserror::Error)]
+#[error("expected `in-process` or `vhost-user:PATH`")]
+pub struct PvBackendError;
+
+fn parse_pv_backend(text: &str) -> Result<PvBackendArg, PvBackendError> {
     if text == "in-process" {
         return Ok(PvBackendArg::InProcess);
     }
     match text.strip_prefix("vhost-user:") {
         Some(path) if !path.is_empty() => Ok(PvBackendArg::VhostUser(path.into())),
-        _ => Err("expected `in-process` or `vhost-user:PATH`".into()),
+        _ => Err(PvBackendError),
     }
 }
 
@@ -494,21 +500,34 @@ pub enum BoostsArg {
     Unconfined,
 }
 
-fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
-    text.parse()
-        .map_err(|err: pvspin::PlanError| err.to_string())
-}
-
-fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, String> {
+fn parse_placement(text: &str) -> Result<pvspin::Placement, pvspin::PlanError> {
     text.parse()
 }
 
-fn parse_u32(text: &str) -> Result<u32, String> {
+fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, UnknownGuestKernel> {
+    text.parse()
+}
+
+/// A command-line number that is not a 32-bit decimal or `0x` hexadecimal number.
+#[derive(Debug, thiserror::Error)]
+#[error("{text:?} is not a 32-bit number: {source}")]
+pub struct NumberError {
+    /// The text given.
+    pub text: String,
+    /// Why it does not parse.
+    #[source]
+    pub source: std::num::ParseIntError,
+}
+
+fn parse_u32(text: &str) -> Result<u32, NumberError> {
     let parsed = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16),
         None => text.parse(),
     };
-    parsed.map_err(|err| format!("{text:?} is not a 32-bit number: {err}"))
+    parsed.map_err(|source| NumberError {
+        text: text.to_owned(),
+        source,
+    })
 }
 
 /// Options of `run`.
@@ -735,7 +754,11 @@ where
                 if let Some(cpus) = vm_args.cpu_limit {
                     if let Err(err) = cgroup.limit(cpus) {
                         eprintln!("pvspin-vmm: --cpu-limit: {err}");
-                        return if err.starts_with("rule:") { 2 } else { 1 };
+                        return if matches!(err, crate::cgroup::CgroupError::CpuLimit(_)) {
+                            2
+                        } else {
+                            1
+                        };
                     }
                 }
                 Some(cgroup)

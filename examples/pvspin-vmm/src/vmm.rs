@@ -298,6 +298,20 @@ impl Hogs {
     }
 }
 
+/// Why [`spawn_confined`] could not start its thread.
+#[derive(Debug, thiserror::Error)]
+enum SpawnError {
+    /// The thread could not be created.
+    #[error("cannot start the thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// Its seccomp filter could not be installed (the thread ended without running).
+    #[error("{0}")]
+    Filter(#[from] crate::seccomp::InstallError),
+    /// The thread ended before saying whether its filter is in place.
+    #[error("the thread ended before it started")]
+    Ended,
+}
+
 /// Starts thread `name` running `f`, with `filter` (a seccomp program and whose it is)
 /// installed first, on the thread; returns once the filter is in place. When it cannot be
 /// installed the thread ends without running `f`, and this returns why.
@@ -305,8 +319,9 @@ fn spawn_confined<T: Send + 'static>(
     name: String,
     filter: Option<(Arc<seccompiler::BpfProgram>, VmmThread)>,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Result<JoinHandle<Option<T>>, String> {
-    let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+) -> Result<JoinHandle<Option<T>>, SpawnError> {
+    let (started_tx, started_rx) =
+        std::sync::mpsc::sync_channel::<Result<(), crate::seccomp::InstallError>>(1);
     let thread = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
@@ -317,16 +332,16 @@ fn spawn_confined<T: Send + 'static>(
             let _ = started_tx.send(started);
             ok.then(f)
         })
-        .map_err(|err| format!("cannot start the thread: {err}"))?;
+        .map_err(SpawnError::Thread)?;
     match started_rx.recv() {
         Ok(Ok(())) => Ok(thread),
         Ok(Err(err)) => {
             let _ = thread.join();
-            Err(err)
+            Err(err.into())
         }
         Err(_) => {
             let _ = thread.join();
-            Err("the thread ended before it started".into())
+            Err(SpawnError::Ended)
         }
     }
 }
@@ -403,7 +418,7 @@ fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunE
     let result = thread
         .join()
         .unwrap_or_else(|_| Err(RunError::Setup("the VMM thread panicked".into())));
-    confined.map_err(RunError::Setup)?;
+    confined.map_err(|err| RunError::Setup(err.to_string()))?;
     result
 }
 
@@ -669,7 +684,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         if let Err(err) = filters.apply(VmmThread::Vmm) {
             control.end(Ending::Fault {
                 vcpu: 0,
-                reason: err,
+                reason: err.to_string(),
             });
         }
     }
