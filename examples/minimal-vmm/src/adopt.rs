@@ -8,12 +8,12 @@ use kvm_bindings::{kvm_irq_routing_entry, CpuId};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 pub use pvspin::interrupt::InterruptError;
 pub use pvspin::{KickPath, PvSpin, SignalInterrupter, VcpuHooks, VcpuThread};
-use pvspin_vmm::memory::GuestMemory;
+use pvspin_vmm::memory::VmMemory;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// pvspin for `n` vCPUs on `path`: kicks, WAIT and hint pages; interrupts by signal.
-pub fn build(n: usize, path: KickPath, mem: &GuestMemory) -> Res<(PvSpin, Arc<SignalInterrupter>)> {
+pub fn build(n: usize, path: KickPath, mem: &VmMemory) -> Res<(PvSpin, Arc<SignalInterrupter>)> {
     let signal = SignalInterrupter::new(n)?;
     let hints = pvspin::HintOptions {
         memory: Arc::new(mem.clone()),

@@ -104,18 +104,18 @@ impl VcpuShared {
 /// The VMM's [`VcpuInterrupter`] for pvspin: pvspin's signal interrupter, plus the wake-up of
 /// the VMM's own park.
 #[derive(Debug)]
-pub struct SignalInterrupter {
+pub struct VcpuKicker {
     vcpus: Vec<Arc<VcpuShared>>,
 }
 
-impl SignalInterrupter {
+impl VcpuKicker {
     /// Interrupts the given vCPUs by index.
     pub fn new(vcpus: Vec<Arc<VcpuShared>>) -> Self {
         Self { vcpus }
     }
 }
 
-impl VcpuInterrupter for SignalInterrupter {
+impl VcpuInterrupter for VcpuKicker {
     fn interrupt(&self, index: usize) {
         if let Some(vcpu) = self.vcpus.get(index) {
             vcpu.kick();

@@ -15,12 +15,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::config::{ConfigError, PvMode, RunConfig};
+use crate::config::{PvMode, RunConfig, RunConfigError};
 use crate::devices::{ConsoleSink, IoBus};
-use crate::memory::{self, GuestMemory, MemoryError};
+use crate::memory::{self, MemoryError, VmMemory};
 use crate::report::{RunReport, VcpuReport};
 use crate::seccomp::{Filters, VmmThread};
-use crate::vcpu::{SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
+use crate::vcpu::{VcpuEnd, VcpuKicker, VcpuRunner, VcpuShared};
 
 /// The guest program, built by this crate's build script.
 pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
@@ -33,7 +33,7 @@ const WATCHDOG_TICK: Duration = Duration::from_millis(50);
 pub enum RunError {
     /// Invalid configuration (exit code 2).
     #[error("invalid configuration: {0}")]
-    Config(#[from] ConfigError),
+    Config(#[from] RunConfigError),
     /// The host could not set the VM up.
     #[error("setting up the VM: {0}")]
     Setup(String),
@@ -167,7 +167,7 @@ impl MutEventSubscriber for EndWatcher {
 struct Watchdog {
     timer: TimerFd,
     control: Arc<RunControl>,
-    memory: GuestMemory,
+    memory: VmMemory,
     vcpus: Vec<Arc<VcpuShared>>,
     last_progress: Vec<(u64, u64, Instant)>,
     limit: Duration,
@@ -445,7 +445,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         .collect();
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
-        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
+        .interrupter(Arc::new(VcpuKicker::new(shared.clone())));
     if let Some(filters) = filters {
         builder = builder.helper_thread_filter(filters.program(VmmThread::BoostWatchdog));
     }
@@ -882,7 +882,7 @@ pub fn lock_name(lock: LockKind) -> &'static str {
 
 /// Guest memory as pvspin reads steal-time bytes from it.
 #[derive(Debug)]
-struct StealTimeBytes(memory::GuestMemory);
+struct StealTimeBytes(memory::VmMemory);
 
 impl pvspin::GuestBytes for StealTimeBytes {
     fn read_u8(&self, gpa: u64) -> Option<u8> {
