@@ -100,7 +100,7 @@ struct Adjustment {
 
 /// What one spin notification did (for tests and logs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Outcome {
+pub struct SpinOutcome {
     /// The spinner's thread was deboosted (or its deboost extended).
     pub deboosted: bool,
     /// The waited-for vCPU's thread was boosted.
@@ -209,8 +209,8 @@ impl<A: ThreadActions> YieldPolicy<A> {
         waiting_for: Option<u32>,
         now: Instant,
         tel: &DaemonVmTelemetry,
-    ) -> Outcome {
-        let mut out = Outcome::default();
+    ) -> SpinOutcome {
+        let mut out = SpinOutcome::default();
         if self.mode == YieldMode::Off {
             return out;
         }
@@ -578,7 +578,7 @@ pub(crate) mod tests {
         let mut p = YieldPolicy::new(YieldMode::Deboost, 5, ms, FakeThreads::new(7, 4, true));
         let now = Instant::now();
         // No pid: nothing happens.
-        assert_eq!(p.on_spin(0, Some(1), now, &t), Outcome::default());
+        assert_eq!(p.on_spin(0, Some(1), now, &t), SpinOutcome::default());
         p.set_peer(Some(7));
         let o = p.on_spin(0, Some(1), now, &t);
         assert!(o.deboosted && !o.boosted && !o.boost_refused);
@@ -627,7 +627,7 @@ pub(crate) mod tests {
         assert!(!deboost_only.on_spin(0, Some(2), now, &t).boosted);
         let mut off = YieldPolicy::new(YieldMode::Off, 5, ms, FakeThreads::new(7, 4, true));
         off.set_peer(Some(7));
-        assert_eq!(off.on_spin(0, Some(2), now, &t), Outcome::default());
+        assert_eq!(off.on_spin(0, Some(2), now, &t), SpinOutcome::default());
         assert!(off.actions().calls.is_empty());
     }
 
@@ -661,7 +661,7 @@ pub(crate) mod tests {
         p.set_peer(Some(7));
         assert_eq!(
             p.on_spin(0, Some(1), now, &t),
-            Outcome {
+            SpinOutcome {
                 deboosted: true,
                 boosted: false,
                 boost_refused: false

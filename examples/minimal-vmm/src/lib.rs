@@ -57,13 +57,13 @@ pub fn run_name(path: KickPath, workload: Workload, user_mode: bool) -> String {
     )
 }
 
-fn err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> RunError {
-    move |source| RunError::Kvm { op, source }
+fn err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> MinimalVmmError {
+    move |source| MinimalVmmError::Kvm { op, source }
 }
 
 /// Why a run failed.
 #[derive(Debug, thiserror::Error)]
-pub enum RunError {
+pub enum MinimalVmmError {
     /// A KVM call of the VMM's failed.
     #[error("{op}: {source}")]
     Kvm {
@@ -173,7 +173,7 @@ fn own_routes(device_gsi: u32) -> Vec<kvm_irq_routing_entry> {
 }
 
 /// Runs one workload on `path` to its end; returns the guest's summary line.
-pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String, RunError> {
+pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String, MinimalVmmError> {
     let config = RunConfig {
         vcpus: VCPUS,
         workload,
@@ -207,8 +207,8 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     // SAFETY: `mem` maps `mem_bytes` bytes and outlives the VM (dropped after `vm` below).
     unsafe { vm.set_user_memory_region(region) }.map_err(err("KVM_SET_USER_MEMORY_REGION"))?;
 
-    let (pvspin, signal) = adopt::build(n, path, &mem).map_err(RunError::Adopt)?;
-    adopt::configure_vm(&pvspin, &kvm, &vm).map_err(RunError::Adopt)?;
+    let (pvspin, signal) = adopt::build(n, path, &mem).map_err(MinimalVmmError::Adopt)?;
+    adopt::configure_vm(&pvspin, &kvm, &vm).map_err(MinimalVmmError::Adopt)?;
 
     // The VMM's own VM-wide state: irqchip (the userspace kick path wants HLT exits, so none
     // there), its GSIs and routes, its device's irqfd.
@@ -222,13 +222,13 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     }
     if path == KickPath::InKernel {
         let kick = adopt::kick_routes(&pvspin, &vm, || gsis.allocate());
-        routes.extend(kick.map_err(RunError::Adopt)?);
+        routes.extend(kick.map_err(MinimalVmmError::Adopt)?);
     }
     if irqchip {
-        let table = KvmIrqRouting::from_entries(&routes).map_err(RunError::RoutingTable)?;
+        let table = KvmIrqRouting::from_entries(&routes).map_err(MinimalVmmError::RoutingTable)?;
         vm.set_gsi_routing(&table)
             .map_err(err("KVM_SET_GSI_ROUTING"))?;
-        adopt::check_routes(&pvspin, &routes).map_err(RunError::Adopt)?;
+        adopt::check_routes(&pvspin, &routes).map_err(MinimalVmmError::Adopt)?;
         vm.register_irqfd(&device_event, device_gsi)
             .map_err(err("KVM_IRQFD"))?;
     }
@@ -243,10 +243,10 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
             .map_err(err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported.clone();
         own_cpuid_edit(&mut cpuid);
-        adopt::edit_cpuid(&pvspin, i as usize, &mut cpuid).map_err(RunError::Adopt)?;
+        adopt::edit_cpuid(&pvspin, i as usize, &mut cpuid).map_err(MinimalVmmError::Adopt)?;
         vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
-        let hooks =
-            adopt::configure_vcpu(&pvspin, i as usize, &mut vcpu).map_err(RunError::Adopt)?;
+        let hooks = adopt::configure_vcpu(&pvspin, i as usize, &mut vcpu)
+            .map_err(MinimalVmmError::Adopt)?;
         let sregs = vcpu.get_sregs().map_err(err("KVM_GET_SREGS"))?;
         vcpu.set_sregs(&memory::initial_sregs(sregs, i))
             .map_err(err("KVM_SET_SREGS"))?;
@@ -281,8 +281,8 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     }
     let deadline = Instant::now() + RUN_LIMIT;
     let outcome = match done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(result) => result.map_err(RunError::Vcpu),
-        Err(_) => Err(RunError::Timeout(RUN_LIMIT)),
+        Ok(result) => result.map_err(MinimalVmmError::Vcpu),
+        Err(_) => Err(MinimalVmmError::Timeout(RUN_LIMIT)),
     };
     stop.store(true, Ordering::Release);
     adopt::stop(&pvspin);
@@ -300,7 +300,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     if status == pvspin_vmm_proto::status::OK {
         Ok(summary)
     } else {
-        Err(RunError::GuestStatus {
+        Err(MinimalVmmError::GuestStatus {
             status,
             console: text,
         })
@@ -316,8 +316,8 @@ fn own_cpuid_edit(cpuid: &mut kvm_bindings::CpuId) {
     }
 }
 
-fn vmm_eventfd() -> Result<EventFd, RunError> {
-    EventFd::new(libc::EFD_NONBLOCK).map_err(RunError::EventFd)
+fn vmm_eventfd() -> Result<EventFd, MinimalVmmError> {
+    EventFd::new(libc::EFD_NONBLOCK).map_err(MinimalVmmError::EventFd)
 }
 
 /// One vCPU thread: pvspin's hooks around `KVM_RUN`, the VMM's bus for the rest.

@@ -16,12 +16,12 @@ use crate::vmm;
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub command: CliCommand,
 }
 
 /// Subcommands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub enum CliCommand {
     /// Runs one VM and prints a summary line and a JSON line.
     Run(RunArgs),
     /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
@@ -717,19 +717,19 @@ where
         }
     };
     let vm_args = match &cli.command {
-        Command::Run(args) => &args.vm,
-        Command::Bench(args) => &args.vm,
-        Command::Report(args) => {
+        CliCommand::Run(args) => &args.vm,
+        CliCommand::Bench(args) => &args.vm,
+        CliCommand::Report(args) => {
             let mut stdout = std::io::stdout().lock();
             return report_command(args, &mut stdout);
         }
-        Command::Cotenant(args) => {
+        CliCommand::Cotenant(args) => {
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
         }
     };
     let _cgroup = if vm_args.vm_cgroup || vm_args.cpu_limit.is_some() {
-        if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
+        if matches!(cli.command, CliCommand::Run(_)) && vm_args.seccomp != SeccompArg::Off {
             eprintln!(
                 "pvspin-vmm: rule: run --vm-cgroup and --cpu-limit need --seccomp off (leaving \
                  the cgroup at the end needs file-system calls the confined main thread may not \
@@ -738,9 +738,9 @@ where
             return 2;
         }
         let hogs = match &cli.command {
-            Command::Run(args) => args.hogs,
-            Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            Command::Cotenant(_) | Command::Report(_) => 0,
+            CliCommand::Run(args) => args.hogs,
+            CliCommand::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
+            CliCommand::Cotenant(_) | CliCommand::Report(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -772,8 +772,8 @@ where
         None
     };
     match cli.command {
-        Command::Cotenant(_) | Command::Report(_) => 0,
-        Command::Run(args) => match if confine_caller {
+        CliCommand::Cotenant(_) | CliCommand::Report(_) => 0,
+        CliCommand::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {
             vmm::run(&args.vm.config(args.hogs))
@@ -790,7 +790,7 @@ where
                 err.exit_code()
             }
         },
-        Command::Bench(args) => {
+        CliCommand::Bench(args) => {
             let mut stdout = std::io::stdout().lock();
             bench_command(&args, command, &mut stdout, vmm::run)
         }
@@ -909,7 +909,7 @@ mod tests {
     fn guest_option_and_its_spin_threshold_default() {
         let parse = |args: &[&str]| {
             let cli = Cli::try_parse_from(["pvspin-vmm", "run"].iter().chain(args)).unwrap();
-            let Command::Run(args) = cli.command else {
+            let CliCommand::Run(args) = cli.command else {
                 panic!("expected run")
             };
             args.vm.config(0)
@@ -970,7 +970,7 @@ mod tests {
             json.to_str().unwrap(),
         ])
         .unwrap();
-        let Command::Bench(args) = cli.command else {
+        let CliCommand::Bench(args) = cli.command else {
             panic!("expected bench")
         };
         let command: Vec<String> = ["pvspin-vmm", "bench", "--made-up"]
@@ -1049,7 +1049,7 @@ mod tests {
     fn parses_bench_hog_lists() {
         let cli =
             Cli::try_parse_from(["pvspin-vmm", "bench", "--hogs", "0,2,4", "--runs", "3"]).unwrap();
-        let Command::Bench(args) = cli.command else {
+        let CliCommand::Bench(args) = cli.command else {
             panic!("expected bench")
         };
         assert_eq!(args.hogs, [0, 2, 4]);

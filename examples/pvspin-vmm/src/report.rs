@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::RunConfig;
 use crate::devices::IoBus;
 use crate::memory::{self, VmMemory};
-use crate::vcpu::{RegsSnapshot, VcpuShared, VcpuState};
+use crate::vcpu::{RegsSnapshot, VcpuRunState, VcpuShared};
 use crate::vmm::{lock_name, workload_name};
 
 /// One vCPU at the end of a run.
@@ -18,7 +18,7 @@ pub struct VcpuReport {
     /// Index.
     pub index: u32,
     /// State when the VM stopped.
-    pub state: VcpuState,
+    pub state: VcpuRunState,
     /// Exits handled by the VMM in userspace.
     pub userspace_exits: u64,
     /// `KVM_RUN` calls (pvspin's counters).

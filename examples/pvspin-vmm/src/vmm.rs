@@ -189,7 +189,7 @@ impl Watchdog {
             // still looks Running: its finish stamp says it is done, not stuck.
             if (slot.heartbeat, exits) != (last.0, last.1)
                 || slot.finish_tsc != 0
-                || vcpu.state() != crate::vcpu::VcpuState::Running
+                || vcpu.state() != crate::vcpu::VcpuRunState::Running
             {
                 *last = (slot.heartbeat, exits, now);
                 continue;
