@@ -40,7 +40,7 @@ use pvspin::{
 use pvspin_abi::doorbell::{SpinNotify, DEFAULT_PORT, KICK_OFFSET, SHARED_PAGE_OFFSET};
 use pvspin_abi::doorbell::{SPIN_OFFSET, WAIT_OFFSET};
 use pvspin_integration_tests::{kvm_required, with_watchdog};
-use pvspin_vmm::memory::GuestMemory;
+use pvspin_vmm::memory::VmMemory;
 
 const SIZES: [usize; 4] = [2, 16, 64, 255];
 
@@ -63,11 +63,11 @@ struct BenchVm {
     pvspin: Option<PvSpin>,
     hooks: Vec<VcpuHooks>,
     vcpus: Vec<VcpuFd>,
-    _mem: GuestMemory,
+    _mem: VmMemory,
     _vm: VmFd,
 }
 
-fn builder(n: usize, shape: Shape, mem: &GuestMemory) -> Option<PvSpin> {
+fn builder(n: usize, shape: Shape, mem: &VmMemory) -> Option<PvSpin> {
     let interrupter = SignalInterrupter::new(n).expect("interrupter");
     let base = PvSpin::builder().vcpus(n).interrupter(interrupter);
     let built = match shape {

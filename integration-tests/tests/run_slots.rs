@@ -7,7 +7,7 @@ use std::time::Duration;
 use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
 use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, ConfigError, RunConfig};
+use pvspin_vmm::{run, RunConfig, RunConfigError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 fn slots_config(vcpus: u32, slots: u32, lock: LockKind, user_mode: bool) -> RunConfig {
@@ -96,7 +96,10 @@ fn slots_need_a_kick_path() {
     };
     // The configuration's own check (what `run` does first once /dev/kvm is open): this
     // test needs no KVM.
-    assert_eq!(config.validate(u32::MAX), Err(ConfigError::SlotsNeedKicks));
+    assert_eq!(
+        config.validate(u32::MAX),
+        Err(RunConfigError::SlotsNeedKicks)
+    );
     // In the library, slots without a kick path do not compile (`PvSpinBuilder<NoKick>` has
     // no `run_slots`); a slot count it cannot serve is refused naming the rule.
     #[derive(Debug)]

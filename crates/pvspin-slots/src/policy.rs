@@ -212,6 +212,12 @@ impl SlotClock for MonotonicSlotClock {
 pub trait SlotWaker: Send + Sync {
     /// vCPU `v` now holds a slot (granted from the queue, by a hand-over, or taken back).
     fn granted(&self, v: usize);
+
+    /// vCPU `v` is the queue's new head: it should ask again now (only the head waits on a
+    /// timer, for the holders' quanta; the others wait to be granted or to become the head).
+    fn new_head(&self, v: usize) {
+        let _ = v;
+    }
 }
 
 /// How [`RunSlots::enter`] ended.
@@ -535,6 +541,9 @@ impl RunSlots {
             st.polling = head;
             if let Some(h) = head {
                 self.wakeups[h].notify_one();
+                if let Some(waker) = &self.waker {
+                    waker.new_head(h);
+                }
             }
         }
     }
