@@ -246,15 +246,20 @@ impl fmt::Display for GuestKernel {
     }
 }
 
+/// unknown guest kernel {0:?} (expected unknown, legacy or modern)
+///
+/// A name [`GuestKernel`]'s `FromStr` does not know; it holds the name given.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
+pub struct UnknownGuestKernel(pub String);
+
 impl std::str::FromStr for GuestKernel {
-    type Err = String;
+    type Err = UnknownGuestKernel;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         GuestKernel::ALL
             .into_iter()
             .find(|g| g.name() == s)
-            .ok_or_else(|| {
-                format!("unknown guest kernel {s:?} (expected unknown, legacy or modern)")
-            })
+            .ok_or_else(|| UnknownGuestKernel(s.to_owned()))
     }
 }
 

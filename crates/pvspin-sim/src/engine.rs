@@ -115,13 +115,20 @@ impl SlotClock for SimClock {
     }
 }
 
-/// Collects grants for the event loop.
+/// Collects grants, and waiters that became the queue's head, for the event loop.
 #[derive(Debug, Default)]
-struct Grants(Arc<Mutex<Vec<usize>>>);
+struct Grants {
+    granted: Arc<Mutex<Vec<usize>>>,
+    heads: Arc<Mutex<Vec<usize>>>,
+}
 
 impl SlotWaker for Grants {
     fn granted(&self, v: usize) {
-        lock(&self.0).push(v);
+        lock(&self.granted).push(v);
+    }
+
+    fn new_head(&self, v: usize) {
+        lock(&self.heads).push(v);
     }
 }
 
@@ -240,6 +247,8 @@ struct Vm {
     lock: LockState,
     slots: Option<Rc<RunSlots>>,
     granted: Arc<Mutex<Vec<usize>>>,
+    /// Waiters that became the slot queue's head: they ask again (the policy's timer waiter).
+    heads: Arc<Mutex<Vec<usize>>>,
     clock: Arc<AtomicU64>,
     budgets: PageBudgets,
     policy: DirectedYield,
@@ -323,10 +332,14 @@ impl Sim {
             });
             let clock = Arc::new(AtomicU64::new(0));
             let granted = Arc::new(Mutex::new(Vec::new()));
+            let heads = Arc::new(Mutex::new(Vec::new()));
             let slots = if v.slots {
                 let sc = SlotConfig::new(cfg.slot_count());
                 let s = RunSlots::with_clock(cfg.vcpus, sc, Box::new(SimClock(clock.clone())))?
-                    .with_waker(Box::new(Grants(granted.clone())));
+                    .with_waker(Box::new(Grants {
+                        granted: granted.clone(),
+                        heads: heads.clone(),
+                    }));
                 Some(Rc::new(s))
             } else {
                 None
@@ -338,6 +351,7 @@ impl Sim {
                 lock: LockState::default(),
                 slots,
                 granted,
+                heads,
                 clock,
                 budgets: PageBudgets::new(cfg.vcpus, BudgetConfig::default(), notify)?,
                 policy: DirectedYield::new(PolicyConfig {
@@ -1223,6 +1237,15 @@ impl Sim {
         for g in granted {
             let v = self.vms[m].base + g as u32;
             self.slot_granted(v, lat);
+        }
+        let heads = std::mem::take(&mut *lock(&self.vms[m].heads));
+        for h in heads {
+            let v = self.vms[m].base + h as u32;
+            let vc = &self.vcpus[v as usize];
+            if vc.act == Act::SlotWait {
+                let token = vc.wake_token;
+                self.at(self.now + lat, Ev::SlotRetry(v, token));
+            }
         }
     }
 

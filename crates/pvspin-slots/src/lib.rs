@@ -35,5 +35,6 @@ pub use policy::{
 pub use quota::{entitled_cpus, parse_cfs_quota, parse_cpu_max};
 #[cfg(not(loom))]
 pub use steal::StealTimeMarks;
+pub use sync::LockStats;
 #[cfg(not(loom))]
 pub use watch::{HaltProbe, HaltWatcher, WatchError, WatchStats};

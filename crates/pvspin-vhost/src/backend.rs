@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use pvspin_abi::doorbell::{SpinNotify, SHARED_PAGE_SIZE};
 use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
+use pvspin_hints::sched as thread_sched;
 use pvspin_hints::{HintPage, HintPages, PageBudgets};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserVirtioFeatures;
@@ -222,29 +223,14 @@ fn set_worker_priority(priority: WorkerPriority, vm: &str) {
     }
     let result = match priority {
         WorkerPriority::Inherit => return,
-        WorkerPriority::Nice(nice) => {
-            // SAFETY: gettid has no preconditions.
-            let tid = unsafe { libc::gettid() };
-            // SAFETY: setpriority on this thread's own id; no memory is passed.
-            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        }
-        WorkerPriority::Fifo(p) => {
-            let param = libc::sched_param {
-                sched_priority: i32::from(p),
-            };
-            // SAFETY: pid 0 is the calling thread; `param` lives for the call.
-            let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        }
+        WorkerPriority::Nice(nice) => thread_sched::set_nice(thread_sched::current_tid(), nice),
+        WorkerPriority::Fifo(p) => thread_sched::set_policy(
+            thread_sched::current_tid(),
+            thread_sched::SchedPolicy {
+                policy: libc::SCHED_FIFO,
+                priority: i32::from(p),
+            },
+        ),
     };
     match result {
         Ok(()) => log::info!("{vm}: queue worker thread at {priority:?}"),

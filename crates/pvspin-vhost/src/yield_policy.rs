@@ -17,7 +17,13 @@
 //!   someone else changed the thread's nice value in between (then theirs is kept).
 //!
 //! The policy is pure over a [`ThreadActions`] implementation: [`ProcThreads`] uses procfs and
-//! `setpriority`, tests use a fake.
+//! pvspin-hints' `sched::set_nice`, tests use a fake.
+//!
+//! Why not pvspin-hints' `BoostTracker`: it boosts the threads of its own process, in
+//! vCPU-index slots fixed at start, and restores from its own watchdog thread. Here the threads
+//! belong to another process, are found and re-checked by name before every change (thread ids
+//! are reused), include deboosts of the spinner, and are restored only if nobody else changed
+//! them meanwhile, from the backend's restore timer. The shared part, the nice calls, is reused.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -94,7 +100,7 @@ struct Adjustment {
 
 /// What one spin notification did (for tests and logs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Outcome {
+pub struct SpinOutcome {
     /// The spinner's thread was deboosted (or its deboost extended).
     pub deboosted: bool,
     /// The waited-for vCPU's thread was boosted.
@@ -203,8 +209,8 @@ impl<A: ThreadActions> YieldPolicy<A> {
         waiting_for: Option<u32>,
         now: Instant,
         tel: &DaemonVmTelemetry,
-    ) -> Outcome {
-        let mut out = Outcome::default();
+    ) -> SpinOutcome {
+        let mut out = SpinOutcome::default();
         if self.mode == YieldMode::Off {
             return out;
         }
@@ -572,7 +578,7 @@ pub(crate) mod tests {
         let mut p = YieldPolicy::new(YieldMode::Deboost, 5, ms, FakeThreads::new(7, 4, true));
         let now = Instant::now();
         // No pid: nothing happens.
-        assert_eq!(p.on_spin(0, Some(1), now, &t), Outcome::default());
+        assert_eq!(p.on_spin(0, Some(1), now, &t), SpinOutcome::default());
         p.set_peer(Some(7));
         let o = p.on_spin(0, Some(1), now, &t);
         assert!(o.deboosted && !o.boosted && !o.boost_refused);
@@ -621,7 +627,7 @@ pub(crate) mod tests {
         assert!(!deboost_only.on_spin(0, Some(2), now, &t).boosted);
         let mut off = YieldPolicy::new(YieldMode::Off, 5, ms, FakeThreads::new(7, 4, true));
         off.set_peer(Some(7));
-        assert_eq!(off.on_spin(0, Some(2), now, &t), Outcome::default());
+        assert_eq!(off.on_spin(0, Some(2), now, &t), SpinOutcome::default());
         assert!(off.actions().calls.is_empty());
     }
 
@@ -655,7 +661,7 @@ pub(crate) mod tests {
         p.set_peer(Some(7));
         assert_eq!(
             p.on_spin(0, Some(1), now, &t),
-            Outcome {
+            SpinOutcome {
                 deboosted: true,
                 boosted: false,
                 boost_refused: false

@@ -52,6 +52,9 @@ pub struct VcpuHooks {
     /// The next `KVM_RUN` only enters KVM's halt (a WAIT on the in-kernel or signal-msi path):
     /// it needs no run slot, as a `hlt` that never left KVM would not.
     halt_entry: bool,
+    /// The VMM parked this vCPU's thread in a wait of its own ([`VcpuHooks::before_vmm_park`]):
+    /// the board and the hint page show it as not running until the next `before_run`.
+    vmm_parked: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -77,6 +80,7 @@ impl VcpuHooks {
             setup_complete: false,
             slots: None,
             halt_entry: false,
+            vmm_parked: false,
             run_started: None,
             last_exit: None,
         };
@@ -149,6 +153,9 @@ impl VcpuHooks {
                     *current = Some(self.doorbell.clone());
                 }
             });
+        }
+        if std::mem::take(&mut self.vmm_parked) {
+            self.show_running();
         }
         if let Some(slots) = &self.slots {
             if !std::mem::take(&mut self.halt_entry) {
@@ -243,6 +250,39 @@ impl VcpuHooks {
                 log::error!("vCPU {}: {what}: {err}", self.index);
                 None
             }
+        }
+    }
+
+    /// Call after [`after_run`](Self::after_run) when the VMM parks this vCPU's thread in a
+    /// wait of its own rather than running it again (a halt or an idle vCPU it handles
+    /// itself, outside pvspin's hooks): the vCPU gives its run slot up, so the other vCPUs run
+    /// meanwhile instead of waiting for its quantum to end, and directed yield and the hint
+    /// page see it as not running. The next [`before_run`](Self::before_run) asks for a slot
+    /// again. Nothing to do without run slots, directed yield or hint pages.
+    pub fn before_vmm_park(&mut self) {
+        if self.vmm_parked {
+            return;
+        }
+        if let Some(page) = self.hints.as_ref().and_then(|h| h.pages.get(self.index)) {
+            page.set_not_running(true);
+        }
+        if let Some(slots) = &self.slots {
+            slots.slots.leave(self.index);
+        }
+        if let Some(dy) = &self.dy {
+            dy.board.on_halt(self.index);
+        }
+        self.vmm_parked = true;
+    }
+
+    /// The VMM's park ended: the vCPU runs again (see [`before_vmm_park`](Self::before_vmm_park)).
+    fn show_running(&self) {
+        if let Some(dy) = &self.dy {
+            dy.board.on_wake(self.index);
+            dy.actuator.on_target_exit(self.index);
+        }
+        if let Some(page) = self.hints.as_ref().and_then(|h| h.pages.get(self.index)) {
+            page.set_not_running(false);
         }
     }
 

@@ -15,12 +15,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::config::{ConfigError, PvMode, RunConfig};
+use crate::config::{PvMode, RunConfig, RunConfigError};
 use crate::devices::{ConsoleSink, IoBus};
-use crate::memory::{self, GuestMemory, MemoryError};
+use crate::memory::{self, MemoryError, VmMemory};
 use crate::report::{RunReport, VcpuReport};
 use crate::seccomp::{Filters, VmmThread};
-use crate::vcpu::{SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
+use crate::vcpu::{VcpuEnd, VcpuKicker, VcpuRunner, VcpuShared};
 
 /// The guest program, built by this crate's build script.
 pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
@@ -33,7 +33,7 @@ const WATCHDOG_TICK: Duration = Duration::from_millis(50);
 pub enum RunError {
     /// Invalid configuration (exit code 2).
     #[error("invalid configuration: {0}")]
-    Config(#[from] ConfigError),
+    Config(#[from] RunConfigError),
     /// The host could not set the VM up.
     #[error("setting up the VM: {0}")]
     Setup(String),
@@ -167,7 +167,7 @@ impl MutEventSubscriber for EndWatcher {
 struct Watchdog {
     timer: TimerFd,
     control: Arc<RunControl>,
-    memory: GuestMemory,
+    memory: VmMemory,
     vcpus: Vec<Arc<VcpuShared>>,
     last_progress: Vec<(u64, u64, Instant)>,
     limit: Duration,
@@ -189,7 +189,7 @@ impl Watchdog {
             // still looks Running: its finish stamp says it is done, not stuck.
             if (slot.heartbeat, exits) != (last.0, last.1)
                 || slot.finish_tsc != 0
-                || vcpu.state() != crate::vcpu::VcpuState::Running
+                || vcpu.state() != crate::vcpu::VcpuRunState::Running
             {
                 *last = (slot.heartbeat, exits, now);
                 continue;
@@ -298,6 +298,20 @@ impl Hogs {
     }
 }
 
+/// Why [`spawn_confined`] could not start its thread.
+#[derive(Debug, thiserror::Error)]
+enum SpawnError {
+    /// The thread could not be created.
+    #[error("cannot start the thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// Its seccomp filter could not be installed (the thread ended without running).
+    #[error("{0}")]
+    Filter(#[from] crate::seccomp::InstallError),
+    /// The thread ended before saying whether its filter is in place.
+    #[error("the thread ended before it started")]
+    Ended,
+}
+
 /// Starts thread `name` running `f`, with `filter` (a seccomp program and whose it is)
 /// installed first, on the thread; returns once the filter is in place. When it cannot be
 /// installed the thread ends without running `f`, and this returns why.
@@ -305,8 +319,9 @@ fn spawn_confined<T: Send + 'static>(
     name: String,
     filter: Option<(Arc<seccompiler::BpfProgram>, VmmThread)>,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Result<JoinHandle<Option<T>>, String> {
-    let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+) -> Result<JoinHandle<Option<T>>, SpawnError> {
+    let (started_tx, started_rx) =
+        std::sync::mpsc::sync_channel::<Result<(), crate::seccomp::InstallError>>(1);
     let thread = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
@@ -317,16 +332,16 @@ fn spawn_confined<T: Send + 'static>(
             let _ = started_tx.send(started);
             ok.then(f)
         })
-        .map_err(|err| format!("cannot start the thread: {err}"))?;
+        .map_err(SpawnError::Thread)?;
     match started_rx.recv() {
         Ok(Ok(())) => Ok(thread),
         Ok(Err(err)) => {
             let _ = thread.join();
-            Err(err)
+            Err(err.into())
         }
         Err(_) => {
             let _ = thread.join();
-            Err("the thread ended before it started".into())
+            Err(SpawnError::Ended)
         }
     }
 }
@@ -403,7 +418,7 @@ fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunE
     let result = thread
         .join()
         .unwrap_or_else(|_| Err(RunError::Setup("the VMM thread panicked".into())));
-    confined.map_err(RunError::Setup)?;
+    confined.map_err(|err| RunError::Setup(err.to_string()))?;
     result
 }
 
@@ -430,7 +445,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         .collect();
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
-        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
+        .interrupter(Arc::new(VcpuKicker::new(shared.clone())));
     if let Some(filters) = filters {
         builder = builder.helper_thread_filter(filters.program(VmmThread::BoostWatchdog));
     }
@@ -668,7 +683,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         if let Err(err) = filters.apply(VmmThread::Vmm) {
             control.end(Ending::Fault {
                 vcpu: 0,
-                reason: err,
+                reason: err.to_string(),
             });
         }
     }
