@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use pvspin_abi::doorbell::SHARED_PAGE_SIZE;
@@ -26,6 +26,22 @@ pub unsafe trait GuestPageMap: Send + Sync + fmt::Debug {
     /// The host address of the page at guest physical address `gpa` (page-aligned), or `None`
     /// when it is not guest RAM mapped contiguously in this process.
     fn host_page(&self, gpa: u64) -> Option<NonNull<u8>>;
+
+    /// The byte at `gpa`, read atomically (the guest may write it meanwhile), or `None` when its
+    /// page is not guest RAM mapped here. pvspin reads KVM's steal-time `preempted` bytes this
+    /// way, so one map serves every guest-memory access pvspin makes.
+    fn read_u8(&self, gpa: u64) -> Option<u8> {
+        let page = self.host_page(gpa - gpa % SHARED_PAGE_SIZE)?;
+        // `gpa % SHARED_PAGE_SIZE` is below the page size, a usize.
+        let offset = (gpa % SHARED_PAGE_SIZE) as usize;
+        // SAFETY: `host_page`'s contract: the page is SHARED_PAGE_SIZE bytes of mapped guest
+        // RAM, and `offset` lies inside it.
+        let ptr = unsafe { page.as_ptr().add(offset) };
+        // SAFETY: `ptr` is a byte of that page, live while `self` is; pvspin accesses guest
+        // RAM only atomically.
+        let byte = unsafe { AtomicU8::from_ptr(ptr) };
+        Some(byte.load(Ordering::Relaxed))
+    }
 }
 
 /// What the guest last wrote in its line of a hint page (untrusted hints).
@@ -343,6 +359,18 @@ mod tests {
         );
         assert_eq!(page.take_last_wait(), Some(5_000));
         assert_eq!(page.take_last_wait(), None);
+    }
+
+    #[test]
+    fn bytes_read_through_the_page_map() {
+        use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+        let mem: GuestMemoryMmap<()> =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x2000)]).unwrap();
+        mem.write_obj(0xa5u8, GuestAddress(0x1ff3)).unwrap();
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x1ff3), Some(0xa5));
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x1ff4), Some(0));
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x2000), None);
+        assert_eq!(GuestPageMap::read_u8(&mem, u64::MAX), None);
     }
 
     #[test]

@@ -187,7 +187,9 @@ impl VcpuRunner {
                 Step::Continue => {}
                 Step::Halt => {
                     // Without an in-kernel irqchip, nothing wakes a halted vCPU but the VMM;
-                    // the example's guests halt only when done, so park until the run ends.
+                    // the example's guests halt only when done, so park until the run ends,
+                    // without its run slot (others would wait for its quantum to end).
+                    self.hooks.before_vmm_park();
                     self.shared.park(Duration::from_millis(100));
                 }
                 Step::KvmHalt => self.kvm_halt(),
@@ -280,6 +282,7 @@ impl VcpuRunner {
             mp_state: kvm_bindings::KVM_MP_STATE_HALTED,
         };
         if self.vcpu.set_mp_state(halted).is_err() {
+            self.hooks.before_vmm_park();
             self.shared.park(Duration::from_millis(100));
         }
     }

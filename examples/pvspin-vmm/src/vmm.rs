@@ -462,8 +462,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // guest (`--guest stock`) gets the same host as a pvspin-aware one: it just uses none of
     // the hint pages or budgets offered.
     let in_process = config.vhost_user.is_none();
-    if config.pv.kicks() && in_process {
-        builder = builder
+    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
+    let slot_count = config_slots(config);
+    let built = if config.pv.kicks() && in_process {
+        let mut kicked = builder
             .kick(pvspin::KickOptions {
                 park_spin: Duration::from_micros(config.park_spin_us),
                 ..pvspin::KickOptions::new(config.kick_path)
@@ -473,38 +475,35 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
                 budgets: config.budget_config(),
             })
             .pv_wait(pvspin::WaitOptions::default());
-    }
-    if config.pv == PvMode::KickYield && in_process {
-        builder = builder
-            .directed_yield({
-                let mut options = pvspin::DirectedYieldOptions {
-                    actuator: config.actuator.to_string(),
-                    confinement: config.confinement.clone(),
-                    ..pvspin::DirectedYieldOptions::default()
-                };
-                if let Some(us) = config.boost_deadline_us {
-                    options.boost_deadline = Duration::from_micros(us);
-                }
-                options
-            })
-            .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
-    }
-    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
-    let slot_count = config_slots(config);
-    if config.run_slots.is_some() {
-        let mut slots = pvspin::SlotConfig::new(slot_count);
-        if let Some(us) = config.slot_quantum_us {
-            slots.quantum = Duration::from_micros(us);
-            slots.cs_extension = slots.cs_extension.min(slots.quantum);
+        if config.pv == PvMode::KickYield {
+            let mut options = pvspin::DirectedYieldOptions {
+                actuator: config.actuator.to_string(),
+                confinement: config.confinement.clone(),
+                ..pvspin::DirectedYieldOptions::default()
+            };
+            if let Some(us) = config.boost_deadline_us {
+                options.boost_deadline = Duration::from_micros(us);
+            }
+            // Steal-time bytes are read through the hint pages' memory: one memory for pvspin.
+            kicked = kicked.directed_yield(options);
         }
-        if let Some(us) = config.halt_watch_us {
-            slots.halt_watch_interval = Duration::from_micros(us);
+        // `RunConfig::validate` refuses slots without pvspin's in-process kick device.
+        if config.run_slots.is_some() {
+            let mut slots = pvspin::SlotConfig::new(slot_count);
+            if let Some(us) = config.slot_quantum_us {
+                slots.quantum = Duration::from_micros(us);
+                slots.cs_extension = slots.cs_extension.min(slots.quantum);
+            }
+            if let Some(us) = config.halt_watch_us {
+                slots.halt_watch_interval = Duration::from_micros(us);
+            }
+            kicked = kicked.run_slots(slots);
         }
-        builder = builder.run_slots(slots);
-    }
-    let pvspin = builder
-        .build()
-        .map_err(|err| RunError::Refused(err.to_string()))?;
+        kicked.build()
+    } else {
+        builder.build()
+    };
+    let pvspin = built.map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
     // Where the guest registers its steal-time areas (it does when KVM offers them). With run
     // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
@@ -877,15 +876,5 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
         LockKind::Backoff => "backoff",
-    }
-}
-
-/// Guest memory as pvspin reads steal-time bytes from it.
-#[derive(Debug)]
-struct StealTimeBytes(memory::VmMemory);
-
-impl pvspin::GuestBytes for StealTimeBytes {
-    fn read_u8(&self, gpa: u64) -> Option<u8> {
-        vm_memory::Bytes::read_obj::<u8>(&self.0, GuestAddress(gpa)).ok()
     }
 }
