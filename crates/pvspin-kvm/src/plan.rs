@@ -601,8 +601,9 @@ pub enum PlanError {
     /// rule: the CPUID has no KVM leaves and add_kvm_leaves is Some(false): a paravirt plan needs
     /// them
     KvmLeavesMissing,
-    /// rule: the VMM's CPUID hides the hypervisor (CPUID.1:ECX[31] clear), so Linux never reads the
-    /// KVM leaves (kvm_cpuid_base); pvspin does not undo that unless add_kvm_leaves is Some(true)
+    /// rule: the VMM's CPUID hides the hypervisor (CPUID.1:ECX bit 31 clear), so Linux never
+    /// reads the KVM leaves (kvm_cpuid_base); pvspin does not undo that unless add_kvm_leaves is
+    /// Some(true)
     HypervisorHidden,
     /// CPUID is full ({0} entries); cannot add the KVM leaves
     CpuidFull(usize),
