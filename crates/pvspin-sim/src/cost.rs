@@ -32,43 +32,43 @@ impl Span {
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostModel {
     /// Picoseconds per guest work unit (a 4-instruction loop iteration). Source:
-    /// `docs/benchmarks.md` §10, "cs/ncs 15000 (about 2.7 us each)": 2.7 us / 15000 = 180 ps.
+    /// `docs/benchmarks.md`, "Run slots for guests that halt inside KVM, and stock guests", "cs/ncs 15000 (about 2.7 us each)": 2.7 us / 15000 = 180 ps.
     pub work_unit_ps: u64,
     /// From a release to the next owner running its critical section, when that owner spins
     /// on a CPU: the lock word's cache-line transfer and the workload's own bookkeeping per
     /// acquisition, per lock kind (ticket, TAS, queued, stock qspinlock). *Calibrated* on the
-    /// 1x rows: `docs/benchmarks.md` §10 "2 vCPUs, 0/2/4 hogs" 0 hogs (0.296 s for 80,000
-    /// acquisitions of 2.7 us = 1.0 us over the critical section each) and §7.1's 1x rows
+    /// 1x rows: `docs/benchmarks.md`, "Run slots for guests that halt inside KVM, and stock guests", "2 vCPUs, 0/2/4 hogs" 0 hogs (0.296 s for 80,000
+    /// acquisitions of 2.7 us = 1.0 us over the critical section each) and "Two vCPUs at 1x, 2x, 3x"'s 1x rows
     /// (the MCS lock 10-17% slower than the ticket lock per acquisition).
     pub handoff_ns: [u64; 4],
     /// Taking a free lock without contention (one atomic on a local cache line). *Estimate.*
     pub uncontended_ns: u64,
     /// A WAIT from guest user mode: the exit to the VMM and back into `KVM_RUN`, paid by the
-    /// waiter before it blocks. Source: kvm-on-these-machines.md §12, "`out` → userspace exit
+    /// waiter before it blocks. Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → userspace exit
     /// and back, from CPL 3 (quiet): 36-48 us".
     pub wait_exit: Span,
     /// The kicker's cost on the in-kernel path (an `out` matched by an ioeventfd, no exit).
-    /// Source: kvm-on-these-machines.md §12, "`out` → ioeventfd from CPL 3: 3.7-5.1 us".
+    /// Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → ioeventfd from CPL 3: 3.7-5.1 us".
     pub kick_in_kernel: Span,
     /// The kicker's cost on the signal-msi and userspace paths (a userspace exit). Source:
-    /// kvm-on-these-machines.md §12, 36-48 us.
+    /// kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", 36-48 us.
     pub kick_exit: Span,
     /// Kick to woken guest, p50, per path (in-kernel, signal-msi, userspace), on an idle CPU.
-    /// Source: `docs/benchmarks.md` §7.4 (16.7, 27.8, 43.0 us). The simulator splits it into
+    /// Source: `docs/benchmarks.md`, "Kick-to-wake at native speed, per path" (16.7, 27.8, 43.0 us). The simulator splits it into
     /// the wake-up (the thread becomes runnable) and [`CostModel::resume_ns`] of CPU.
     pub kick_to_wake_ns: [u64; 3],
     /// CPU a woken vCPU thread spends before its guest runs again (`KVM_RUN` entry). Source:
-    /// kvm-on-these-machines.md §5, "`KVM_RUN` with immediate_exit preset: 5.0-5.2 us".
+    /// kvm-on-these-machines.md, "E4: exit costs", "`KVM_RUN` with immediate_exit preset: 5.0-5.2 us".
     pub resume_ns: u64,
     /// A forced exit (the interrupter's signal) of a vCPU that runs on a CPU. Source:
-    /// kvm-on-these-machines.md §6 (E5), p50 of the spinning and halted rows: 17.5-25.5 us.
+    /// kvm-on-these-machines.md, "E5: forcing a vCPU out of KVM_RUN", p50 of the spinning and halted rows: 17.5-25.5 us.
     pub forced_exit: Span,
     /// From a run-slot grant to the granted vCPU thread being runnable (a futex wake of a
-    /// thread parked on a condition variable). Source: kvm-on-these-machines.md §3, "user
+    /// thread parked on a condition variable). Source: kvm-on-these-machines.md, "E2/E3: HLT and hypercalls", "user
     /// (futex)" kick-to-wake p50 33-49 us, less the kicker's exit (about 20 us of it): 15 us.
     pub slot_wake_ns: u64,
-    /// One `pause` iteration of a spin loop at native speed. Source: kvm-on-these-machines.md
-    /// §12, "one `pause; dec; jnz` about 26-30 ns".
+    /// One `pause` iteration of a spin loop at native speed. Source: kvm-on-these-machines.md,
+    /// "Guest user mode (CPL 3) runs natively", "one `pause; dec; jnz` about 26-30 ns".
     pub pause_ns: u64,
     /// The stock guest's spins before it halts (Linux's `SPIN_THRESHOLD`, `1 << 15`).
     pub stock_spin_threshold: u64,
@@ -95,7 +95,7 @@ pub struct CostModel {
     /// CFS wake-up preemption granularity before scaling: 1 ms (`sysctl_sched_wakeup_granularity`).
     pub wakeup_granularity_ns: u64,
     /// A context switch on a host CPU. *Estimate* (a few microseconds with the nested host's
-    /// vcpu_load/put, kvm-on-these-machines.md §5 "vCPU ioctls are expensive").
+    /// vcpu_load/put, kvm-on-these-machines.md, "E4: exit costs" "vCPU ioctls are expensive").
     pub context_switch_ns: u64,
     /// How often idle and busy CPUs balance their run queues. Linux balances busy CPUs every
     /// few ticks; *estimate*: 4 ms.
