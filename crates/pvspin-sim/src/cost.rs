@@ -2,7 +2,7 @@
 //!
 //! `docs/benchmarks.md` is the repository's measured page; `kvm-on-these-machines.md` is the
 //! project guide's probe report (the shared notes, not part of the repository), cited by
-//! section. Ranges are drawn uniformly per event from the seeded generator. Values marked
+//! heading. Ranges are drawn uniformly per event from the seeded generator. Values marked
 //! *calibrated* were fitted once to the 1x rows of the validation (`docs/simulator.md`) and
 //! then left alone for every other cell; values marked *estimate* have no measurement here.
 
