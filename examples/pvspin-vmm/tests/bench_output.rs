@@ -353,6 +353,7 @@ fn every_suite_lists_and_dry_runs_its_tables() {
             "kick-latency",
             "slots",
             "stock-slots",
+            "size",
             "confinement",
             "vhost",
             "vhost-parity",
