@@ -42,6 +42,35 @@ pub enum Command {
     /// work they got done (`scripts/bench_confinement.py` runs it beside a VM).
     #[command(hide = true)]
     Cotenant(CotenantArgs),
+    /// Writes the guest program's ELF (the image `run` boots) to a file, for other VMMs.
+    ///
+    /// The image boots in any VMM with x86 PVH boot (Cloud Hypervisor's --kernel, QEMU's
+    /// -kernel, Firecracker); its parameters come from the kernel command line, which
+    /// `guest-cmdline` prints (docs/guest-programs.md).
+    GuestImage(GuestImageArgs),
+    /// Prints the kernel command line that gives a PVH-booted guest the workload these
+    /// options describe (the names are `run`'s: `vcpus=2 workload=lock lock=ticket ...`).
+    GuestCmdline(GuestCmdlineArgs),
+}
+
+/// Options of `guest-image`.
+#[derive(Clone, Debug, Args)]
+pub struct GuestImageArgs {
+    /// Where to write the ELF.
+    #[arg(long, value_name = "PATH")]
+    pub out: std::path::PathBuf,
+}
+
+/// Options of `guest-cmdline`.
+#[derive(Clone, Debug, Args)]
+pub struct GuestCmdlineArgs {
+    /// The run options the command line describes (host-only ones are not in it).
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// The guest TSC's rate in kHz, when the other VMM does not tell the guest through CPUID
+    /// (0: leave it to CPUID).
+    #[arg(long, default_value_t = 0)]
+    pub tsc_khz: u64,
 }
 
 /// Options of `report`.
@@ -455,6 +484,21 @@ pub struct VmArgs {
     /// `pvspind --socket PATH`; the guest finds it on virtio-mmio).
     #[arg(long, default_value = "in-process", value_parser = parse_pv_backend)]
     pub pv_backend: PvBackendArg,
+    /// How the guest boots: `direct` (every vCPU in 64-bit mode at the ELF entry, the
+    /// example's own boot parameters) or `pvh` (as any PVH VMM boots it: start info, kernel
+    /// command line, ACPI MADT, APs started by the guest with INIT-SIPI-SIPI, ACPI power-off;
+    /// needs an in-kernel LAPIC: not --kick-path userspace, not vhost-user).
+    #[arg(long, value_enum, default_value_t = BootArg::Direct)]
+    pub boot: BootArg,
+}
+
+/// How the guest boots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BootArg {
+    /// The example's own protocol.
+    Direct,
+    /// PVH boot.
+    Pvh,
 }
 
 /// Who serves PV kicks.
@@ -653,6 +697,10 @@ impl VmArgs {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,
             },
+            boot: match self.boot {
+                BootArg::Direct => crate::config::BootMode::Direct,
+                BootArg::Pvh => crate::config::BootMode::Pvh,
+            },
         }
     }
 }
@@ -708,6 +756,24 @@ where
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
         }
+        Command::GuestImage(args) => {
+            return match std::fs::write(&args.out, vmm::GUEST_IMAGE) {
+                Ok(()) => 0,
+                Err(err) => {
+                    eprintln!("pvspin-vmm: cannot write {}: {err}", args.out.display());
+                    1
+                }
+            };
+        }
+        Command::GuestCmdline(args) => {
+            let config = args.vm.config(0);
+            if let Err(err) = config.validate(u32::MAX) {
+                eprintln!("pvspin-vmm: {err}");
+                return 2;
+            }
+            print_stdout(&crate::pvh::guest_cmdline(&config, args.tsc_khz));
+            return 0;
+        }
     };
     let _cgroup = if vm_args.vm_cgroup || vm_args.cpu_limit.is_some() {
         if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
@@ -721,7 +787,10 @@ where
         let hogs = match &cli.command {
             Command::Run(args) => args.hogs,
             Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            Command::Cotenant(_) | Command::Report(_) => 0,
+            Command::Cotenant(_)
+            | Command::Report(_)
+            | Command::GuestImage(_)
+            | Command::GuestCmdline(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -749,7 +818,10 @@ where
         None
     };
     match cli.command {
-        Command::Cotenant(_) | Command::Report(_) => 0,
+        Command::Cotenant(_)
+        | Command::Report(_)
+        | Command::GuestImage(_)
+        | Command::GuestCmdline(_) => 0,
         Command::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {
