@@ -490,6 +490,10 @@ pub struct VmArgs {
     /// needs an in-kernel LAPIC: not --kick-path userspace, not vhost-user).
     #[arg(long, value_enum, default_value_t = BootArg::Direct)]
     pub boot: BootArg,
+    /// Test aid for --boot pvh: this kernel command line instead of the one the options
+    /// describe.
+    #[arg(long, hide = true)]
+    pub pvh_cmdline: Option<String>,
 }
 
 /// How the guest boots.
@@ -701,6 +705,7 @@ impl VmArgs {
                 BootArg::Direct => crate::config::BootMode::Direct,
                 BootArg::Pvh => crate::config::BootMode::Pvh,
             },
+            pvh_cmdline: self.pvh_cmdline.clone(),
         }
     }
 }

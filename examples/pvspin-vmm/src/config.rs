@@ -90,6 +90,9 @@ pub struct RunConfig {
     pub seccomp_violation: bool,
     /// How the guest image boots.
     pub boot: BootMode,
+    /// Test aid for `--boot pvh`: this kernel command line instead of the one the options
+    /// describe (to show what the guest refuses).
+    pub pvh_cmdline: Option<String>,
 }
 
 /// How the guest image boots (`--boot`).
@@ -235,6 +238,7 @@ impl Default for RunConfig {
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
             boot: BootMode::Direct,
+            pvh_cmdline: None,
         }
     }
 }

@@ -54,7 +54,7 @@ pub enum RunError {
         states: VcpuStates,
     },
     /// The guest ended the run with a failure status.
-    #[error("the guest reported failure status {status} ({meaning})\n{states}")]
+    #[error("the guest reported failure status {status} ({meaning})\n{states}{console_tail}")]
     GuestStatus {
         /// The status written to the exit port.
         status: u32,
@@ -62,6 +62,9 @@ pub enum RunError {
         meaning: &'static str,
         /// Every vCPU's state.
         states: VcpuStates,
+        /// The guest console's last lines, when it was not echoed (`--quiet`): the guest says
+        /// there why it failed. Empty, or a newline and the lines.
+        console_tail: String,
     },
     /// A running vCPU made no progress for too long.
     #[error("watchdog: vCPU {vcpu} made no progress for {silent_ms} ms (limit {limit_ms} ms); the VM was stopped\n{states}")]
@@ -624,7 +627,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         .map_or(0, u64::from);
     if pvh {
         // The guest writes the boot parameters itself, from the command line.
-        let cmdline = crate::pvh::guest_cmdline(config, tsc_khz);
+        let cmdline = config
+            .pvh_cmdline
+            .clone()
+            .unwrap_or_else(|| crate::pvh::guest_cmdline(config, tsc_khz));
         crate::pvh::write_boot_data(&memory, config.mem_bytes(), &cmdline, config.vcpus)
             .map_err(|err| RunError::Setup(err.to_string()))?;
     } else {
@@ -798,6 +804,11 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
                 status,
                 meaning: status_meaning(status),
                 states,
+                console_tail: if config.echo_console {
+                    String::new()
+                } else {
+                    console_tail(&console.captured(), 4)
+                },
             })
         }
         Ending::Fault { vcpu, reason } => {
@@ -876,6 +887,15 @@ fn pvspin_error(err: pvspin::Error) -> RunError {
         pvspin::Error::Plan(_) => RunError::Refused(err.to_string()),
         _ => RunError::Setup(format!("pvspin: {err}")),
     }
+}
+
+/// The last `lines` lines of the guest's console, after a newline, for error messages.
+fn console_tail(console: &str, lines: usize) -> String {
+    let all: Vec<&str> = console.lines().collect();
+    let tail = &all[all.len().saturating_sub(lines)..];
+    tail.iter()
+        .map(|line| format!("\n  guest: {line}"))
+        .collect()
 }
 
 fn status_meaning(status: u32) -> &'static str {

@@ -75,9 +75,21 @@ impl Line {
         self.print_unlocked();
     }
 
-    /// Prints the line without taking the console lock: for the exception handler, which may
-    /// have interrupted a holder of the lock on its own vCPU.
-    pub fn print_unlocked(self) {
+    /// Prints the line, taking the console lock if it comes within a bounded wait: for the
+    /// exception handler and the end of the run, which may follow a vCPU that faulted while
+    /// holding the lock (its own, or another's).
+    pub fn print_bounded(self) {
+        for _ in 0..100_000 {
+            if let Some(_guard) = CONSOLE.try_lock() {
+                self.print_unlocked();
+                return;
+            }
+            core::hint::spin_loop();
+        }
+        self.print_unlocked();
+    }
+
+    fn print_unlocked(self) {
         for &byte in self.buf.iter().take(self.len) {
             outb(SERIAL_PORT, byte);
         }

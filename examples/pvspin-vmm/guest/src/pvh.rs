@@ -43,9 +43,10 @@ static mut GDT: Gdt = Gdt({
 });
 const GDT_LIMIT: usize = core::mem::size_of::<Gdt>() - 1;
 
-/// A 64-bit TSS: only `rsp0` is used (the stack an exception from user mode runs on). Its
-/// I/O bitmap offset points past its limit, so user-mode port I/O is decided by IOPL, which
-/// user mode runs with at 3 (`arch::enter_user_mode`).
+/// A 64-bit TSS: `rsp0` (the stack an exception from user mode runs on) and the I/O bitmap
+/// offset. Every vCPU's TSS points at one shared bitmap that allows every port: user mode
+/// runs the workloads' port I/O (the doorbell, the console). IOPL 3 would allow it too on
+/// hardware, but emulators check the bitmap (KVM's does, here).
 #[repr(C, packed)]
 struct Tss {
     reserved0: u32,
@@ -59,17 +60,35 @@ struct Tss {
 
 const TSS_BYTES: u16 = core::mem::size_of::<Tss>() as u16;
 
-static mut TSS: [Tss; MAX_VCPUS as usize] = [const {
-    Tss {
-        reserved0: 0,
-        rsp: [0; 3],
-        reserved1: 0,
-        ist: [0; 7],
-        reserved2: 0,
-        reserved3: 0,
-        iopb_offset: TSS_BYTES,
-    }
-}; MAX_VCPUS as usize];
+/// Every vCPU's TSS, then the I/O bitmap they share (all ports allowed) and its terminating
+/// all-ones byte. Each TSS's bitmap offset is the distance to the shared bitmap (at most
+/// 64 KiB, which the layout keeps).
+#[repr(C, packed)]
+struct TssBlock {
+    tss: [Tss; MAX_VCPUS as usize],
+    io_bitmap: [u8; IO_BITMAP_BYTES],
+    terminator: u8,
+}
+
+const IO_BITMAP_BYTES: usize = 65536 / 8;
+const IO_BITMAP_OFFSET: usize = core::mem::offset_of!(TssBlock, io_bitmap);
+const _: () = assert!(IO_BITMAP_OFFSET + IO_BITMAP_BYTES < 0x1_0000);
+
+static mut TSS: TssBlock = TssBlock {
+    tss: [const {
+        Tss {
+            reserved0: 0,
+            rsp: [0; 3],
+            reserved1: 0,
+            ist: [0; 7],
+            reserved2: 0,
+            reserved3: 0,
+            iopb_offset: 0,
+        }
+    }; MAX_VCPUS as usize],
+    io_bitmap: [0; IO_BITMAP_BYTES],
+    terminator: 0xff,
+};
 
 /// Per-vCPU stacks for exceptions taken in user mode.
 #[repr(C, align(16))]
@@ -295,7 +314,7 @@ pub fn exit(code: u32) -> ! {
         .text(" (")
         .text(status::meaning(code))
         .text("), powering off")
-        .print();
+        .print_bounded();
     outl(pvspin_vmm_proto::EXIT_PORT, code);
     power_off()
 }
@@ -426,10 +445,14 @@ fn cpu_init(index: u32) {
     unsafe {
         let stack = core::ptr::addr_of_mut!(EXCEPTION_STACKS[i]);
         let top = stack as u64 + core::mem::size_of::<ExceptionStack>() as u64;
-        let tss = core::ptr::addr_of_mut!(TSS[i]);
+        let tss = core::ptr::addr_of_mut!(TSS.tss[i]);
         core::ptr::addr_of_mut!((*tss).rsp).write_unaligned([top, 0, 0]);
+        // The distance from this TSS to the shared bitmap; the limit takes in the bitmap and
+        // its terminating byte.
+        let iopb_offset = IO_BITMAP_OFFSET - i * usize::from(TSS_BYTES);
+        core::ptr::addr_of_mut!((*tss).iopb_offset).write_unaligned(iopb_offset as u16);
         let base = tss as u64;
-        let limit = u64::from(TSS_BYTES - 1);
+        let limit = (iopb_offset + IO_BITMAP_BYTES) as u64;
         let low = (limit & 0xffff)
             | ((base & 0xff_ffff) << 16)
             | (0x89 << 40)
@@ -495,7 +518,7 @@ extern "C" fn exception(frame: *const u64) -> ! {
         .hex(rip)
         .text(", cpl ")
         .num(cs & 3)
-        .print_unlocked();
+        .print_bounded();
     exit(status::EXCEPTION)
 }
 
