@@ -74,13 +74,16 @@ fn pvh_boot_runs_the_lock_workload_on_every_vcpu_and_counts_exactly() {
             assert_eq!(vcpu.acquisitions, config.iterations, "{what}: {vcpu}");
         }
         assert!(
-            report
-                .console
-                .contains(&format!("pvspin-guest: {} vCPUs up (CPU list: ACPI MADT)", config.vcpus)),
+            report.console.contains(&format!(
+                "pvspin-guest: {} vCPUs up (CPU list: ACPI MADT)",
+                config.vcpus
+            )),
             "{what}: {}",
             report.console
         );
-        assert!(report.console.contains("pvspin-guest: status 0 (success), powering off"));
+        assert!(report
+            .console
+            .contains("pvspin-guest: status 0 (success), powering off"));
         // The guest's own result line: the host's record, its keys in its order, with the
         // values the guest knows equal to the host's.
         let guest = guest_result(&report.console);
@@ -133,9 +136,7 @@ fn pvh_boot_runs_the_lock_workload_on_every_vcpu_and_counts_exactly() {
 
 #[test]
 fn pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure() {
-    if kvm_or_skip("pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure")
-        .is_none()
-    {
+    if kvm_or_skip("pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure").is_none() {
         return;
     }
     for (cmdline, status, says) in [

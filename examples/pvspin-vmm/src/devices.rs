@@ -172,7 +172,10 @@ impl IoBus {
         let pvh = self.pvh.load(Ordering::Relaxed);
         if pvh && port == POWER_OFF_PORT {
             // SLP_TYP in bits 2..4, SLP_EN in bit 5: S5 with SLP_EN is power-off.
-            if data.first().is_some_and(|value| value & 0x3c == POWER_OFF_VALUE & 0x3c) {
+            if data
+                .first()
+                .is_some_and(|value| value & 0x3c == POWER_OFF_VALUE & 0x3c)
+            {
                 return PioAction::Exit(self.power_off_status());
             }
             self.count_unknown(port, "sleep-state write (not S5)");
@@ -285,16 +288,28 @@ mod tests {
             bus.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
             PioAction::Exit(pvspin_vmm_proto::status::NOT_REPORTED)
         );
-        assert_eq!(bus.write(EXIT_PORT, &3u32.to_le_bytes()), PioAction::Continue);
+        assert_eq!(
+            bus.write(EXIT_PORT, &3u32.to_le_bytes()),
+            PioAction::Continue
+        );
         assert_eq!(
             bus.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
             PioAction::Exit(3)
         );
-        assert_eq!(bus.write(I8042_COMMAND_PORT, &[I8042_RESET]), PioAction::Exit(3));
+        assert_eq!(
+            bus.write(I8042_COMMAND_PORT, &[I8042_RESET]),
+            PioAction::Exit(3)
+        );
         // Under the direct boot those ports are nobody's, and the exit port ends the run.
         let direct = IoBus::new(ConsoleSink::new(false));
-        assert_eq!(direct.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]), PioAction::Continue);
-        assert_eq!(direct.write(EXIT_PORT, &0u32.to_le_bytes()), PioAction::Exit(0));
+        assert_eq!(
+            direct.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
+            PioAction::Continue
+        );
+        assert_eq!(
+            direct.write(EXIT_PORT, &0u32.to_le_bytes()),
+            PioAction::Exit(0)
+        );
     }
 
     #[test]

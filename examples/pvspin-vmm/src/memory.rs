@@ -326,7 +326,9 @@ mod tests {
     fn the_guest_image_carries_a_pvh_entry_note_inside_its_window() {
         let memory = create(16 << 20).unwrap();
         let loaded = load(&memory, crate::vmm::GUEST_IMAGE).unwrap();
-        let pvh = loaded.pvh_entry.expect("the guest ELF has no PVH entry note");
+        let pvh = loaded
+            .pvh_entry
+            .expect("the guest ELF has no PVH entry note");
         assert!(
             (IMAGE_BASE..IMAGE_BASE + IMAGE_MAX_BYTES).contains(&pvh),
             "{pvh:#x}"

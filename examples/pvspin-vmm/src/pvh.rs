@@ -10,8 +10,8 @@ use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_start_info};
 use pvspin_vmm_proto::pvh::{
-    ACPI_ADDR, CMDLINE_ADDR, LOW_RAM_END, MEMMAP_ADDR, MEMMAP_RAM, MEMMAP_RESERVED,
-    POWER_OFF_PORT, START_INFO_ADDR, START_INFO_MAGIC,
+    ACPI_ADDR, CMDLINE_ADDR, LOW_RAM_END, MEMMAP_ADDR, MEMMAP_RAM, MEMMAP_RESERVED, POWER_OFF_PORT,
+    START_INFO_ADDR, START_INFO_MAGIC,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -234,7 +234,7 @@ pub fn acpi_tables(vcpus: u32) -> Vec<(u64, Vec<u8>)> {
     put(&mut fadt, 112, &(1u32 << 20).to_le_bytes()); // HW_REDUCED_ACPI
     put(&mut fadt, 131, &[3]); // minor version
     put(&mut fadt, 140, &dsdt.to_le_bytes()); // X_DSDT
-    // SLEEP_CONTROL_REG: system I/O, 8 bits, byte access, the power-off port.
+                                              // SLEEP_CONTROL_REG: system I/O, 8 bits, byte access, the power-off port.
     put(&mut fadt, 244, &[1, 8, 0, 1]);
     put(&mut fadt, 248, &u64::from(POWER_OFF_PORT).to_le_bytes());
     put(&mut fadt, 268, b"PVSPINVM");
@@ -385,7 +385,11 @@ mod tests {
         spans.sort();
         assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
         let largest = acpi_tables(255);
-        let end = largest.iter().map(|(o, t)| o + t.len() as u64).max().unwrap();
+        let end = largest
+            .iter()
+            .map(|(o, t)| o + t.len() as u64)
+            .max()
+            .unwrap();
         assert!(ACPI_ADDR + end <= 1 << 20);
     }
 
@@ -395,7 +399,10 @@ mod tests {
         write_boot_data(&memory, 16 << 20, "vcpus=2", 2).unwrap();
         let info: hvm_start_info = memory.read_obj(GuestAddress(START_INFO_ADDR)).unwrap();
         assert_eq!(info.magic, START_INFO_MAGIC);
-        assert_eq!((info.cmdline_paddr, info.rsdp_paddr), (CMDLINE_ADDR, ACPI_ADDR));
+        assert_eq!(
+            (info.cmdline_paddr, info.rsdp_paddr),
+            (CMDLINE_ADDR, ACPI_ADDR)
+        );
         let mut text = [0u8; 8];
         memory
             .read_slice(&mut text, GuestAddress(CMDLINE_ADDR))

@@ -508,10 +508,9 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // PVH: the guest starts its APs with INIT-SIPI-SIPI through KVM's in-kernel LAPIC, which
     // the in-kernel and signal-msi kick paths (pvspin) and the vhost-user device (below)
     // create anyway.
-    let irqchip_made_elsewhere = (config.pv.kicks()
-        && in_process
-        && config.kick_path != pvspin::KickPath::Userspace)
-        || config.vhost_user.is_some();
+    let irqchip_made_elsewhere =
+        (config.pv.kicks() && in_process && config.kick_path != pvspin::KickPath::Userspace)
+            || config.vhost_user.is_some();
     if pvh && !irqchip_made_elsewhere {
         pvspin_kvm::irqchip::create_irqchip(&vm)
             .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))?;

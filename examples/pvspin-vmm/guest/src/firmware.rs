@@ -31,7 +31,13 @@ impl CpuList {
         let Ok(id) = u8::try_from(apic_id) else {
             return;
         };
-        if id == 0xff || self.apic_ids.iter().take(self.count).any(|known| *known == id) {
+        if id == 0xff
+            || self
+                .apic_ids
+                .iter()
+                .take(self.count)
+                .any(|known| *known == id)
+        {
             return;
         }
         if let Some(slot) = self.apic_ids.get_mut(self.count) {
@@ -101,9 +107,10 @@ fn table(addr: u64, sig: &[u8; 4]) -> Option<u32> {
         return None;
     }
     let len = u32_at(addr + 4);
-    (36..=MAX_TABLE_BYTES).contains(&len).then_some(len).filter(|len| {
-        addr + u64::from(*len) <= MAPPED_LIMIT && checksum_ok(addr, *len)
-    })
+    (36..=MAX_TABLE_BYTES)
+        .contains(&len)
+        .then_some(len)
+        .filter(|len| addr + u64::from(*len) <= MAPPED_LIMIT && checksum_ok(addr, *len))
 }
 
 /// Finds the RSDP: at `hint` (the start info's `rsdp_paddr`), else in the first KiB of the

@@ -13,8 +13,8 @@ use pvspin_vmm_proto::pvh::{
     POWER_OFF_VALUE, START_INFO_MAGIC, TRAMPOLINE_ADDR, TRAMPOLINE_VECTOR,
 };
 use pvspin_vmm_proto::{
-    status, steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, BOOT_PARAMS_ADDR,
-    MAX_VCPUS, STACKS_ADDR, STACK_SIZE,
+    status, steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, BOOT_PARAMS_ADDR, MAX_VCPUS,
+    STACKS_ADDR, STACK_SIZE,
 };
 
 use crate::arch::{cpuid, halt_forever, mmio_read32, mmio_write32, outb, outl, outw, wrmsr};
@@ -371,7 +371,8 @@ fn cmdline_text(addr: u64) -> Result<&'static str, &'static str> {
         .iter()
         .position(|b| *b == 0)
         .ok_or("the command line has no NUL within 4096 bytes")?;
-    core::str::from_utf8(bytes.get(..len).unwrap_or(&[])).map_err(|_| "the command line is not UTF-8")
+    core::str::from_utf8(bytes.get(..len).unwrap_or(&[]))
+        .map_err(|_| "the command line is not UTF-8")
 }
 
 /// Whether `[start, end)` lies in one RAM entry of the memory map (true without a map).
@@ -464,7 +465,10 @@ fn cpu_init(index: u32) {
         (*gdt)[slot + 1] = base >> 32;
         let selector = TSS_SELECTOR_BASE + 16 * index as u16;
         asm!("ltr {0:x}", in(reg) selector, options(nostack, preserves_flags));
-        asm!("lidt [rip + pvh_idt_ptr]", options(nostack, preserves_flags));
+        asm!(
+            "lidt [rip + pvh_idt_ptr]",
+            options(nostack, preserves_flags)
+        );
         wrmsr(MSR_GS_BASE, vcpu_slot_addr(index));
     }
 }
@@ -496,7 +500,11 @@ extern "C" fn exception(frame: *const u64) -> ! {
     let (vector, rip, cs) = unsafe {
         let vector = frame.read();
         let rip_at = if has_error_code(vector) { 2 } else { 1 };
-        (vector, frame.add(rip_at).read(), frame.add(rip_at + 1).read())
+        (
+            vector,
+            frame.add(rip_at).read(),
+            frame.add(rip_at + 1).read(),
+        )
     };
     // SAFETY: the GS base is this vCPU's progress slot once it was set up; before that it is
     // 0 and the index reads as the boot vCPU's (0 or whatever is at address 24).
@@ -528,7 +536,12 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
     PVH_BOOT.store(true, Ordering::Relaxed);
     build_idt();
     // SAFETY: loads the IDT just built, so a fault during boot is reported.
-    unsafe { asm!("lidt [rip + pvh_idt_ptr]", options(nostack, preserves_flags)) };
+    unsafe {
+        asm!(
+            "lidt [rip + pvh_idt_ptr]",
+            options(nostack, preserves_flags)
+        )
+    };
     let info: StartInfo = read_phys(u64::from(start_info));
     if info.magic != START_INFO_MAGIC {
         boot_failed("the PVH start info's magic is wrong", "");
@@ -557,19 +570,28 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
     };
     let vcpus = parsed.vcpus.unwrap_or(cpus.count as u32);
     if vcpus as usize > cpus.count {
-        boot_failed("vcpus= asks for more CPUs than the VMM lists in its ", cpus.source);
+        boot_failed(
+            "vcpus= asks for more CPUs than the VMM lists in its ",
+            cpus.source,
+        );
     }
     let bsp_apic = lapic_id();
     let bsp_index = match cpus.index_of(bsp_apic) {
         Some(index) if index < vcpus as usize => index as u32,
-        _ => boot_failed("the boot CPU is not among the first vcpus= CPUs of the ", cpus.source),
+        _ => boot_failed(
+            "the boot CPU is not among the first vcpus= CPUs of the ",
+            cpus.source,
+        ),
     };
     let fixed = [
         (TRAMPOLINE_ADDR, TRAMPOLINE_ADDR + 0x1000),
         (BOOT_PARAMS_ADDR, steal_time_addr(vcpus)),
         (STACKS_ADDR, STACKS_ADDR + u64::from(vcpus) * STACK_SIZE),
     ];
-    if let Some((start, _)) = fixed.iter().find(|(start, end)| !is_ram(&info, *start, *end)) {
+    if let Some((start, _)) = fixed
+        .iter()
+        .find(|(start, end)| !is_ram(&info, *start, *end))
+    {
         Line::new()
             .text("pvspin-guest: memory the guest uses at ")
             .hex(*start)
@@ -692,5 +714,7 @@ static KICK_PATH_NAME: AtomicU8 = AtomicU8::new(0);
 /// `kick-path=` from the command line.
 pub fn kick_path() -> Option<&'static str> {
     let i = KICK_PATH_NAME.load(Ordering::Relaxed);
-    cmdline::KICK_PATHS.get(usize::from(i).checked_sub(1)?).copied()
+    cmdline::KICK_PATHS
+        .get(usize::from(i).checked_sub(1)?)
+        .copied()
 }

@@ -8,8 +8,8 @@ use core::sync::atomic::Ordering;
 use pvspin_vmm_proto::cmdline::{LOCKS, WORKLOADS};
 use pvspin_vmm_proto::pvh::RESULT_PREFIX;
 use pvspin_vmm_proto::{
-    steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, Workload, PV_FLAG_STOCK_GUEST,
-    PV_KICK, PV_KICK_YIELD,
+    steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, Workload, PV_FLAG_STOCK_GUEST, PV_KICK,
+    PV_KICK_YIELD,
 };
 
 use crate::console::Stream;
@@ -30,7 +30,10 @@ pub fn print(params: &BootParams) {
     out.text("{\"workload\":\"")
         .text(name(&WORKLOADS, Workload::from_u32(params.workload)))
         .text("\",\"lock\":\"")
-        .text(name(&LOCKS, pvspin_vmm_proto::LockKind::from_u32(params.lock)))
+        .text(name(
+            &LOCKS,
+            pvspin_vmm_proto::LockKind::from_u32(params.lock),
+        ))
         .text("\",\"vcpus\":")
         .num(u64::from(params.vcpus))
         .text(",\"hogs\":0,\"iterations\":")

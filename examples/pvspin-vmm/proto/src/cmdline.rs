@@ -84,7 +84,10 @@ fn pick<T: Copy>(
 }
 
 fn number(name: &'static str, value: &str) -> Result<u64, CmdlineError> {
-    let (digits, radix) = match value.strip_prefix("0x").or_else(|| value.strip_prefix("0X")) {
+    let (digits, radix) = match value
+        .strip_prefix("0x")
+        .or_else(|| value.strip_prefix("0X"))
+    {
         Some(hex) => (hex, 16),
         None => (value, 10),
     };
@@ -147,7 +150,7 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
     let mut vcpus = None;
     let mut tsc_khz = 0;
     let mut seen = [false; NAMES.len() + EXTRA_NAMES.len()];
-    for word in text.split(|c: char| c == ' ' || c == '\t' || c == '\n' || c == '\0') {
+    for word in text.split([' ', '\t', '\n', '\0']) {
         if word.is_empty() {
             continue;
         }
@@ -193,8 +196,12 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                 pv = pick(
                     name,
                     value,
-                    &[("off", PV_OFF), ("kick", PV_KICK), ("kick+yield", PV_KICK_YIELD)],
-                )?
+                    &[
+                        ("off", PV_OFF),
+                        ("kick", PV_KICK),
+                        ("kick+yield", PV_KICK_YIELD),
+                    ],
+                )?;
             }
             "guest" => stock = pick(name, value, &[("pvspin", false), ("stock", true)])?,
             "cs-mode" => user_mode = pick(name, value, &[("kernel", false), ("user", true)])?,
@@ -202,8 +209,12 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                 wait = pick(
                     name,
                     value,
-                    &[("auto", Wait::Auto), ("hlt", Wait::Hlt), ("doorbell", Wait::Doorbell)],
-                )?
+                    &[
+                        ("auto", Wait::Auto),
+                        ("hlt", Wait::Hlt),
+                        ("doorbell", Wait::Doorbell),
+                    ],
+                )?;
             }
             "budgets" => spin_budgets = pick(name, value, &[("time", false), ("spins", true)])?,
             "sched" => slots = pick(name, value, &[("default", false), ("slots", true)])?,
@@ -219,13 +230,11 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
             "ncs-work" => ncs_work = number(name, value)?,
             "cpuid-leaves" => {
                 cpuid_leaves = [0; CPUID_QUERIES];
-                let mut count = 0;
-                for leaf in value.split(',') {
+                for (count, leaf) in value.split(',').enumerate() {
                     let slot = cpuid_leaves
                         .get_mut(count)
                         .ok_or(CmdlineError::new(name, "at most 4 leaves"))?;
                     *slot = number_u32(name, leaf)?;
-                    count += 1;
                 }
             }
             "kick-path" => {
@@ -235,13 +244,17 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                         .find(|p| **p == value)
                         .copied()
                         .ok_or(CmdlineError::new(name, "unknown value"))?,
-                )
+                );
             }
             "tsc-khz" => tsc_khz = number(name, value)?,
             _ => {}
         }
     }
-    let lock = lock.unwrap_or(if stock { LockKind::Queued } else { LockKind::Ticket });
+    let lock = lock.unwrap_or(if stock {
+        LockKind::Queued
+    } else {
+        LockKind::Ticket
+    });
     let params = BootParams {
         magic: BOOT_MAGIC,
         version: BOOT_VERSION,
@@ -325,9 +338,7 @@ fn check_rules(
             Some(Workload::Lock | Workload::PingPong | Workload::Burn | Workload::Abuse)
         ) || wait == Wait::Hlt)
     {
-        return rule(
-            "cs-mode=user needs workload=lock, pingpong, burn or abuse, and not wait=hlt",
-        );
+        return rule("cs-mode=user needs workload=lock, pingpong, burn or abuse, and not wait=hlt");
     }
     if stock {
         if params.pv == PV_KICK_YIELD {
@@ -386,7 +397,10 @@ mod tests {
             p.pv_flags,
             PV_FLAG_WAIT_DOORBELL | PV_FLAG_SPIN_BUDGETS | PV_FLAG_CS_DEPTH
         );
-        assert_eq!((p.spin_threshold, p.iterations, p.cs_work, p.ncs_work), (64, 16, 7, 9));
+        assert_eq!(
+            (p.spin_threshold, p.iterations, p.cs_work, p.ncs_work),
+            (64, 16, 7, 9)
+        );
         assert_eq!(p.cpuid_leaves, [1, 0x4000_0000, 0, 0]);
         assert_eq!((p.vcpus, p.tsc_khz), (4, 2_000_000));
     }

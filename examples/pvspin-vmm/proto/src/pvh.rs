@@ -106,8 +106,6 @@ const _: () = {
     assert!(START_INFO_ADDR + 0x1000 <= crate::BOOT_PARAMS_ADDR);
     assert!(MEMMAP_ADDR + 0x1000 <= crate::BOOT_PARAMS_ADDR);
     assert!(CMDLINE_ADDR >= crate::steal_time_addr(crate::MAX_VCPUS));
-    assert!(
-        CMDLINE_ADDR + crate::cmdline::MAX_CMDLINE_BYTES as u64 <= LOW_RAM_END
-    );
+    assert!(CMDLINE_ADDR + crate::cmdline::MAX_CMDLINE_BYTES as u64 <= LOW_RAM_END);
     assert!(LOW_RAM_END <= ACPI_ADDR);
 };
