@@ -393,6 +393,29 @@ mod tests {
         assert!(ACPI_ADDR + end <= 1 << 20);
     }
 
+    /// Guest memory as the guest's firmware reader sees it.
+    struct Phys<'a>(&'a GuestMemory);
+
+    impl pvspin_vmm_proto::firmware::PhysRead for Phys<'_> {
+        fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+            self.0.read_slice(buf, GuestAddress(addr)).is_ok()
+        }
+    }
+
+    #[test]
+    fn the_guests_firmware_reader_finds_the_vcpus_and_the_power_off_port() {
+        let memory = crate::memory::create(16 << 20).unwrap();
+        write_boot_data(&memory, 16 << 20, "", 7).unwrap();
+        // Through the start info's RSDP, and by the guest's scan of the BIOS area.
+        for hint in [ACPI_ADDR, 0] {
+            let firmware = pvspin_vmm_proto::firmware::read(&Phys(&memory), hint);
+            let cpus = firmware.cpus.expect("the MADT's CPUs");
+            assert_eq!(&cpus.apic_ids[..cpus.count], &[0, 1, 2, 3, 4, 5, 6]);
+            assert_eq!(firmware.power_off.sleep_control_port, POWER_OFF_PORT);
+            assert_eq!(firmware.power_off.s5_sleep_type, 5);
+        }
+    }
+
     #[test]
     fn boot_data_lands_where_the_start_info_says() {
         let memory = crate::memory::create(16 << 20).unwrap();

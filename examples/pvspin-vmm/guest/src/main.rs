@@ -10,7 +10,6 @@
 
 mod arch;
 mod console;
-mod firmware;
 mod pingpong;
 mod pvh;
 mod result_line;

@@ -8,6 +8,7 @@ use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 
 use pvspin_vmm_proto::cmdline::{self, MAX_CMDLINE_BYTES};
+use pvspin_vmm_proto::firmware::{self, PhysRead, PowerOff};
 use pvspin_vmm_proto::pvh::{
     MemmapEntry, StartInfo, I8042_COMMAND_PORT, I8042_RESET, MEMMAP_RAM, POWER_OFF_PORT,
     POWER_OFF_VALUE, START_INFO_MAGIC, TRAMPOLINE_ADDR, TRAMPOLINE_VECTOR,
@@ -19,7 +20,6 @@ use pvspin_vmm_proto::{
 
 use crate::arch::{cpuid, halt_forever, mmio_read32, mmio_write32, outb, outl, outw, wrmsr};
 use crate::console::Line;
-use crate::firmware::{self, PowerOff};
 
 /// Set once the boot vCPU entered through PVH: the run ends with a power-off.
 pub static PVH_BOOT: AtomicBool = AtomicBool::new(false);
@@ -348,6 +348,21 @@ fn remember_power_off(power: &PowerOff) {
     POWER_S5.store(power.s5_sleep_type, Ordering::Relaxed);
 }
 
+/// Guest-physical memory as the guest sees it: the first 4 GiB identity-mapped.
+struct IdentityMapped;
+
+impl PhysRead for IdentityMapped {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        if addr.saturating_add(buf.len() as u64) > 1 << 32 {
+            return false;
+        }
+        // SAFETY: below 4 GiB (checked), which the PVH page tables identity-map; the VMM's
+        // tables are memory it gave the guest, read without side effects.
+        unsafe { core::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), buf.len()) };
+        true
+    }
+}
+
 /// Reads a `T` of guest-physical memory below 4 GiB.
 fn read_phys<T: Copy>(addr: u64) -> T {
     // SAFETY: the PVH page tables identity-map the first 4 GiB; callers pass addresses the VMM
@@ -563,7 +578,7 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
             exit(status::BAD_PARAMS)
         }
     };
-    let firmware = firmware::read(info.rsdp_paddr);
+    let firmware = firmware::read(&IdentityMapped, info.rsdp_paddr);
     remember_power_off(&firmware.power_off);
     let Some(cpus) = firmware.cpus else {
         boot_failed("the VMM lists no CPUs (no ACPI MADT, no MP table)", "");

@@ -24,6 +24,7 @@
 use core::mem::size_of;
 
 pub mod cmdline;
+pub mod firmware;
 pub mod pvh;
 
 /// GPA of the GDT.
