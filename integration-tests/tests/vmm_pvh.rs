@@ -58,6 +58,12 @@ fn pvh_boot_runs_the_lock_workload_on_every_vcpu_and_counts_exactly() {
             pv: PvMode::Kick,
             ..pvh_config(2)
         },
+        // Hint pages with time budgets, spin notifications and directed yield.
+        RunConfig {
+            pv: PvMode::KickYield,
+            actuator: "yield",
+            ..pvh_config(2)
+        },
     ];
     for config in cases {
         let what = pvspin_vmm::pvh::guest_cmdline(&config, 0);
@@ -178,4 +184,34 @@ fn pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure() {
             other => panic!("{cmdline}: expected a failure status, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn pvh_boot_starts_every_ap_of_a_larger_vm() {
+    if kvm_or_skip("pvh_boot_starts_every_ap_of_a_larger_vm").is_none() {
+        return;
+    }
+    let vcpus = 16;
+    let config = RunConfig {
+        workload: Workload::Hello,
+        mem_mib: 32,
+        ..pvh_config(vcpus)
+    };
+    let report = run(&config).unwrap_or_else(|err| panic!("{err}"));
+    assert!(
+        report
+            .console
+            .contains(&format!("pvspin-guest: {vcpus} vCPUs up")),
+        "{}",
+        report.console
+    );
+    for index in 0..vcpus {
+        let line = format!("hello from vCPU {index} of {vcpus}\n");
+        assert!(
+            report.console.contains(&line),
+            "{line:?} in {}",
+            report.console
+        );
+    }
+    assert!(report.per_vcpu.iter().all(|vcpu| vcpu.heartbeat == 1));
 }
