@@ -11,18 +11,12 @@ use libfuzzer_sys::fuzz_target;
 use pvspin_vmm_proto::firmware::{self, PhysRead};
 use pvspin_vmm_proto::{cmdline, MAX_VCPUS};
 
-/// Guest memory: 1 MiB of the input, repeated, from GPA 0 (the BIOS area the guest scans).
-struct Memory<'a>(&'a [u8]);
+/// Guest memory: the first MiB, the input repeated (the BIOS area the guest scans included).
+struct Memory(Vec<u8>);
 
-impl PhysRead for Memory<'_> {
-    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        if self.0.is_empty() || addr.saturating_add(buf.len() as u64) > 1 << 20 {
-            return false;
-        }
-        for (i, byte) in buf.iter_mut().enumerate() {
-            *byte = self.0[(addr as usize + i) % self.0.len()];
-        }
-        true
+impl PhysRead for Memory {
+    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        self.0.get(usize::try_from(addr).ok()?..usize::try_from(addr).ok()?.checked_add(len)?)
     }
 }
 
@@ -45,7 +39,8 @@ fuzz_target!(|data: &[u8]| {
         let hint = rest.get(..4).map_or(0, |b| {
             u64::from(u32::from_le_bytes(b.try_into().unwrap_or([0; 4]))) & 0xf_ffff
         });
-        let found = firmware::read(&Memory(rest), hint);
+        let memory = Memory(rest.iter().copied().cycle().take(1 << 20).collect());
+        let found = firmware::read(&memory, hint);
         if let Some(cpus) = found.cpus {
             assert!(cpus.count <= MAX_VCPUS as usize);
             let ids = &cpus.apic_ids[..cpus.count];

@@ -393,12 +393,20 @@ mod tests {
         assert!(ACPI_ADDR + end <= 1 << 20);
     }
 
-    /// Guest memory as the guest's firmware reader sees it.
-    struct Phys<'a>(&'a GuestMemory);
+    /// The first MiB of guest memory, as the guest's firmware reader sees it.
+    struct Phys(Vec<u8>);
 
-    impl pvspin_vmm_proto::firmware::PhysRead for Phys<'_> {
-        fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-            self.0.read_slice(buf, GuestAddress(addr)).is_ok()
+    impl Phys {
+        fn of(memory: &GuestMemory) -> Self {
+            let mut low = vec![0; 1 << 20];
+            memory.read_slice(&mut low, GuestAddress(0)).unwrap();
+            Self(low)
+        }
+    }
+
+    impl pvspin_vmm_proto::firmware::PhysRead for Phys {
+        fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+            self.0.get(addr as usize..(addr as usize).checked_add(len)?)
         }
     }
 
@@ -408,11 +416,17 @@ mod tests {
         write_boot_data(&memory, 16 << 20, "", 7).unwrap();
         // Through the start info's RSDP, and by the guest's scan of the BIOS area.
         for hint in [ACPI_ADDR, 0] {
-            let firmware = pvspin_vmm_proto::firmware::read(&Phys(&memory), hint);
+            let firmware = pvspin_vmm_proto::firmware::read(&Phys::of(&memory), hint);
+            assert!(firmware.power_off.hardware_reduced);
+            assert_eq!(firmware.power_off.dsdt, ACPI_ADDR + DSDT_OFFSET);
             let cpus = firmware.cpus.expect("the MADT's CPUs");
             assert_eq!(&cpus.apic_ids[..cpus.count], &[0, 1, 2, 3, 4, 5, 6]);
             assert_eq!(firmware.power_off.sleep_control_port, POWER_OFF_PORT);
-            assert_eq!(firmware.power_off.s5_sleep_type, 5);
+            let memory = Phys::of(&memory);
+            assert_eq!(
+                pvspin_vmm_proto::firmware::s5_sleep_type(&memory, &firmware.power_off),
+                5
+            );
         }
     }
 

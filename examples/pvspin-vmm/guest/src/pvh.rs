@@ -5,7 +5,7 @@
 //! path does little: the page tables and GDT are built by the assembler, not at run time.
 
 use core::arch::{asm, global_asm};
-use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use pvspin_vmm_proto::cmdline::{self, MAX_CMDLINE_BYTES};
 use pvspin_vmm_proto::firmware::{self, PhysRead, PowerOff};
@@ -112,11 +112,12 @@ static APIC_INDEX: [AtomicU8; 256] = [const { AtomicU8::new(0) }; 256];
 /// APs that reached long mode and set themselves up.
 static ONLINE: AtomicU32 = AtomicU32::new(0);
 
-/// How to power off, read from the FADT at boot.
+/// How to power off, read from the FADT at boot (the DSDT only when powering off).
 static POWER_SLEEP_CONTROL: AtomicU32 = AtomicU32::new(0);
 static POWER_PM1A: AtomicU32 = AtomicU32::new(0);
 static POWER_PM1B: AtomicU32 = AtomicU32::new(0);
-static POWER_S5: AtomicU8 = AtomicU8::new(5);
+static POWER_HARDWARE_REDUCED: AtomicBool = AtomicBool::new(false);
+static POWER_DSDT: AtomicU64 = AtomicU64::new(0);
 
 const LAPIC_BASE: u64 = 0xfee0_0000;
 const LAPIC_ID: u64 = LAPIC_BASE + 0x20;
@@ -178,6 +179,9 @@ global_asm!(
     "cli",
     "cld",
     "mov esi, ebx",
+    "rdtsc", // when the boot started, for the boot line
+    "mov [{entry_tsc}], eax",
+    "mov [{entry_tsc} + 4], edx",
     "lgdt [pvh_gdt_ptr]",
     "xor edi, edi",
     "jmp 2f",
@@ -287,7 +291,11 @@ global_asm!(
     stack_size = const STACK_SIZE,
     stacks = const STACKS_ADDR,
     exception = sym exception,
+    entry_tsc = sym ENTRY_TSC,
 );
+
+/// The TSC at the PVH entry (written by the 32-bit entry code, before anything else).
+static ENTRY_TSC: AtomicU64 = AtomicU64::new(0);
 
 extern "C" {
     static pvh_trampoline_start: u8;
@@ -322,17 +330,22 @@ pub fn exit(code: u32) -> ! {
 /// ACPI power-off (the FADT's sleep control register or PM1 control blocks, else Cloud
 /// Hypervisor's port 0x600), then the i8042 reset when the VMM is still running us.
 pub fn power_off() -> ! {
-    let sleep_type = POWER_S5.load(Ordering::Relaxed);
-    let sleep_control = POWER_SLEEP_CONTROL.load(Ordering::Relaxed) as u16;
-    let pm1a = POWER_PM1A.load(Ordering::Relaxed) as u16;
-    let pm1b = POWER_PM1B.load(Ordering::Relaxed) as u16;
-    if sleep_control != 0 {
-        outb(sleep_control, ((sleep_type & 7) << 2) | (1 << 5));
-    } else if pm1a != 0 {
+    let power = PowerOff {
+        sleep_control_port: POWER_SLEEP_CONTROL.load(Ordering::Relaxed) as u16,
+        pm1a_control_port: POWER_PM1A.load(Ordering::Relaxed) as u16,
+        pm1b_control_port: POWER_PM1B.load(Ordering::Relaxed) as u16,
+        hardware_reduced: POWER_HARDWARE_REDUCED.load(Ordering::Relaxed),
+        dsdt: POWER_DSDT.load(Ordering::Relaxed),
+    };
+    if power.sleep_control_port != 0 {
+        let sleep_type = firmware::s5_sleep_type(&IdentityMapped, &power);
+        outb(power.sleep_control_port, ((sleep_type & 7) << 2) | (1 << 5));
+    } else if power.pm1a_control_port != 0 {
+        let sleep_type = firmware::s5_sleep_type(&IdentityMapped, &power);
         let value = (u16::from(sleep_type & 7) << 10) | (1 << 13);
-        outw(pm1a, value);
-        if pm1b != 0 {
-            outw(pm1b, value);
+        outw(power.pm1a_control_port, value);
+        if power.pm1b_control_port != 0 {
+            outw(power.pm1b_control_port, value);
         }
     } else {
         outb(POWER_OFF_PORT, POWER_OFF_VALUE);
@@ -345,21 +358,22 @@ fn remember_power_off(power: &PowerOff) {
     POWER_SLEEP_CONTROL.store(u32::from(power.sleep_control_port), Ordering::Relaxed);
     POWER_PM1A.store(u32::from(power.pm1a_control_port), Ordering::Relaxed);
     POWER_PM1B.store(u32::from(power.pm1b_control_port), Ordering::Relaxed);
-    POWER_S5.store(power.s5_sleep_type, Ordering::Relaxed);
+    POWER_HARDWARE_REDUCED.store(power.hardware_reduced, Ordering::Relaxed);
+    POWER_DSDT.store(power.dsdt, Ordering::Relaxed);
 }
 
 /// Guest-physical memory as the guest sees it: the first 4 GiB identity-mapped.
 struct IdentityMapped;
 
 impl PhysRead for IdentityMapped {
-    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        if addr.saturating_add(buf.len() as u64) > 1 << 32 {
-            return false;
+    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        if addr.checked_add(len as u64)? > 1 << 32 {
+            return None;
         }
-        // SAFETY: below 4 GiB (checked), which the PVH page tables identity-map; the VMM's
-        // tables are memory it gave the guest, read without side effects.
-        unsafe { core::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), buf.len()) };
-        true
+        // SAFETY: below 4 GiB (checked), which the PVH page tables identity-map (user pages
+        // too: the power-off may read the DSDT in user mode); the VMM's tables are memory it
+        // gave the guest, which the guest never writes.
+        Some(unsafe { core::slice::from_raw_parts(addr as *const u8, len) })
     }
 }
 
@@ -562,13 +576,15 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
         boot_failed("the PVH start info's magic is wrong", "");
     }
     let text = cmdline_text(info.cmdline_paddr).unwrap_or_else(|why| boot_failed(why, ""));
-    crate::console::Stream::new()
-        .text("pvspin-guest: PVH boot, command line: ")
-        .text(text)
-        .text("\n");
     let parsed = match cmdline::parse(text) {
         Ok(parsed) => parsed,
         Err(err) => {
+            // The command line only now: every console byte is an exit, and the result line
+            // names every parameter of a run that went well.
+            crate::console::Stream::new()
+                .text("pvspin-guest: command line: ")
+                .text(text)
+                .text("\n");
             Line::new()
                 .text("pvspin-guest: command line refused: ")
                 .text(err.name)
@@ -688,13 +704,22 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
             core::hint::spin_loop();
         }
     }
-    Line::new()
+    // From the PVH entry to here: the emulated boot path (tables, command line, APs).
+    let boot_cycles = crate::arch::rdtsc().wrapping_sub(ENTRY_TSC.load(Ordering::Relaxed));
+    let line = Line::new()
         .text("pvspin-guest: ")
         .num(u64::from(vcpus))
         .text(" vCPUs up (CPU list: ")
         .text(cpus.source)
-        .text(")")
-        .print();
+        .text("), boot took ");
+    match boot_cycles
+        .checked_mul(1000)
+        .zip(Some(params.tsc_khz).filter(|k| *k != 0))
+    {
+        Some((scaled, khz)) => line.num(scaled / khz).text(" us"),
+        None => line.num(boot_cycles).text(" TSC cycles"),
+    }
+    .print();
     let top = STACKS_ADDR + (u64::from(bsp_index) + 1) * STACK_SIZE;
     // SAFETY: switches to this vCPU's own stack (RAM, checked above) for good: the call never
     // returns, and nothing on the boot stack is used again.

@@ -10,9 +10,10 @@ use crate::MAX_VCPUS;
 
 /// Guest-physical memory the tables are read from.
 pub trait PhysRead {
-    /// Fills `buf` from `addr`; `false` when that memory cannot be read (then the caller
-    /// sees zeros).
-    fn read(&self, addr: u64, buf: &mut [u8]) -> bool;
+    /// The `len` bytes at `addr`, or `None` when that memory cannot be read (then the caller
+    /// sees zeros). A slice, not a copy: in the guest every instruction of the boot path is
+    /// emulated on some hosts, and the checksums and the DSDT scan cover whole tables.
+    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]>;
 }
 
 /// The CPUs the VMM lists, in its order: their (x)APIC IDs.
@@ -74,8 +75,20 @@ pub struct PowerOff {
     pub pm1a_control_port: u16,
     /// PM1b control block, 0 if none.
     pub pm1b_control_port: u16,
-    /// `SLP_TYP` of S5, from the DSDT's `\_S5_` package.
-    pub s5_sleep_type: u8,
+    /// The FADT says hardware-reduced ACPI.
+    pub hardware_reduced: bool,
+    /// GPA of the DSDT (0: none), whose `\_S5_` package gives S5's `SLP_TYP`
+    /// ([`s5_sleep_type`]: read only when powering off, since the DSDT is the largest table and
+    /// the boot path is emulated on some hosts).
+    pub dsdt: u64,
+}
+
+/// `SLP_TYP` of S5 for `power`: the DSDT's `\_S5_` package, else 5 with hardware-reduced ACPI
+/// (Cloud Hypervisor's and QEMU microvm's value) and 0 otherwise (QEMU's PC machines').
+pub fn s5_sleep_type(memory: &impl PhysRead, power: &PowerOff) -> u8 {
+    Reader(memory)
+        .s5_sleep_type(power.dsdt)
+        .unwrap_or(if power.hardware_reduced { 5 } else { 0 })
 }
 
 /// The most bytes any one table may span (a bound on what a bad length makes the guest read).
@@ -87,16 +100,38 @@ const MAPPED_LIMIT: u64 = 1 << 32;
 struct Reader<'a, M: PhysRead>(&'a M);
 
 impl<M: PhysRead> Reader<'_, M> {
-    fn bytes<const N: usize>(&self, addr: u64) -> [u8; N] {
-        let mut buf = [0; N];
+    /// `len` bytes at `addr` below 4 GiB, when readable.
+    fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
         if addr
-            .checked_add(N as u64)
+            .checked_add(len as u64)
             .is_none_or(|end| end > MAPPED_LIMIT)
-            || !self.0.read(addr, &mut buf)
         {
-            return [0; N];
+            return None;
         }
-        buf
+        self.0.slice(addr, len).filter(|s| s.len() == len)
+    }
+
+    fn bytes<const N: usize>(&self, addr: u64) -> [u8; N] {
+        self.slice(addr, N)
+            .and_then(|s| <[u8; N]>::try_from(s).ok())
+            .unwrap_or([0; N])
+    }
+
+    /// The first 16-byte-aligned address in `[start, start + len)` holding `signature` for
+    /// which `valid` holds.
+    fn find_signature(
+        &self,
+        start: u64,
+        len: usize,
+        signature: &[u8],
+        valid: &dyn Fn(u64) -> bool,
+    ) -> Option<u64> {
+        let area = self.slice(start, len)?;
+        area.chunks(16)
+            .enumerate()
+            .filter(|(_, chunk)| chunk.starts_with(signature))
+            .map(|(i, _)| start + 16 * i as u64)
+            .find(|addr| valid(*addr))
     }
 
     fn u8_at(&self, addr: u64) -> u8 {
@@ -116,7 +151,8 @@ impl<M: PhysRead> Reader<'_, M> {
     }
 
     fn checksum_ok(&self, addr: u64, len: u32) -> bool {
-        (0..u64::from(len)).fold(0u8, |sum, i| sum.wrapping_add(self.u8_at(addr + i))) == 0
+        self.slice(addr, len as usize)
+            .is_some_and(|bytes| bytes.iter().fold(0u8, |sum, b| sum.wrapping_add(*b)) == 0)
     }
 
     /// A system description table at `addr` with signature `sig`, valid checksum and a sane
@@ -142,15 +178,11 @@ impl<M: PhysRead> Reader<'_, M> {
             return Some(hint);
         }
         let ebda = u64::from(self.u16_at(0x40e)) << 4;
-        let ebda_range = if (0x8_0000..0xa_0000).contains(&ebda) {
-            ebda..ebda + 1024
-        } else {
-            0..0
-        };
-        ebda_range
-            .step_by(16)
-            .chain((0xe_0000..0x10_0000).step_by(16))
-            .find(|addr| valid(*addr))
+        let ebda_area = (0x8_0000..0xa_0000).contains(&ebda).then_some((ebda, 1024));
+        ebda_area
+            .into_iter()
+            .chain([(0xe_0000, 0x2_0000)])
+            .find_map(|(start, len)| self.find_signature(start, len, b"RSD PTR ", &valid))
     }
 
     /// Calls `visit(signature, address)` for every table the RSDT or XSDT lists.
@@ -214,26 +246,21 @@ impl<M: PhysRead> Reader<'_, M> {
     fn s5_sleep_type(&self, dsdt: u64) -> Option<u8> {
         let len = self.table(dsdt, b"DSDT")?;
         let end = dsdt + u64::from(len);
-        let mut at = dsdt + 36;
-        while at + 8 <= end {
-            if &self.bytes::<4>(at) == b"_S5_" && self.u8_at(at + 4) == 0x12 {
-                // PackageOp, PkgLength (1 to 4 bytes), NumElements, then the first element.
-                let extra = u64::from(self.u8_at(at + 5) >> 6);
-                let element = at + 5 + 1 + extra + 1;
-                if element + 2 > end {
-                    return None;
-                }
-                return match self.u8_at(element) {
-                    0x0a => Some(self.u8_at(element + 1)), // BytePrefix
-                    0x00 => Some(0),                       // ZeroOp
-                    0x01 => Some(1),                       // OneOp
-                    value if value < 0x08 => Some(value),
-                    _ => None,
-                };
-            }
-            at += 1;
+        let body = self.slice(dsdt + 36, len as usize - 36)?;
+        let at = dsdt + 36 + body.windows(5).position(|w| w == b"_S5_\x12")? as u64;
+        // PackageOp, PkgLength (1 to 4 bytes), NumElements, then the first element.
+        let extra = u64::from(self.u8_at(at + 5) >> 6);
+        let element = at + 5 + 1 + extra + 1;
+        if element + 2 > end {
+            return None;
         }
-        None
+        match self.u8_at(element) {
+            0x0a => Some(self.u8_at(element + 1)), // BytePrefix
+            0x00 => Some(0),                       // ZeroOp
+            0x01 => Some(1),                       // OneOp
+            value if value < 0x08 => Some(value),
+            _ => None,
+        }
     }
 
     fn fadt_power_off(&self, fadt: u64, len: u32) -> PowerOff {
@@ -270,9 +297,8 @@ impl<M: PhysRead> Reader<'_, M> {
             sleep_control_port,
             pm1a_control_port: if hardware_reduced { 0 } else { port(64) },
             pm1b_control_port: if hardware_reduced { 0 } else { port(68) },
-            s5_sleep_type: self
-                .s5_sleep_type(dsdt)
-                .unwrap_or(if hardware_reduced { 5 } else { 0 }),
+            hardware_reduced,
+            dsdt,
         }
     }
 
@@ -280,11 +306,11 @@ impl<M: PhysRead> Reader<'_, M> {
     /// with the enabled flag.
     fn mp_table_cpus(&self) -> Option<CpuList> {
         let ebda = u64::from(self.u16_at(0x40e)) << 4;
+        let valid = |addr: u64| self.checksum_ok(addr, 16);
         let floating = [(ebda, 1024), (0x9_fc00, 1024), (0xf_0000, 0x1_0000)]
             .into_iter()
             .filter(|(start, _)| (0x8_0000..0x10_0000).contains(start))
-            .flat_map(|(start, len)| (start..start + len).step_by(16))
-            .find(|addr| &self.bytes::<4>(*addr) == b"_MP_" && self.checksum_ok(*addr, 16))?;
+            .find_map(|(start, len)| self.find_signature(start, len, b"_MP_", &valid))?;
         let config = u64::from(self.u32_at(floating + 4));
         if config == 0
             || config.saturating_add(44) > MAPPED_LIMIT
@@ -371,15 +397,8 @@ mod tests {
     }
 
     impl PhysRead for Memory {
-        fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-            let start = addr as usize;
-            match self.0.get(start..start + buf.len()) {
-                Some(bytes) => {
-                    buf.copy_from_slice(bytes);
-                    true
-                }
-                None => false,
-            }
+        fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+            self.0.get(addr as usize..(addr as usize).checked_add(len)?)
         }
     }
 
@@ -516,7 +535,7 @@ mod tests {
         let power = read(&memory, 0xe_0000).power_off;
         assert_eq!(power.sleep_control_port, 0x600);
         assert_eq!(power.pm1a_control_port, 0);
-        assert_eq!(power.s5_sleep_type, 5);
+        assert_eq!(s5_sleep_type(&memory, &power), 5);
         // PM1 control blocks (QEMU's PC machines), S5 = ZeroOp.
         memory.put(0xe_0400, &fadt(0, 0x604, None, 0xe_0800));
         let aml = [
@@ -528,7 +547,15 @@ mod tests {
             (power.sleep_control_port, power.pm1a_control_port),
             (0, 0x604)
         );
-        assert_eq!(power.s5_sleep_type, 0);
+        assert_eq!(s5_sleep_type(&memory, &power), 0);
+        // A DSDT without \_S5_, or a broken one: the default of the FADT's kind.
+        memory.put(0xe_0800, &sdt(b"DSDT", &[0x10, 0x08]));
+        assert_eq!(s5_sleep_type(&memory, &power), 0);
+        let hardware_reduced = PowerOff {
+            hardware_reduced: true,
+            ..power
+        };
+        assert_eq!(s5_sleep_type(&memory, &hardware_reduced), 5);
     }
 
     #[test]
