@@ -149,7 +149,7 @@ fn pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure() {
         (
             "vcpus=2 workload=sleep",
             status::BAD_PARAMS,
-            "command line refused: workload: unknown value",
+            "command line refused: workload: unknown value (in \"workload=sleep\")",
         ),
         (
             "vcpus=2 pv=kick lock=tas",
@@ -159,7 +159,7 @@ fn pvh_guest_refuses_a_bad_command_line_and_powers_off_with_a_failure() {
         (
             "vcpus=2 hogs=4",
             status::BAD_PARAMS,
-            "command line refused: word: unknown name",
+            "command line refused: word: unknown name (see docs/guest-programs.md for the names) (in \"hogs=4\")",
         ),
         (
             "vcpus=3",

@@ -585,12 +585,17 @@ extern "C" fn bsp_main(start_info: u32) -> ! {
                 .text("pvspin-guest: command line: ")
                 .text(text)
                 .text("\n");
-            Line::new()
-                .text("pvspin-guest: command line refused: ")
+            let mut out = crate::console::Stream::new();
+            out.text("pvspin-guest: command line refused: ")
                 .text(err.name)
                 .text(": ")
-                .text(err.reason)
-                .print();
+                .text(err.reason);
+            let word = err.word_in(text);
+            if !word.is_empty() {
+                out.text(" (in \"").text(word).text("\")");
+            }
+            out.text("\n");
+            drop(out);
             exit(status::BAD_PARAMS)
         }
     };

@@ -45,18 +45,30 @@ pub const NAMES: [&str; 15] = [
 /// knows it better than CPUID says).
 pub const EXTRA_NAMES: [&str; 1] = ["tsc-khz"];
 
-/// Why a command line is refused: the word (or rule) and what is wrong, both static text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Why a command line is refused: the word (or rule) and what is wrong, both static text,
+/// and where the word is.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CmdlineError {
     /// The offending word's name, or `"rule"` for a combination of values.
     pub name: &'static str,
     /// What is wrong.
     pub reason: &'static str,
+    /// The offending word's byte range in the command line (empty for a rule).
+    pub word: core::ops::Range<usize>,
 }
 
 impl CmdlineError {
     const fn new(name: &'static str, reason: &'static str) -> Self {
-        Self { name, reason }
+        Self {
+            name,
+            reason,
+            word: 0..0,
+        }
+    }
+
+    /// The offending word, cut from the command line that was parsed.
+    pub fn word_in<'a>(&self, text: &'a str) -> &'a str {
+        text.get(self.word.clone()).unwrap_or("")
     }
 }
 
@@ -154,8 +166,16 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
         if word.is_empty() {
             continue;
         }
+        let offset = word.as_ptr() as usize - text.as_ptr() as usize;
+        let located = |mut err: CmdlineError| {
+            err.word = offset..offset + word.len();
+            err
+        };
         let Some((name, value)) = word.split_once('=') else {
-            return Err(CmdlineError::new("word", "every word must be name=value"));
+            return Err(located(CmdlineError::new(
+                "word",
+                "every word must be name=value",
+            )));
         };
         if name.contains('.') {
             continue;
@@ -165,10 +185,10 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
             .chain(EXTRA_NAMES.iter())
             .position(|known| *known == name)
         else {
-            return Err(CmdlineError::new(
+            return Err(located(CmdlineError::new(
                 "word",
                 "unknown name (see docs/guest-programs.md for the names)",
-            ));
+            )));
         };
         // The static spelling of the name, for the error.
         let name = NAMES
@@ -178,20 +198,20 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
             .copied()
             .unwrap_or("word");
         match seen.get_mut(position) {
-            Some(true) => return Err(CmdlineError::new(name, "given twice")),
+            Some(true) => return Err(located(CmdlineError::new(name, "given twice"))),
             Some(slot) => *slot = true,
             None => {}
         }
         match name {
             "vcpus" => {
-                let n = number_u32(name, value)?;
+                let n = number_u32(name, value).map_err(located)?;
                 if n == 0 || n > MAX_VCPUS {
-                    return Err(CmdlineError::new(name, "must be 1 to 255"));
+                    return Err(located(CmdlineError::new(name, "must be 1 to 255")));
                 }
                 vcpus = Some(n);
             }
-            "workload" => workload = pick(name, value, &WORKLOADS)?,
-            "lock" => lock = Some(pick(name, value, &LOCKS)?),
+            "workload" => workload = pick(name, value, &WORKLOADS).map_err(located)?,
+            "lock" => lock = Some(pick(name, value, &LOCKS).map_err(located)?),
             "pv" => {
                 pv = pick(
                     name,
@@ -201,10 +221,17 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                         ("kick", PV_KICK),
                         ("kick+yield", PV_KICK_YIELD),
                     ],
-                )?;
+                )
+                .map_err(located)?;
             }
-            "guest" => stock = pick(name, value, &[("pvspin", false), ("stock", true)])?,
-            "cs-mode" => user_mode = pick(name, value, &[("kernel", false), ("user", true)])?,
+            "guest" => {
+                stock =
+                    pick(name, value, &[("pvspin", false), ("stock", true)]).map_err(located)?;
+            }
+            "cs-mode" => {
+                user_mode =
+                    pick(name, value, &[("kernel", false), ("user", true)]).map_err(located)?;
+            }
             "wait" => {
                 wait = pick(
                     name,
@@ -214,27 +241,35 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                         ("hlt", Wait::Hlt),
                         ("doorbell", Wait::Doorbell),
                     ],
-                )?;
+                )
+                .map_err(located)?;
             }
-            "budgets" => spin_budgets = pick(name, value, &[("time", false), ("spins", true)])?,
-            "sched" => slots = pick(name, value, &[("default", false), ("slots", true)])?,
+            "budgets" => {
+                spin_budgets =
+                    pick(name, value, &[("time", false), ("spins", true)]).map_err(located)?;
+            }
+            "sched" => {
+                slots =
+                    pick(name, value, &[("default", false), ("slots", true)]).map_err(located)?;
+            }
             "spin-threshold" => {
-                let n = number_u32(name, value)?;
+                let n = number_u32(name, value).map_err(located)?;
                 if n == 0 || n > MAX_SPIN_THRESHOLD {
-                    return Err(CmdlineError::new(name, "must be 1 to 16777216"));
+                    return Err(located(CmdlineError::new(name, "must be 1 to 16777216")));
                 }
                 spin_threshold = Some(n);
             }
-            "iterations" => iterations = number(name, value)?,
-            "cs-work" => cs_work = number(name, value)?,
-            "ncs-work" => ncs_work = number(name, value)?,
+            "iterations" => iterations = number(name, value).map_err(located)?,
+            "cs-work" => cs_work = number(name, value).map_err(located)?,
+            "ncs-work" => ncs_work = number(name, value).map_err(located)?,
             "cpuid-leaves" => {
                 cpuid_leaves = [0; CPUID_QUERIES];
                 for (count, leaf) in value.split(',').enumerate() {
                     let slot = cpuid_leaves
                         .get_mut(count)
-                        .ok_or(CmdlineError::new(name, "at most 4 leaves"))?;
-                    *slot = number_u32(name, leaf)?;
+                        .ok_or(CmdlineError::new(name, "at most 4 leaves"))
+                        .map_err(located)?;
+                    *slot = number_u32(name, leaf).map_err(located)?;
                 }
             }
             "kick-path" => {
@@ -243,10 +278,11 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                         .iter()
                         .find(|p| **p == value)
                         .copied()
-                        .ok_or(CmdlineError::new(name, "unknown value"))?,
+                        .ok_or(CmdlineError::new(name, "unknown value"))
+                        .map_err(located)?,
                 );
             }
-            "tsc-khz" => tsc_khz = number(name, value)?,
+            "tsc-khz" => tsc_khz = number(name, value).map_err(located)?,
             _ => {}
         }
     }
@@ -411,6 +447,16 @@ mod tests {
         assert_eq!(p.lock, LockKind::Queued as u32);
         assert_eq!(p.spin_threshold, STOCK_SPIN_THRESHOLD);
         assert_eq!(p.pv_flags, PV_FLAG_STOCK_GUEST);
+    }
+
+    #[test]
+    fn a_refusal_names_the_word() {
+        let text = "vcpus=2  lock=rwlock iterations=5";
+        let err = refused(text);
+        assert_eq!(err.word_in(text), "lock=rwlock");
+        assert_eq!(refused("hogs=2").word_in("hogs=2"), "hogs=2");
+        // A rule names no single word.
+        assert_eq!(refused("pv=kick lock=tas").word_in("pv=kick lock=tas"), "");
     }
 
     #[test]
