@@ -11,12 +11,26 @@ use libfuzzer_sys::fuzz_target;
 use pvspin_vmm_proto::firmware::{self, PhysRead};
 use pvspin_vmm_proto::{cmdline, MAX_VCPUS};
 
-/// Guest memory: the first MiB, the input repeated (the BIOS area the guest scans included).
+/// Guest memory: the first MiB, zero but for the input, copied where the guest looks for
+/// tables (the EBDA pointer at 0x40e, the last KiB of low memory, the BIOS area's start) and
+/// where those tables would point (a pointer in the input lands in one of these windows).
 struct Memory(Vec<u8>);
+
+impl Memory {
+    fn with(input: &[u8]) -> Self {
+        let mut memory = vec![0u8; 1 << 20];
+        for at in [0x400, 0x9_fc00, 0xe_0000, 0xf_0000] {
+            let len = input.len().min(0x1_0000);
+            memory[at..at + len].copy_from_slice(&input[..len]);
+        }
+        Self(memory)
+    }
+}
 
 impl PhysRead for Memory {
     fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
-        self.0.get(usize::try_from(addr).ok()?..usize::try_from(addr).ok()?.checked_add(len)?)
+        let start = usize::try_from(addr).ok()?;
+        self.0.get(start..start.checked_add(len)?)
     }
 }
 
@@ -39,7 +53,7 @@ fuzz_target!(|data: &[u8]| {
         let hint = rest.get(..4).map_or(0, |b| {
             u64::from(u32::from_le_bytes(b.try_into().unwrap_or([0; 4]))) & 0xf_ffff
         });
-        let memory = Memory(rest.iter().copied().cycle().take(1 << 20).collect());
+        let memory = Memory::with(rest);
         let found = firmware::read(&memory, hint);
         if let Some(cpus) = found.cpus {
             assert!(cpus.count <= MAX_VCPUS as usize);
