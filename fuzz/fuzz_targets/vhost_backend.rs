@@ -16,10 +16,10 @@ use std::sync::Arc;
 use libfuzzer_sys::fuzz_target;
 use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
-use pvspin_vhost::backend::{GuestMemory, PvspinBackend, Vring, MAX_QUEUE_SIZE};
+use pvspin_vhost::backend::{BackendMemory, PvspinBackend, Vring, MAX_QUEUE_SIZE};
 use pvspin_vhost::config::{BackendConfig, WorkerPriority, YieldMode};
 use pvspin_vhost::sched::RunState;
-use pvspin_vhost::telemetry::VmTelemetry;
+use pvspin_vhost::telemetry::DaemonVmTelemetry;
 use pvspin_vhost::testing::{Desc, FakeSched, FakeThreads, SplitRing};
 use vhost_user_backend::{VhostUserBackend, VringT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
         ..BackendConfig::default()
     };
     let threads = FakeThreads::new(42, max_vcpus, data[11] & 0x80 != 0);
-    let tel = Arc::new(VmTelemetry::new("fuzz", "/fuzz", max_vcpus));
+    let tel = Arc::new(DaemonVmTelemetry::new("fuzz", "/fuzz", max_vcpus));
     let sched = FakeSched::new(42, max_vcpus);
     let backend = PvspinBackend::with_actions(
         config,
@@ -62,7 +62,7 @@ fuzz_target!(|data: &[u8]| {
     )
     .expect("valid configuration");
     backend.set_peer_pid(Some(42));
-    let mem: GuestMemory = GuestMemoryAtomic::new(
+    let mem: BackendMemory = GuestMemoryAtomic::new(
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
     );
     backend.update_memory(mem.clone()).unwrap();

@@ -27,9 +27,10 @@ fn pvspin_for(path: KickPath, vcpus: usize) -> PvSpin {
         .expect("build")
 }
 
-fn rule(err: &Error) -> &'static str {
+/// The message of a configuration error that names a rule.
+fn rule(err: &Error) -> String {
     match err {
-        Error::Config(ConfigError::Rule(rule)) => rule,
+        Error::Config(config) if config.to_string().starts_with("rule: ") => config.to_string(),
         other => panic!("expected a named rule, got {other}"),
     }
 }

@@ -7,7 +7,7 @@
 use pvspin::KickPath;
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_vmm::config::{BudgetMode, PvMode, WaitMode};
-use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
@@ -148,6 +148,6 @@ fn user_mode_cannot_use_hlt() {
     };
     assert!(matches!(
         run(&config),
-        Err(RunError::Config(ConfigError::UserModeCannotHalt))
+        Err(RunError::Config(RunConfigError::UserModeCannotHalt))
     ));
 }

@@ -6,7 +6,7 @@
 use pvspin::KickPath;
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
@@ -143,7 +143,7 @@ fn pv_configuration_rules() {
     let tas = pv_config(LockKind::Tas, KickPath::InKernel, 2);
     assert!(matches!(
         run(&tas),
-        Err(RunError::Config(ConfigError::NoPvVariant))
+        Err(RunError::Config(RunConfigError::NoPvVariant))
     ));
     let no_pv = RunConfig {
         pv: PvMode::Off,
@@ -151,6 +151,6 @@ fn pv_configuration_rules() {
     };
     assert!(matches!(
         run(&no_pv),
-        Err(RunError::Config(ConfigError::PingPongNeedsPv))
+        Err(RunError::Config(RunConfigError::PingPongNeedsPv))
     ));
 }

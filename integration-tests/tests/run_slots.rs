@@ -7,7 +7,7 @@ use std::time::Duration;
 use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
 use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, ConfigError, RunConfig};
+use pvspin_vmm::{run, RunConfig, RunConfigError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 fn slots_config(vcpus: u32, slots: u32, lock: LockKind, user_mode: bool) -> RunConfig {
@@ -96,23 +96,17 @@ fn slots_need_a_kick_path() {
     };
     // The configuration's own check (what `run` does first once /dev/kvm is open): this
     // test needs no KVM.
-    assert_eq!(config.validate(u32::MAX), Err(ConfigError::SlotsNeedKicks));
-    // The library refuses it too, naming the rule.
+    assert_eq!(
+        config.validate(u32::MAX),
+        Err(RunConfigError::SlotsNeedKicks)
+    );
+    // In the library, slots without a kick path do not compile (`PvSpinBuilder<NoKick>` has
+    // no `run_slots`); a slot count it cannot serve is refused naming the rule.
     #[derive(Debug)]
     struct NoInterrupter;
     impl pvspin::VcpuInterrupter for NoInterrupter {
         fn interrupt(&self, _: usize) {}
     }
-    let err = pvspin::PvSpin::builder()
-        .vcpus(4)
-        .interrupter(std::sync::Arc::new(NoInterrupter))
-        .run_slots(pvspin::SlotConfig::new(2))
-        .build()
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("run slots need a kick path"),
-        "{err}"
-    );
     let err = pvspin::PvSpin::builder()
         .vcpus(4)
         .interrupter(std::sync::Arc::new(NoInterrupter))
@@ -175,4 +169,75 @@ fn slots_lend_the_slot_of_a_vcpu_halted_in_kvm() {
             }
         },
     );
+}
+
+/// A VMM that parks a vCPU thread in a wait of its own (the example parks a user-mode guest's
+/// finished vCPUs) calls `VcpuHooks::before_vmm_park`: the vCPU gives its slot up at once, so
+/// another vCPU gets it without waiting for the parked one's quantum (which would never end:
+/// a parked vCPU never exits again), and the parked vCPU asks for a slot again at its next
+/// `before_run`. One slot, two vCPUs on a real VM; the hooks are called directly.
+#[test]
+fn a_vcpu_the_vmm_parks_gives_its_slot_up() {
+    const TEST: &str = "a_vcpu_the_vmm_parks_gives_its_slot_up";
+    let Some(kvm) = kvm_or_skip(TEST) else {
+        return;
+    };
+    with_watchdog(TEST, Duration::from_secs(60), || {
+        let interrupter = pvspin::SignalInterrupter::new(2).expect("interrupter");
+        let pvspin = std::sync::Arc::new(
+            pvspin::PvSpin::builder()
+                .vcpus(2)
+                .interrupter(interrupter)
+                .kick(pvspin::KickOptions::new(KickPath::Userspace))
+                .run_slots(pvspin::SlotConfig::new(1))
+                .build()
+                .expect("pvspin"),
+        );
+        let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+        pvspin::simple::setup_vm(&pvspin, &kvm, &vm).expect("setup_vm");
+        let supported = kvm
+            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .expect("KVM_GET_SUPPORTED_CPUID");
+        let mut vcpus = Vec::new();
+        let mut hooks = Vec::new();
+        for i in 0..2 {
+            let mut vcpu = vm.create_vcpu(i as u64).expect("KVM_CREATE_VCPU");
+            let mut cpuid = supported.clone();
+            let (h, _) = pvspin::simple::configure_vcpu(&pvspin, i, &mut vcpu, &mut cpuid)
+                .expect("configure_vcpu");
+            vcpus.push(vcpu);
+            hooks.push(h);
+        }
+        let mut hooks1 = hooks.pop().expect("vCPU 1's hooks");
+        let mut hooks0 = hooks.pop().expect("vCPU 0's hooks");
+        // vCPU 0 runs, exits (nobody waits: it keeps its slot), and the VMM parks it.
+        hooks0.before_run();
+        hooks0.after_run_with_cpl(Some(3));
+        hooks0.before_vmm_park();
+        // vCPU 1 gets the slot on another thread; bounded here, released by shutdown if not.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = std::thread::spawn(move || {
+            hooks1.before_run();
+            let _ = tx.send(());
+            hooks1.after_run_with_cpl(Some(3));
+            hooks1.before_vmm_park();
+            hooks1
+        });
+        let got = rx.recv_timeout(Duration::from_secs(10));
+        if got.is_err() {
+            pvspin.shutdown();
+        }
+        let _hooks1 = worker.join().expect("vCPU 1's thread");
+        assert!(
+            got.is_ok(),
+            "vCPU 1 never got the slot the parked vCPU 0 held"
+        );
+        // Both parked now: vCPU 0 gets a slot again at its next before_run, without waiting.
+        hooks0.before_run();
+        let slots = pvspin.telemetry().run_slots.expect("slot telemetry");
+        assert_eq!(slots.grants, 3, "{slots:?}");
+        assert_eq!(slots.waits, 0, "nobody waited: {slots:?}");
+        assert_eq!(slots.preemptions, 0, "nobody was forced out: {slots:?}");
+        drop(vcpus);
+    });
 }

@@ -468,7 +468,10 @@ fn pvspin_confines_its_boost_watchdog_with_the_vmms_filter() {
     };
     let pvspin = match build(program(ThreadKind::BoostWatchdog)) {
         Ok(pvspin) => pvspin,
-        Err(pvspin::ConfigError::Actuator { reason, .. }) if reason.contains("CAP_SYS_NICE") => {
+        Err(pvspin::ConfigError::Actuator { source, .. })
+            if source.to_string().contains("CAP_SYS_NICE") =>
+        {
+            let reason = source.to_string();
             eprintln!("SKIPPED {TEST}: nice boosts are not permitted here: {reason}");
             pvspin_integration_tests::record("cap_sys_nice", TEST, Some(&reason));
             return;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
 use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// The environment variable that turns this binary into `pvspind`: its arguments, separated by
@@ -740,7 +740,7 @@ fn the_vmm_names_the_rule_it_refuses() {
         let mut config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 2, true);
         config.run_slots = Some(1);
         match run(&config) {
-            Err(RunError::Config(ConfigError::VhostUserNeeds)) => {}
+            Err(RunError::Config(RunConfigError::VhostUserNeeds)) => {}
             other => panic!("slots with vhost-user: {other:?}"),
         }
         // No backend listening: the setup error names the socket.

@@ -4,7 +4,7 @@
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_vmm::cli::main_with_args;
 use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, ConfigError, RunConfig, RunError};
+use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// A small, bounded configuration: tests must stay quick on hosts that emulate every guest
@@ -252,7 +252,7 @@ fn invalid_configuration_is_refused_with_the_rule() {
             vcpus: 0,
             ..config(Workload::Hello, 1)
         }),
-        Err(RunError::Config(ConfigError::NoVcpus))
+        Err(RunError::Config(RunConfigError::NoVcpus))
     ));
 }
 
@@ -503,7 +503,7 @@ fn lock_workload_runs_in_guest_user_mode() {
     };
     assert!(matches!(
         run(&hello),
-        Err(RunError::Config(ConfigError::UserModeCannotHalt))
+        Err(RunError::Config(RunConfigError::UserModeCannotHalt))
     ));
 }
 

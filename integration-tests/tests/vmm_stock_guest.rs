@@ -15,7 +15,7 @@ use std::time::Duration;
 use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_required, with_watchdog};
 use pvspin_vmm::config::{GuestKind, PvMode};
-use pvspin_vmm::{run, ConfigError, RunConfig, RunError, RunReport};
+use pvspin_vmm::{run, RunConfig, RunConfigError, RunError, RunReport};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// The longest a whole test may take before its watchdog aborts the process.
@@ -219,14 +219,14 @@ fn stock_guest_refusals_reach_the_caller() {
         };
         assert_eq!(
             refused(stock(KickPath::Userspace, false, 2)),
-            ConfigError::StockGuestNeedsInKernelLapic
+            RunConfigError::StockGuestNeedsInKernelLapic
         );
         assert_eq!(
             refused(RunConfig {
                 lock: LockKind::Ticket,
                 ..stock(KickPath::InKernel, false, 2)
             }),
-            ConfigError::StockGuestNoPvLock
+            RunConfigError::StockGuestNoPvLock
         );
     });
 }

@@ -1,7 +1,7 @@
 //! Plain ticket locks (without and with proportional backoff) vs the PV locks with more threads
 //! than cores (parking stands for halting).
 //!
-//! `cargo bench -p pvspin-guest --features std --bench oversubscribed`
+//! `cargo bench -p pvspin-guest --features test-utils --bench oversubscribed`
 //!
 //! `THREADS` threads each take the lock `ROUNDS` times around a short critical section (or
 //! until `DEADLINE`); one batch is timed from the first worker's start to the last worker's

@@ -1,6 +1,6 @@
 //! Plain ticket lock vs the PV locks on host threads (parking stands for halting).
 //!
-//! `cargo bench -p pvspin-guest --features std --bench pv_locks`
+//! `cargo bench -p pvspin-guest --features test-utils --bench pv_locks`
 //!
 //! `uncontended`: one lock/unlock pair on one thread (the fast-path cost of the PV locks). The
 //! contended comparison is the `oversubscribed` bench (its tail matters, not its median).

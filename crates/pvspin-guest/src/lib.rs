@@ -15,7 +15,7 @@
 //! | [`PvDomain`], [`PvStatic`], [`pv_static!`], [`StaticPv`] | the per-vCPU state of `N` vCPUs, no allocation; PV locks bound to a `static` domain are [`RawSpinLock`]s |
 //! | [`PvDomain::cpu_stats`], [`PvDomain::total_stats`] | counters: slow paths, halts, spurious wake-ups, kicks, unlocks that needed no kick |
 //! | [`x86`] | the x86-64 guest backend: [`x86::HaltPvOps`] (`cli; hlt` only while the value matches) around the guest's [`x86::PvPlatform`] |
-//! | `host` (feature `std`) | `host::HostPvOps`: host threads park on a latch that remembers early kicks and injects spurious wake-ups |
+//! | `host` (feature `test-utils`) | `host::HostPvOps`: host threads park on a latch that remembers early kicks and injects spurious wake-ups |
 //!
 //! An invalid [`SpinConfig`] or `N` in a `static` [`PvDomain`] is a compile-time error.
 //! Nothing here uses floats or `core::fmt` number formatting, so guests built without SSE can
@@ -28,11 +28,11 @@
 #![no_std]
 #![deny(missing_docs)]
 
-#[cfg(any(test, feature = "std"))]
+#[cfg(any(test, feature = "test-utils"))]
 extern crate std;
 
 mod backoff;
-#[cfg(any(test, feature = "std"))]
+#[cfg(any(test, feature = "test-utils"))]
 pub mod host;
 #[cfg(all(test, loom))]
 mod loom_tests;

@@ -28,13 +28,9 @@ fn work(n: u32) -> u32 {
 }
 
 fn pin_to_cpu0() {
-    // SAFETY: all-zero is a valid, empty cpu_set_t.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: CPU 0 is within the set's size.
-    unsafe { libc::CPU_SET(0, &mut set) };
-    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
-    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    assert_eq!(r, 0, "sched_setaffinity");
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(0);
+    rustix::thread::sched_setaffinity(None, &set).expect("sched_setaffinity");
 }
 
 fn cpu_seconds() -> f64 {

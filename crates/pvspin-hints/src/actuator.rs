@@ -55,13 +55,14 @@ pub struct YieldReport {
 }
 
 /// Errors building an actuator.
-#[derive(Debug, Error)]
+#[derive(Debug, Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub enum ActuatorError {
-    /// Unknown name.
-    #[error("rule: actuator name must be one of yield, nice, fifo; got {0:?}")]
+    /// rule: actuator name must be one of yield, nice, fifo; got {0:?}
     UnknownName(String),
+    /// {0}
+    ///
     /// The boost tracker refused (permission, configuration).
-    #[error(transparent)]
     Boost(#[from] BoostError),
 }
 

@@ -56,34 +56,34 @@ pub enum BoostKind {
 }
 
 /// Errors of the boost tracker.
-#[derive(Debug, Error)]
+#[derive(Debug, Error, displaydoc::Display)]
 pub enum BoostError {
-    /// The configuration breaks a rule.
-    #[error("rule: {0}")]
-    Config(&'static str),
-    /// The process may not apply this kind of boost.
-    #[error("rule: {kind} boosts need CAP_SYS_NICE or a matching rlimit; probe failed: {err}")]
+    /// rule: a boost tracker needs at least one vCPU
+    NoVcpus,
+    /// rule: boost deadline must be within 1 us..=100 ms, got {0:?}
+    Deadline(Duration),
+    /// rule: nice boost must be within -20..=19, got {0}
+    NiceRange(i32),
+    /// rule: SCHED_FIFO priority must be within 1..=99, got {0}
+    FifoPriority(i32),
+    /// the boost permission probe thread did not start within 5 s
+    ProbeNotStarted,
+    /// rule: {kind} boosts need CAP_SYS_NICE or a matching rlimit; probe failed: {err}
     NotPermitted {
         /// "nice" or "fifo".
         kind: &'static str,
         /// What the probe got.
         err: io::Error,
     },
-    /// A vCPU index out of range.
-    #[error("vCPU {0} is out of range")]
+    /// vCPU {0} is out of range
     NoSuchVcpu(usize),
-    /// A thread id that cannot name a thread (0 = not registered yet).
-    #[error("vCPU {0} has no thread id")]
+    /// vCPU {0} has no thread id
     NoThread(usize),
-    /// A scheduling call failed (the thread is left as it was).
-    #[error("scheduling call failed: {0}")]
+    /// scheduling call failed: {0}
     Sched(#[from] io::Error),
-    /// The watchdog thread could not be started.
-    #[error("cannot start the boost watchdog: {0}")]
+    /// cannot start the boost watchdog: {0}
     Watchdog(io::Error),
-    /// A helper thread's [`ThreadStartHook`] failed; the thread stopped before doing anything
-    /// else.
-    #[error("the start hook of helper thread {thread} failed: {err}")]
+    /// the start hook of helper thread {thread} failed: {err}
     ThreadStart {
         /// The thread's name.
         thread: &'static str,
@@ -304,23 +304,15 @@ impl BoostTracker {
         start: Option<ThreadStartHook>,
     ) -> Result<BoostTracker, BoostError> {
         if n == 0 {
-            return Err(BoostError::Config(
-                "a boost tracker needs at least one vCPU",
-            ));
+            return Err(BoostError::NoVcpus);
         }
         if deadline < Duration::from_micros(1) || deadline > MAX_DEADLINE {
-            return Err(BoostError::Config(
-                "boost deadline must be within 1 us..=100 ms",
-            ));
+            return Err(BoostError::Deadline(deadline));
         }
         match kind {
-            BoostKind::Nice(n) if !(-20..=19).contains(&n) => {
-                return Err(BoostError::Config("nice boost must be within -20..=19"))
-            }
+            BoostKind::Nice(n) if !(-20..=19).contains(&n) => return Err(BoostError::NiceRange(n)),
             BoostKind::Fifo(p) if !(1..=99).contains(&p) => {
-                return Err(BoostError::Config(
-                    "SCHED_FIFO priority must be within 1..=99",
-                ))
+                return Err(BoostError::FifoPriority(p))
             }
             _ => {}
         }
@@ -475,7 +467,7 @@ pub fn probe(kind: BoostKind) -> Result<(), BoostError> {
         .map_err(BoostError::Watchdog)?;
     let result = match tid_rx.recv_timeout(Duration::from_secs(5)) {
         Ok(tid) => probe_on(kind, tid),
-        Err(_) => Err(BoostError::Config("probe thread did not start")),
+        Err(_) => Err(BoostError::ProbeNotStarted),
     };
     let _ = tx.send(());
     let _ = t.join();

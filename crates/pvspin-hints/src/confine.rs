@@ -47,6 +47,17 @@ pub enum Verdict {
     },
 }
 
+/// The reason for `NotConfined`; a short description otherwise.
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Verdict::Confined { cgroup } => write!(f, "confined to {}", cgroup.display()),
+            Verdict::Unconfined => f.write_str("unconfined boosts accepted"),
+            Verdict::NotConfined { reason } => f.write_str(reason),
+        }
+    }
+}
+
 impl Verdict {
     /// Whether nice boosts may be used.
     pub fn allows_nice(&self) -> bool {

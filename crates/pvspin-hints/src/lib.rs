@@ -56,8 +56,10 @@ pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHoo
 #[cfg(not(loom))]
 pub use budgets::{PageBudgets, TscBudgets};
 pub use confine::{Confinement, Verdict};
+#[cfg(all(not(loom), any(test, feature = "test-utils")))]
+pub use page::BufferPageMap;
 #[cfg(not(loom))]
-pub use page::{BufferPageMap, GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
+pub use page::{GuestHints, GuestPageMap, HintPage, HintPages, RegisterError};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

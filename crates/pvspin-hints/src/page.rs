@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use pvspin_abi::doorbell::SHARED_PAGE_SIZE;
@@ -26,6 +26,22 @@ pub unsafe trait GuestPageMap: Send + Sync + fmt::Debug {
     /// The host address of the page at guest physical address `gpa` (page-aligned), or `None`
     /// when it is not guest RAM mapped contiguously in this process.
     fn host_page(&self, gpa: u64) -> Option<NonNull<u8>>;
+
+    /// The byte at `gpa`, read atomically (the guest may write it meanwhile), or `None` when its
+    /// page is not guest RAM mapped here. pvspin reads KVM's steal-time `preempted` bytes this
+    /// way, so one map serves every guest-memory access pvspin makes.
+    fn read_u8(&self, gpa: u64) -> Option<u8> {
+        let page = self.host_page(gpa - gpa % SHARED_PAGE_SIZE)?;
+        // `gpa % SHARED_PAGE_SIZE` is below the page size, a usize.
+        let offset = (gpa % SHARED_PAGE_SIZE) as usize;
+        // SAFETY: `host_page`'s contract: the page is SHARED_PAGE_SIZE bytes of mapped guest
+        // RAM, and `offset` lies inside it.
+        let ptr = unsafe { page.as_ptr().add(offset) };
+        // SAFETY: `ptr` is a byte of that page, live while `self` is; pvspin accesses guest
+        // RAM only atomically.
+        let byte = unsafe { AtomicU8::from_ptr(ptr) };
+        Some(byte.load(Ordering::Relaxed))
+    }
 }
 
 /// What the guest last wrote in its line of a hint page (untrusted hints).
@@ -134,16 +150,13 @@ impl HintPage {
 }
 
 /// Why a registration was refused (guest input: counted and ignored by the caller).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
 pub enum RegisterError {
-    /// The page frame is not guest RAM (or not mapped contiguously).
-    #[error("hint page at GPA {0:#x} is not guest RAM")]
+    /// hint page at GPA {0:#x} is not guest RAM
     NotRam(u64),
-    /// No vCPU with this index.
-    #[error("no vCPU {0}")]
+    /// no vCPU {0}
     NoSuchVcpu(usize),
-    /// The map returned a pointer that is not 8-byte aligned (a VMM bug).
-    #[error("hint page at GPA {0:#x} maps to a misaligned host address")]
+    /// hint page at GPA {0:#x} maps to a misaligned host address
     Misaligned(u64),
 }
 
@@ -245,12 +258,14 @@ unsafe impl<B: vm_memory::bitmap::Bitmap + Send + Sync + fmt::Debug> GuestPageMa
 }
 
 /// A [`GuestPageMap`] over one host buffer standing in for guest RAM at GPA 0 (tests, fuzzing,
-/// simulators).
+/// simulators; feature `test-utils`).
+#[cfg(any(test, feature = "test-utils"))]
 #[derive(Debug)]
 pub struct BufferPageMap {
     buf: Box<[AtomicU64]>,
 }
 
+#[cfg(any(test, feature = "test-utils"))]
 impl BufferPageMap {
     /// The 8-byte word at `gpa` (rounded down to 8), as the guest would access it.
     ///
@@ -272,6 +287,7 @@ impl BufferPageMap {
 
 // SAFETY: pages are inside `buf` (checked below), which is 8-byte aligned, lives as long as the
 // map and is only accessed through atomics.
+#[cfg(any(test, feature = "test-utils"))]
 unsafe impl GuestPageMap for BufferPageMap {
     fn host_page(&self, gpa: u64) -> Option<NonNull<u8>> {
         let page = SHARED_PAGE_SIZE as usize;
@@ -343,6 +359,18 @@ mod tests {
         );
         assert_eq!(page.take_last_wait(), Some(5_000));
         assert_eq!(page.take_last_wait(), None);
+    }
+
+    #[test]
+    fn bytes_read_through_the_page_map() {
+        use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+        let mem: GuestMemoryMmap<()> =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x2000)]).unwrap();
+        mem.write_obj(0xa5u8, GuestAddress(0x1ff3)).unwrap();
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x1ff3), Some(0xa5));
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x1ff4), Some(0));
+        assert_eq!(GuestPageMap::read_u8(&mem, 0x2000), None);
+        assert_eq!(GuestPageMap::read_u8(&mem, u64::MAX), None);
     }
 
     #[test]

@@ -1,42 +1,37 @@
 //! Thin, checked wrappers over the Linux scheduling calls the actuators use, on thread ids.
+//!
+//! Nice values and yields go through rustix. `sched_{get,set}scheduler`, `sched_getparam` and
+//! `getrusage(RUSAGE_THREAD)` have no rustix or nix wrapper, so they stay `libc` calls; each
+//! reports failure by its return value and reads `errno` only then.
 
 use std::io;
 
 /// The calling thread's kernel thread id.
 pub fn current_tid() -> i32 {
-    // SAFETY: gettid has no preconditions and cannot fail.
-    unsafe { libc::gettid() }
+    rustix::thread::gettid().as_raw_nonzero().get()
+}
+
+/// The thread `tid` names for the `*priority_process` calls: `None` (the caller) for 0, and
+/// `ESRCH` for a negative id, which names no thread.
+fn priority_target(tid: i32) -> io::Result<Option<rustix::process::Pid>> {
+    if tid < 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    Ok(rustix::process::Pid::from_raw(tid))
 }
 
 /// A thread's nice value (`getpriority(PRIO_PROCESS, tid)`; on Linux a tid names one thread).
+/// rustix returns the kernel's unambiguous answer, so no errno juggling for a nice of -1.
 pub fn get_nice(tid: i32) -> io::Result<i32> {
-    let who = libc::id_t::try_from(tid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
-    // getpriority returns -1 both as a valid nice and on error: errno tells them apart.
-    // SAFETY: __errno_location has no preconditions; it returns this thread's errno slot.
-    let errno = unsafe { libc::__errno_location() };
-    // SAFETY: the slot is valid and only this thread touches it, for the thread's life.
-    unsafe { *errno = 0 };
-    // SAFETY: plain syscall wrapper with integer arguments.
-    let r = unsafe { libc::getpriority(libc::PRIO_PROCESS, who) };
-    if r == -1 {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error().unwrap_or(0) != 0 {
-            return Err(e);
-        }
-    }
-    Ok(r)
+    Ok(rustix::process::getpriority_process(priority_target(tid)?)?)
 }
 
 /// Sets a thread's nice value.
 pub fn set_nice(tid: i32, nice: i32) -> io::Result<()> {
-    let who = libc::id_t::try_from(tid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
-    // SAFETY: plain syscall wrapper with integer arguments.
-    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, who, nice) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    Ok(rustix::process::setpriority_process(
+        priority_target(tid)?,
+        nice,
+    )?)
 }
 
 /// A thread's scheduling policy and static priority.
@@ -97,8 +92,7 @@ pub fn thread_context_switches() -> u64 {
 /// context-switch count moved): the "scheduled out" signal for the spin window.
 pub fn yield_now() -> bool {
     let before = thread_context_switches();
-    // SAFETY: sched_yield has no preconditions.
-    unsafe { libc::sched_yield() };
+    rustix::thread::sched_yield();
     thread_context_switches() != before
 }
 

@@ -55,51 +55,46 @@ pub trait RemrdSink: Send + Sync {
     fn signal_remrd(&self, apic_id: u32) -> Result<bool, SinkError>;
 }
 
+/// sending a REMRD MSI to APIC ID {apic_id} failed: {source}
+///
 /// A failed [`RemrdSink::signal_remrd`].
-#[derive(Debug, thiserror::Error)]
-#[error("sending a REMRD MSI to APIC ID {apic_id} failed: {reason}")]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub struct SinkError {
     /// The APIC ID the MSI was for.
     pub apic_id: u32,
-    /// What went wrong.
-    pub reason: String,
+    /// What went wrong: KVM's error, or the MSI the APIC ID cannot be addressed by.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
 }
 
 /// Errors of the kick device's configuration and calls.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum KickError {
-    /// Rule: a VM has at least one vCPU.
-    #[error("invalid kick configuration: nr_vcpus must be at least 1 (got 0)")]
+    /// invalid kick configuration: nr_vcpus must be at least 1 (got 0)
     NoVcpus,
-    /// Rule: the doorbell range must fit in the 16-bit port space.
-    #[error("invalid kick configuration: doorbell ports {port:#x}..+{count} run past port 0xffff")]
+    /// invalid kick configuration: doorbell ports {port:#x}..+{count} run past port 0xffff
     PortRange {
         /// The first port asked for.
         port: u16,
         /// The range length.
         count: u16,
     },
-    /// Rule: only the commands SPIN, SHARED_PAGE and WAIT can be enabled on top of KICK.
-    #[error(
-        "invalid kick configuration: extra_commands {0:#x} has bits other than \
-         FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEATURE_WAIT"
-    )]
+    /// invalid kick configuration: extra_commands {0:#x} has bits other than FEATURE_SPIN_NOTIFY |
+    /// FEATURE_SHARED_PAGE | FEATURE_WAIT
     UnknownCommands(u32),
-    /// Rule: at most [`MAX_VCPUS`] vCPUs, the ABI's limit on every path: the kick index is
-    /// the vCPU's initial (8-bit) APIC ID, and the MSI paths' REMRD MSI addresses an xAPIC ID,
-    /// where 0xFF is broadcast.
-    #[error("invalid kick configuration: nr_vcpus must be at most {MAX_VCPUS} (got {0}): pvspin_abi::MAX_VCPUS, a kick index is the vCPU's 8-bit initial APIC ID and a REMRD MSI cannot address 0xFF (the xAPIC broadcast ID) alone; x2APIC IDs are not supported")]
+    /// invalid kick configuration: nr_vcpus must be at most 255 (got {0}):
+    /// pvspin_abi::MAX_VCPUS, a kick index is the vCPU's 8-bit initial APIC ID and a REMRD MSI
+    /// cannot address 0xFF (the xAPIC broadcast ID) alone; x2APIC IDs are not supported
     TooManyVcpus(u32),
-    /// A VMM call named a vCPU the device does not know (a VMM bug, not guest input).
-    #[error("vCPU {vcpu} does not exist (the device has {nr_vcpus})")]
+    /// vCPU {vcpu} does not exist (the device has {nr_vcpus})
     NoSuchVcpu {
         /// The index given.
         vcpu: u32,
         /// The number of vCPUs.
         nr_vcpus: u32,
     },
-    /// [`KickDevice::handle_hlt`] on a path where HLT does not exit to userspace.
-    #[error("handle_hlt is only for the userspace kick path (this device uses {0:?})")]
+    /// handle_hlt is only for the userspace kick path (this device uses {0:?})
     NotUserspacePath(KickPath),
 }
 
@@ -108,6 +103,8 @@ pub const EXTRA_COMMANDS: u32 = FEATURE_SPIN_NOTIFY | FEATURE_SHARED_PAGE | FEAT
 
 /// The most vCPUs a device accepts: the ABI's [`pvspin_abi::MAX_VCPUS`] (255), on every path.
 pub const MAX_VCPUS: u32 = pvspin_abi::MAX_VCPUS;
+// `KickError::TooManyVcpus`'s message names the limit.
+const _: () = assert!(MAX_VCPUS == 255);
 
 /// Configuration of a [`KickDevice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -702,7 +699,7 @@ mod tests {
             self.sent.lock().unwrap().push(apic_id);
             self.answer.ok_or(SinkError {
                 apic_id,
-                reason: "fake failure".into(),
+                source: "fake failure".into(),
             })
         }
     }

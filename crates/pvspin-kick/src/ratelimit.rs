@@ -39,12 +39,14 @@ impl Clock for MonotonicClock {
     }
 }
 
-/// A clock the caller moves by hand (tests, fuzzing).
+/// A clock the caller moves by hand (tests, fuzzing; feature `test-utils`).
+#[cfg(any(test, feature = "test-utils"))]
 #[derive(Debug, Default)]
 pub struct ManualClock {
     now: AtomicU64,
 }
 
+#[cfg(any(test, feature = "test-utils"))]
 impl ManualClock {
     /// A clock at `ns`.
     pub fn new(ns: u64) -> Self {
@@ -59,6 +61,7 @@ impl ManualClock {
     }
 }
 
+#[cfg(any(test, feature = "test-utils"))]
 impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.now.load(Ordering::Relaxed)

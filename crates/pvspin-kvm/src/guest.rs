@@ -101,27 +101,26 @@ impl GuestKernel {
 }
 
 /// Why [`GuestKernel::from_release`] refused a release string. Each message starts with `rule:`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
 pub enum ReleaseError {
-    /// Nothing to read (an empty string, or only `v`).
-    #[error("rule: a kernel release is MAJOR.MINOR[.PATCH] with an optional suffix (e.g. 6.6.117, 6.18-rc1, 6.1.0-18-amd64); got an empty string")]
+    /// rule: a kernel release is MAJOR.MINOR[.PATCH] with an optional suffix (e.g. 6.6.117,
+    /// 6.18-rc1, 6.1.0-18-amd64); got an empty string
     Empty,
-    /// The release does not start with two decimal numbers separated by a dot.
-    #[error("rule: a kernel release starts with MAJOR.MINOR, two decimal numbers (e.g. 6.6.117); {release:?} does not")]
+    /// rule: a kernel release starts with MAJOR.MINOR, two decimal numbers (e.g. 6.6.117);
+    /// {release:?} does not
     NoMajorMinor {
         /// The release as given.
         release: String,
     },
-    /// One of the numbers does not fit in 32 bits.
-    #[error("rule: each number of a kernel release fits in 32 bits; {release:?} has {number:?}")]
+    /// rule: each number of a kernel release fits in 32 bits; {release:?} has {number:?}
     NumberTooLarge {
         /// The release as given.
         release: String,
         /// The number that does not fit.
         number: String,
     },
-    /// Something other than `-` or `+` follows the numbers.
-    #[error("rule: what follows MAJOR.MINOR[.PATCH] in a kernel release starts with '-' or '+' (e.g. -rc1, -amd64, +); {release:?} has {suffix:?}")]
+    /// rule: what follows MAJOR.MINOR[.PATCH] in a kernel release starts with '-' or '+' (e.g.
+    /// -rc1, -amd64, +); {release:?} has {suffix:?}
     BadSuffix {
         /// The release as given.
         release: String,
@@ -247,15 +246,20 @@ impl fmt::Display for GuestKernel {
     }
 }
 
+/// unknown guest kernel {0:?} (expected unknown, legacy or modern)
+///
+/// A name [`GuestKernel`]'s `FromStr` does not know; it holds the name given.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
+pub struct UnknownGuestKernel(pub String);
+
 impl std::str::FromStr for GuestKernel {
-    type Err = String;
+    type Err = UnknownGuestKernel;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         GuestKernel::ALL
             .into_iter()
             .find(|g| g.name() == s)
-            .ok_or_else(|| {
-                format!("unknown guest kernel {s:?} (expected unknown, legacy or modern)")
-            })
+            .ok_or_else(|| UnknownGuestKernel(s.to_owned()))
     }
 }
 

@@ -38,16 +38,14 @@ pub const FIRST_FREE_GSI: u32 = 24;
 pub const IOAPIC_PINS: u32 = 24;
 
 /// Errors from the irqchip and kick-route setup.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum IrqchipError {
-    /// Rule: an MSI addresses APIC IDs 0..=254 alone (0xFF is the xAPIC broadcast ID).
-    #[error("APIC ID {0} cannot be addressed alone by an xAPIC MSI (the rule: at most 254; 0xFF is the broadcast ID)")]
+    /// APIC ID {0} cannot be addressed alone by an xAPIC MSI (the rule: at most 254; 0xFF is the
+    /// broadcast ID)
     ApicIdTooLarge(u32),
-    /// Rule: kick GSIs must not overlap the IOAPIC pins 0..24.
-    #[error("kick GSI base {0} overlaps the IOAPIC pins (the rule: gsi_base >= 24)")]
+    /// kick GSI base {0} overlaps the IOAPIC pins (the rule: gsi_base >= 24)
     GsiOverlap(u32),
-    /// A KVM ioctl failed.
-    #[error("{op} failed: {source}")]
+    /// {op} failed: {source}
     Kvm {
         /// The ioctl.
         op: &'static str,
@@ -55,25 +53,17 @@ pub enum IrqchipError {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// Creating an eventfd failed.
-    #[error("creating an eventfd failed: {0}")]
+    /// creating an eventfd failed: {0}
     EventFd(#[source] std::io::Error),
-    /// Building the routing table failed (too many entries).
-    #[error("building the GSI routing table failed: {0:?}")]
+    /// building the GSI routing table failed: {0:?}
     Routing(vmm_sys_util::fam::Error),
-    /// Rule: the in-kernel irqchip is created before the first vCPU (KVM answers EINVAL after).
-    #[error(
-        "KVM_CREATE_IRQCHIP refused with EINVAL: the rule is that the in-kernel irqchip is \
-         created before the first KVM_CREATE_VCPU (pvspin::simple::setup_vm creates it, so it \
-         runs before the vCPUs too)"
-    )]
+    /// KVM_CREATE_IRQCHIP refused with EINVAL: the rule is that the in-kernel irqchip is created
+    /// before the first KVM_CREATE_VCPU (pvspin::simple::setup_vm creates it, so it runs before the
+    /// vCPUs too)
     AfterVcpus,
-    /// Rule: one irqchip per VM (KVM answers EEXIST to a second one).
-    #[error(
-        "KVM_CREATE_IRQCHIP refused with EEXIST: the VM already has an irqchip; a VMM that \
-         makes its own calls PvSpin::configure_vm and wires the kicks itself instead of \
-         pvspin::simple::setup_vm, which creates one"
-    )]
+    /// KVM_CREATE_IRQCHIP refused with EEXIST: the VM already has an irqchip; a VMM that makes its
+    /// own calls PvSpin::configure_vm and wires the kicks itself instead of
+    /// pvspin::simple::setup_vm, which creates one
     Exists,
 }
 

@@ -189,78 +189,39 @@ impl std::str::FromStr for Placement {
     }
 }
 
-/// A set of `KVM_FEATURE_*` bits (EAX of CPUID `0x40000001`).
+/// A set of `KVM_FEATURE_*` bits (EAX of CPUID `0x40000001`). The set operations
+/// (`contains`, `union`, `difference`, `|`, ...) are bitflags'; bits outside the six named ones
+/// are kept (`from_bits_retain`), since other bits of the leaf pass through untouched.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
 pub struct PvFeatures(pub u32);
 
+bitflags::bitflags! {
+    impl PvFeatures: u32 {
+        /// `KVM_FEATURE_STEAL_TIME` (bit 5).
+        const STEAL_TIME = 1 << 5;
+        /// `KVM_FEATURE_PV_UNHALT` (bit 7): the guest enables PV spinlocks only with it.
+        const PV_UNHALT = 1 << 7;
+        /// `KVM_FEATURE_PV_TLB_FLUSH` (bit 9).
+        const PV_TLB_FLUSH = 1 << 9;
+        /// `KVM_FEATURE_PV_SEND_IPI` (bit 11).
+        const PV_SEND_IPI = 1 << 11;
+        /// `KVM_FEATURE_POLL_CONTROL` (bit 12).
+        const POLL_CONTROL = 1 << 12;
+        /// `KVM_FEATURE_PV_SCHED_YIELD` (bit 13).
+        const PV_SCHED_YIELD = 1 << 13;
+    }
+}
+
 impl PvFeatures {
-    /// `KVM_FEATURE_STEAL_TIME` (bit 5).
-    pub const STEAL_TIME: PvFeatures = PvFeatures(1 << 5);
-    /// `KVM_FEATURE_PV_UNHALT` (bit 7): the guest enables PV spinlocks only with it.
-    pub const PV_UNHALT: PvFeatures = PvFeatures(1 << 7);
-    /// `KVM_FEATURE_PV_TLB_FLUSH` (bit 9).
-    pub const PV_TLB_FLUSH: PvFeatures = PvFeatures(1 << 9);
-    /// `KVM_FEATURE_PV_SEND_IPI` (bit 11).
-    pub const PV_SEND_IPI: PvFeatures = PvFeatures(1 << 11);
-    /// `KVM_FEATURE_POLL_CONTROL` (bit 12).
-    pub const POLL_CONTROL: PvFeatures = PvFeatures(1 << 12);
-    /// `KVM_FEATURE_PV_SCHED_YIELD` (bit 13).
-    pub const PV_SCHED_YIELD: PvFeatures = PvFeatures(1 << 13);
     /// The six bits this plan manages; other bits of the leaf pass through untouched.
-    pub const MANAGED: PvFeatures = PvFeatures(
-        Self::STEAL_TIME.0
-            | Self::PV_UNHALT.0
-            | Self::PV_TLB_FLUSH.0
-            | Self::PV_SEND_IPI.0
-            | Self::POLL_CONTROL.0
-            | Self::PV_SCHED_YIELD.0,
-    );
+    pub const MANAGED: PvFeatures = PvFeatures::all();
     /// No bits.
-    pub const NONE: PvFeatures = PvFeatures(0);
+    pub const NONE: PvFeatures = PvFeatures::empty();
 
-    const NAMES: [(PvFeatures, &'static str); 6] = [
-        (Self::STEAL_TIME, "STEAL_TIME"),
-        (Self::PV_UNHALT, "PV_UNHALT"),
-        (Self::PV_TLB_FLUSH, "PV_TLB_FLUSH"),
-        (Self::PV_SEND_IPI, "PV_SEND_IPI"),
-        (Self::POLL_CONTROL, "POLL_CONTROL"),
-        (Self::PV_SCHED_YIELD, "PV_SCHED_YIELD"),
-    ];
-
-    /// Whether every bit of `other` is set in `self`.
-    pub fn contains(self, other: PvFeatures) -> bool {
-        self.0 & other.0 == other.0
-    }
-    /// Whether any bit of `other` is set in `self`.
-    pub fn intersects(self, other: PvFeatures) -> bool {
-        self.0 & other.0 != 0
-    }
-    /// `self | other`.
-    pub fn union(self, other: PvFeatures) -> PvFeatures {
-        PvFeatures(self.0 | other.0)
-    }
-    /// `self & other`.
-    pub fn intersection(self, other: PvFeatures) -> PvFeatures {
-        PvFeatures(self.0 & other.0)
-    }
-    /// `self & !other`.
-    pub fn difference(self, other: PvFeatures) -> PvFeatures {
-        PvFeatures(self.0 & !other.0)
-    }
-    /// Whether no bit is set.
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
-    }
     /// The names of the managed bits set, in bit order.
     pub fn names(self) -> Vec<&'static str> {
-        let mut v: Vec<(u32, &'static str)> = Self::NAMES
-            .iter()
-            .filter(|(f, _)| self.contains(*f))
-            .map(|(f, n)| (f.0, *n))
-            .collect();
-        v.sort_unstable();
-        v.into_iter().map(|(_, n)| n).collect()
+        self.iter_names().map(|(name, _)| name).collect()
     }
 }
 
@@ -275,47 +236,33 @@ impl fmt::Display for PvFeatures {
     }
 }
 
-/// A set of `KVM_X86_DISABLE_EXITS_*` flags.
+/// A set of `KVM_X86_DISABLE_EXITS_*` flags (bitflags' set operations; unknown bits kept).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
 pub struct ExitFlags(pub u32);
 
-impl ExitFlags {
-    /// `KVM_X86_DISABLE_EXITS_MWAIT`.
-    pub const MWAIT: ExitFlags = ExitFlags(KVM_X86_DISABLE_EXITS_MWAIT);
-    /// `KVM_X86_DISABLE_EXITS_HLT`.
-    pub const HLT: ExitFlags = ExitFlags(KVM_X86_DISABLE_EXITS_HLT);
-    /// `KVM_X86_DISABLE_EXITS_PAUSE`.
-    pub const PAUSE: ExitFlags = ExitFlags(KVM_X86_DISABLE_EXITS_PAUSE);
-    /// `KVM_X86_DISABLE_EXITS_CSTATE`.
-    pub const CSTATE: ExitFlags = ExitFlags(KVM_X86_DISABLE_EXITS_CSTATE);
-    /// No flags: every exit stays enabled.
-    pub const NONE: ExitFlags = ExitFlags(0);
+bitflags::bitflags! {
+    impl ExitFlags: u32 {
+        /// `KVM_X86_DISABLE_EXITS_MWAIT`.
+        const MWAIT = KVM_X86_DISABLE_EXITS_MWAIT;
+        /// `KVM_X86_DISABLE_EXITS_HLT`.
+        const HLT = KVM_X86_DISABLE_EXITS_HLT;
+        /// `KVM_X86_DISABLE_EXITS_PAUSE`.
+        const PAUSE = KVM_X86_DISABLE_EXITS_PAUSE;
+        /// `KVM_X86_DISABLE_EXITS_CSTATE`.
+        const CSTATE = KVM_X86_DISABLE_EXITS_CSTATE;
+    }
+}
 
-    /// Whether every flag of `other` is set in `self`.
-    pub fn contains(self, other: ExitFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-    /// Whether no flag is set.
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
-    }
+impl ExitFlags {
+    /// No flags: every exit stays enabled.
+    pub const NONE: ExitFlags = ExitFlags::empty();
 }
 
 impl fmt::Display for ExitFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut names = Vec::new();
-        for (flag, name) in [
-            (Self::MWAIT, "MWAIT"),
-            (Self::HLT, "HLT"),
-            (Self::PAUSE, "PAUSE"),
-            (Self::CSTATE, "CSTATE"),
-        ] {
-            if self.contains(flag) {
-                names.push(name);
-            }
-        }
-        let unknown = self.0 & !0xf;
+        let names: Vec<&str> = self.iter_names().map(|(name, _)| name).collect();
+        let unknown = self.0 & !Self::all().0;
         if unknown != 0 {
             return write!(f, "{}{:#x}", names.join("|") + "|", unknown);
         }
@@ -546,16 +493,15 @@ pub struct Plan {
 }
 
 /// Errors of planning and of applying a plan; invalid configurations name the rule broken.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub enum PlanError {
-    /// Not one of `dedicated`, `shared`, `overcommitted`.
-    #[error("unknown placement {0:?} (expected dedicated, shared or overcommitted)")]
+    /// unknown placement {0:?} (expected dedicated, shared or overcommitted)
     UnknownPlacement(String),
-    /// `vcpus == 0`.
-    #[error("rule: a VM needs at least one vCPU")]
+    /// rule: a VM needs at least one vCPU
     NoVcpus,
-    /// The placement does not fit the vCPU and host CPU counts.
-    #[error("rule: {placement} placement needs at most one vCPU per host CPU ({vcpus} vCPUs, {host_cpus} host CPUs); use overcommitted")]
+    /// rule: {placement} placement needs at most one vCPU per host CPU ({vcpus} vCPUs, {host_cpus}
+    /// host CPUs); use overcommitted
     PlacementDoesNotFit {
         /// The placement.
         placement: Placement,
@@ -564,118 +510,104 @@ pub enum PlanError {
         /// Host CPUs.
         host_cpus: u32,
     },
-    /// A feature bit outside the managed set was requested.
-    #[error(
-        "rule: only the managed PV feature bits may be requested ({managed}); got {requested:#x}"
-    )]
+    /// rule: only the managed PV feature bits may be requested ({managed}); got {requested:#x}
     UnmanagedFeature {
         /// The bits requested.
         requested: u32,
         /// The managed set.
         managed: PvFeatures,
     },
-    /// `PV_UNHALT` with HLT exits disabled.
-    #[error("rule: PV_UNHALT must not be advertised with HLT exits disabled (a HLT that never exits cannot be woken by a kick; KVM api.rst 7.13)")]
+    /// rule: PV_UNHALT must not be advertised with HLT exits disabled (a HLT that never exits
+    /// cannot be woken by a kick; KVM api.rst 7.13)
     PvUnhaltWithHltExitsDisabled,
-    /// `PV_UNHALT` without an in-kernel LAPIC.
-    #[error("rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)")]
+    /// rule: PV_UNHALT needs an in-kernel LAPIC (KVM_CREATE_IRQCHIP or a split irqchip): KVM
+    /// delivers KVM_HC_KICK_CPU to the in-kernel LAPIC only, and the guest's kvm_wait halts with
+    /// interrupts off, so a lost kick hangs it (QEMU strips PV_UNHALT without one too)
     PvUnhaltNeedsInKernelLapic,
-    /// `REALTIME` without `PV_UNHALT` for guests that may be legacy.
-    #[error("rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from 5.9 (the kvm_spinlock_init reorder) up to commit 960550503965 (guest kernel {guest_kernel}) the unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel LAPIC{why}) or declare GuestKernel::Modern")]
+    /// rule: KVM_HINTS_REALTIME without PV_UNHALT gives Linux guests from 5.9 (the
+    /// kvm_spinlock_init reorder) up to commit 960550503965 (guest kernel {guest_kernel}) the
+    /// unfair test-and-set lock: kvm_spinlock_init returns on the missing PV_UNHALT before it
+    /// honours REALTIME; advertise PV_UNHALT (it needs HLT exits enabled and an in-kernel
+    /// LAPIC{why}) or declare GuestKernel::Modern
     RealtimeWithoutPvUnhalt {
         /// The declared guest family.
         guest_kernel: GuestKernel,
-        /// Why `PV_UNHALT` is missing, if known (starts with "; ").
-        why: String,
+        /// Why `PV_UNHALT` is missing, if known.
+        why: PvUnhaltMissing,
     },
-    /// `REALTIME` without dedicated placement.
-    #[error("rule: KVM_HINTS_REALTIME requires dedicated placement (it promises vCPUs are never preempted for long); placement is {placement}")]
+    /// rule: KVM_HINTS_REALTIME requires dedicated placement (it promises vCPUs are never preempted
+    /// for long); placement is {placement}
     RealtimeRequiresDedicated {
         /// The placement.
         placement: Placement,
     },
-    /// Exits disabled without dedicated placement.
-    #[error("rule: disabling {flags} exits requires dedicated placement (the vCPU would keep its host CPU while idle or spinning); placement is {placement}")]
+    /// rule: disabling {flags} exits requires dedicated placement (the vCPU would keep its host CPU
+    /// while idle or spinning); placement is {placement}
     ExitsRequireDedicated {
         /// The flags.
         flags: ExitFlags,
         /// The placement.
         placement: Placement,
     },
-    /// `PV_TLB_FLUSH`/`PV_SCHED_YIELD` without `STEAL_TIME`.
-    #[error("rule: {feature} requires STEAL_TIME (the guest uses it only with steal time)")]
+    /// rule: {feature} requires STEAL_TIME (the guest uses it only with steal time)
     NeedsStealTime {
         /// The feature that needs steal time.
-        feature: &'static str,
+        feature: PvFeatures,
     },
-    /// A feature bit the host does not support.
-    #[error("rule: host does not support PV feature(s) {missing} (supported 0x40000001.eax = {supported:#x})")]
+    /// rule: host does not support PV feature(s) {missing} (supported 0x40000001.eax =
+    /// {supported:#x})
     FeatureUnsupported {
         /// The unsupported bits.
         missing: PvFeatures,
         /// The host's supported EAX.
         supported: u32,
     },
-    /// Exit flags the host does not support.
-    #[error(
-        "rule: host cannot disable exits {requested} (KVM_CAP_X86_DISABLE_EXITS = {supported})"
-    )]
+    /// rule: host cannot disable exits {requested} (KVM_CAP_X86_DISABLE_EXITS = {supported})
     ExitFlagsUnsupported {
         /// The requested flags.
         requested: ExitFlags,
         /// The host's mask.
         supported: ExitFlags,
     },
-    /// `KVM_CAP_HALT_POLL` is missing.
-    #[error("rule: host does not support a per-VM halt-poll limit (no KVM_CAP_HALT_POLL)")]
+    /// rule: host does not support a per-VM halt-poll limit (no KVM_CAP_HALT_POLL)
     HaltPollUnsupported,
-    /// `KVM_CAP_ENFORCE_PV_FEATURE_CPUID` is missing.
-    #[error("rule: host does not support KVM_CAP_ENFORCE_PV_FEATURE_CPUID")]
+    /// rule: host does not support KVM_CAP_ENFORCE_PV_FEATURE_CPUID
     EnforceUnsupported,
-    /// A quirk (pvspin's or the VMM's) cannot be disabled.
-    #[error(
-        "rule: host cannot disable quirk(s) {quirks:#x} (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})"
-    )]
+    /// rule: host cannot disable quirk(s) {quirks:#x} (KVM_CAP_DISABLE_QUIRKS2 = {supported:#x})
     QuirkUnsupported {
         /// The quirks that cannot be disabled.
         quirks: u64,
         /// The host's mask.
         supported: u64,
     },
-    /// Exit flags after vCPUs exist.
-    #[error(
-        "rule: KVM_CAP_X86_DISABLE_EXITS must be enabled before any vCPU is created ({})",
-        vcpus_exist_note(*.vcpus_created)
-    )]
+    /// rule: KVM_CAP_X86_DISABLE_EXITS must be enabled before any vCPU is created ({vcpus_created}
+    /// exist)
     ExitsAfterVcpus {
-        /// How many vCPUs the caller said exist; 0 when KVM refused without the caller saying
-        /// (KVM does not tell how many: the message then says only that some exist).
+        /// How many vCPUs the caller said exist (at least 1).
         vcpus_created: u32,
     },
-    /// `KVM_SET_CPUID2` was refused and the vCPU has already run (its `exits` stat is not 0):
-    /// KVM accepts only an identical CPUID after the first `KVM_RUN`.
-    #[error(
-        "rule: the vCPU stage must run before the vCPU's first KVM_RUN (KVM_SET_CPUID2: {source})"
-    )]
+    /// rule: KVM_CAP_X86_DISABLE_EXITS must be enabled before any vCPU is created (KVM refused it:
+    /// the VM already has vCPUs)
+    ExitsAfterUnknownVcpus,
+    /// rule: the vCPU stage must run before the vCPU's first KVM_RUN (KVM_SET_CPUID2: {source})
     CpuidAfterRun {
         /// The error.
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// Another hypervisor owns leaf `0x40000000` and no KVM signature was found.
-    #[error("rule: the CPUID has hypervisor leaves but no KVM signature at 0x40000000 + n*0x100; pvspin does not place KVM leaves next to a foreign hypervisor's")]
+    /// rule: the CPUID has hypervisor leaves but no KVM signature at 0x40000000 + n*0x100; pvspin
+    /// does not place KVM leaves next to a foreign hypervisor's
     NoKvmLeaf,
-    /// The CPUID has no KVM leaves and the VMM said not to add them.
-    #[error("rule: the CPUID has no KVM leaves and add_kvm_leaves is Some(false): a paravirt plan needs them")]
+    /// rule: the CPUID has no KVM leaves and add_kvm_leaves is Some(false): a paravirt plan needs
+    /// them
     KvmLeavesMissing,
-    /// The VMM's CPUID hides the hypervisor (CPUID.1:ECX\[31\] clear).
-    #[error("rule: the VMM's CPUID hides the hypervisor (CPUID.1:ECX[31] clear), so Linux never reads the KVM leaves (kvm_cpuid_base); pvspin does not undo that unless add_kvm_leaves is Some(true)")]
+    /// rule: the VMM's CPUID hides the hypervisor (CPUID.1:ECX bit 31 clear), so Linux never
+    /// reads the KVM leaves (kvm_cpuid_base); pvspin does not undo that unless add_kvm_leaves is
+    /// Some(true)
     HypervisorHidden,
-    /// Too many CPUID entries to add the KVM leaves.
-    #[error("CPUID is full ({0} entries); cannot add the KVM leaves")]
+    /// CPUID is full ({0} entries); cannot add the KVM leaves
     CpuidFull(usize),
-    /// A KVM ioctl failed.
-    #[error("{op} failed: {source}")]
+    /// {op} failed: {source}
     Kvm {
         /// The operation.
         op: &'static str,
@@ -683,9 +615,29 @@ pub enum PlanError {
         #[source]
         source: kvm_ioctls::Error,
     },
+    /// {0}
+    ///
     /// Disabling the quirk failed.
-    #[error(transparent)]
     Quirk(#[from] quirks::QuirkError),
+}
+
+/// Why a plan with `KVM_HINTS_REALTIME` lacks `PV_UNHALT`
+/// ([`PlanError::RealtimeWithoutPvUnhalt`]); its text ends that error's message, so it starts
+/// with "; " (or is empty).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, displaydoc::Display)]
+pub enum PvUnhaltMissing {
+    /// HLT exits are disabled.
+    #[displaydoc("; HLT exits are disabled")]
+    HltExitsDisabled,
+    /// The VM has no in-kernel LAPIC.
+    #[displaydoc("; the VM has no in-kernel LAPIC")]
+    NoInKernelLapic,
+    /// The host does not offer `PV_UNHALT`.
+    #[displaydoc("; the host does not offer PV_UNHALT")]
+    HostLacksIt,
+    /// The request left it out while nothing prevents it.
+    #[displaydoc("")]
+    NotRequested,
 }
 
 impl Plan {
@@ -793,12 +745,9 @@ impl Plan {
             return Err(PlanError::PvUnhaltWithHltExitsDisabled);
         }
         if !pv_features.contains(PvFeatures::STEAL_TIME) {
-            for (f, name) in [
-                (PvFeatures::PV_TLB_FLUSH, "PV_TLB_FLUSH"),
-                (PvFeatures::PV_SCHED_YIELD, "PV_SCHED_YIELD"),
-            ] {
-                if pv_features.contains(f) {
-                    return Err(PlanError::NeedsStealTime { feature: name });
+            for feature in [PvFeatures::PV_TLB_FLUSH, PvFeatures::PV_SCHED_YIELD] {
+                if pv_features.contains(feature) {
+                    return Err(PlanError::NeedsStealTime { feature });
                 }
             }
         }
@@ -814,17 +763,17 @@ impl Plan {
             && req.guest_kernel.realtime_needs_pv_unhalt()
         {
             let why = if hlt_off {
-                "; HLT exits are disabled"
+                PvUnhaltMissing::HltExitsDisabled
             } else if req.lapic_in_kernel == Some(false) {
-                "; the VM has no in-kernel LAPIC"
+                PvUnhaltMissing::NoInKernelLapic
             } else if !host.pv_features.contains(PvFeatures::PV_UNHALT) {
-                "; the host does not offer PV_UNHALT"
+                PvUnhaltMissing::HostLacksIt
             } else {
-                ""
+                PvUnhaltMissing::NotRequested
             };
             return Err(PlanError::RealtimeWithoutPvUnhalt {
                 guest_kernel: req.guest_kernel,
-                why: why.to_owned(),
+                why,
             });
         }
 
@@ -916,7 +865,7 @@ impl Plan {
         if plan.realtime && plan.guest_kernel.realtime_needs_pv_unhalt() {
             return Err(PlanError::RealtimeWithoutPvUnhalt {
                 guest_kernel: plan.guest_kernel,
-                why: "; the VM has no in-kernel LAPIC".to_owned(),
+                why: PvUnhaltMissing::NoInKernelLapic,
             });
         }
         plan.pv_features = plan.pv_features.difference(PvFeatures::PV_UNHALT);
@@ -1184,15 +1133,6 @@ impl fmt::Display for AppliedVcpu {
     }
 }
 
-/// The parenthesis of [`PlanError::ExitsAfterVcpus`]: the count the caller gave, or what KVM
-/// said when the caller gave none.
-fn vcpus_exist_note(vcpus_created: u32) -> String {
-    match vcpus_created {
-        0 => "KVM refused it: the VM already has vCPUs".to_owned(),
-        n => format!("{n} exist"),
-    }
-}
-
 /// Whether `vm` has vCPUs already, asked of KVM without changing anything: enabling
 /// `KVM_CAP_X86_DISABLE_EXITS` with no flags succeeds before the first `KVM_CREATE_VCPU` and is
 /// refused (`EINVAL`) after it (KVM checks `kvm->created_vcpus`, since "KVM: x86: only allow
@@ -1252,7 +1192,10 @@ pub fn apply_vm(plan: &Plan, vm: &VmFd, vcpus_created: u32) -> Result<AppliedVm,
             // The flags were validated against the host's mask, so EINVAL here means vCPUs
             // exist already (KVM checks `kvm->created_vcpus`).
             if source.errno() == libc::EINVAL {
-                PlanError::ExitsAfterVcpus { vcpus_created }
+                match vcpus_created {
+                    0 => PlanError::ExitsAfterUnknownVcpus,
+                    vcpus_created => PlanError::ExitsAfterVcpus { vcpus_created },
+                }
             } else {
                 PlanError::Kvm {
                     op: "KVM_ENABLE_CAP(X86_DISABLE_EXITS)",
@@ -1599,7 +1542,7 @@ mod tests {
         assert!(matches!(
             Plan::new(&r, &host).unwrap_err(),
             PlanError::NeedsStealTime {
-                feature: "PV_SCHED_YIELD"
+                feature: PvFeatures::PV_SCHED_YIELD
             }
         ));
 

@@ -29,20 +29,17 @@ use kvm_ioctls::VmFd;
 pub const FIX_HYPERCALL_INSN: u64 = KVM_X86_QUIRK_FIX_HYPERCALL_INSN as u64;
 
 /// Errors from changing KVM quirks.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum QuirkError {
-    /// The host cannot disable the quirk (no `KVM_CAP_DISABLE_QUIRKS2`, or not this quirk).
-    #[error(
-        "rule: host KVM cannot disable quirk(s) {quirk:#x} (KVM_CAP_DISABLE_QUIRKS2 reports {supported:#x})"
-    )]
+    /// rule: host KVM cannot disable quirk(s) {quirk:#x} (KVM_CAP_DISABLE_QUIRKS2 reports
+    /// {supported:#x})
     Unsupported {
         /// The quirk bits asked for.
         quirk: u64,
         /// The quirk mask the host reports as disableable.
         supported: u64,
     },
-    /// `KVM_ENABLE_CAP(KVM_CAP_DISABLE_QUIRKS2)` failed.
-    #[error("KVM_ENABLE_CAP(DISABLE_QUIRKS2, {quirk:#x}) failed: {source}")]
+    /// KVM_ENABLE_CAP(DISABLE_QUIRKS2, {quirk:#x}) failed: {source}
     Enable {
         /// The quirk mask written.
         quirk: u64,

@@ -53,67 +53,58 @@ mod ioctl_nr {
 use ioctl_nr::KVM_GET_STATS_FD;
 
 /// Errors of the stats reader.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum StatsError {
-    /// An input block is shorter than it must be.
-    #[error("stats {what}: need {need} bytes, have {have}")]
+    /// stats {what}: need {need} bytes, have {have}
     Truncated {
         /// Which block.
-        what: &'static str,
+        what: StatsBlock,
         /// Bytes needed.
         need: usize,
         /// Bytes given.
         have: usize,
     },
-    /// `name_size` is 0 or above [`MAX_NAME_SIZE`].
-    #[error("stats header: name_size {0} out of range 1..={MAX_NAME_SIZE}")]
+    /// stats header: name_size {0} out of range 1..={MAX_NAME_SIZE:}
     NameSize(u32),
-    /// `num_desc` above [`MAX_DESCRIPTORS`].
-    #[error("stats header: num_desc {0} above {MAX_DESCRIPTORS}")]
+    /// stats header: num_desc {0} above {MAX_DESCRIPTORS:}
     TooManyDescriptors(u32),
-    /// A name without its NUL terminator, empty, or not UTF-8.
-    #[error("stats descriptor {index}: bad name ({why})")]
+    /// stats descriptor {index}: bad name ({why})
     BadName {
         /// Descriptor index.
         index: usize,
         /// What is wrong.
-        why: &'static str,
+        why: NameFault,
     },
-    /// Two descriptors with one name.
-    #[error("stats descriptor {index}: duplicate name {name:?}")]
+    /// stats descriptor {index}: duplicate name {name:?}
     DuplicateName {
         /// Descriptor index.
         index: usize,
         /// The name.
         name: String,
     },
-    /// `size` is 0 or above [`MAX_STAT_SIZE`].
-    #[error("stats descriptor {name:?}: size {size} out of range 1..={MAX_STAT_SIZE}")]
+    /// stats descriptor {name:?}: size {size} out of range 1..={MAX_STAT_SIZE:}
     BadSize {
         /// Stat name.
         name: String,
         /// The size.
         size: u16,
     },
-    /// `offset` is not a multiple of 8 or the values end beyond [`MAX_DATA_BYTES`].
-    #[error("stats descriptor {name:?}: offset {offset} invalid (unaligned or beyond {MAX_DATA_BYTES} bytes)")]
+    /// stats descriptor {name:?}: offset {offset} invalid (unaligned or beyond {MAX_DATA_BYTES:}
+    /// bytes)
     BadOffset {
         /// Stat name.
         name: String,
         /// The offset.
         offset: u32,
     },
-    /// A linear histogram with bucket size 0.
-    #[error("stats descriptor {name:?}: linear histogram with bucket_size 0")]
+    /// stats descriptor {name:?}: linear histogram with bucket_size 0
     ZeroBucketSize {
         /// Stat name.
         name: String,
     },
-    /// Snapshots of different layouts were compared.
-    #[error("stats delta: the snapshots come from different stats layouts")]
+    /// stats delta: the snapshots come from different stats layouts
     LayoutMismatch,
-    /// A cumulative value is smaller in the later snapshot.
-    #[error("stats delta: cumulative {name:?} went backwards ({earlier} -> {later})")]
+    /// stats delta: cumulative {name:?} went backwards ({earlier} -> {later})
     WentBackwards {
         /// Stat name.
         name: String,
@@ -122,18 +113,42 @@ pub enum StatsError {
         /// Later value.
         later: u64,
     },
-    /// `KVM_GET_STATS_FD` failed.
-    #[error("KVM_GET_STATS_FD failed: {0}")]
+    /// KVM_GET_STATS_FD failed: {0}
     Ioctl(#[source] std::io::Error),
-    /// Reading the stats fd failed.
-    #[error("reading stats {what}: {source}")]
+    /// reading stats {what}: {source}
     Io {
         /// Which block.
-        what: &'static str,
+        what: StatsBlock,
         /// The error.
         #[source]
         source: std::io::Error,
     },
+}
+
+/// What is wrong with a descriptor's name ([`StatsError::BadName`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, displaydoc::Display)]
+pub enum NameFault {
+    /// no NUL terminator
+    NoNul,
+    /// empty
+    Empty,
+    /// not UTF-8
+    NotUtf8(std::str::Utf8Error),
+}
+
+/// The part of the stats file a read or a length check was about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, displaydoc::Display)]
+pub enum StatsBlock {
+    /// header
+    Header,
+    /// descriptors
+    Descriptors,
+    /// data
+    Data,
+    /// id
+    Id,
+    /// value
+    Value,
 }
 
 type Result<T> = std::result::Result<T, StatsError>;
@@ -166,7 +181,7 @@ impl StatsHeader {
     pub fn parse(bytes: &[u8]) -> Result<StatsHeader> {
         if bytes.len() < HEADER_SIZE {
             return Err(StatsError::Truncated {
-                what: "header",
+                what: StatsBlock::Header,
                 need: HEADER_SIZE,
                 have: bytes.len(),
             });
@@ -368,7 +383,7 @@ impl Layout {
         let need = header.desc_block_len();
         if desc_bytes.len() < need {
             return Err(StatsError::Truncated {
-                what: "descriptors",
+                what: StatsBlock::Descriptors,
                 need,
                 have: desc_bytes.len(),
             });
@@ -390,18 +405,18 @@ impl Layout {
                 .position(|&c| c == 0)
                 .ok_or(StatsError::BadName {
                     index: i,
-                    why: "no NUL terminator",
+                    why: NameFault::NoNul,
                 })?;
             if nul == 0 {
                 return Err(StatsError::BadName {
                     index: i,
-                    why: "empty",
+                    why: NameFault::Empty,
                 });
             }
             let name = std::str::from_utf8(&raw[..nul])
-                .map_err(|_| StatsError::BadName {
+                .map_err(|err| StatsError::BadName {
                     index: i,
-                    why: "not UTF-8",
+                    why: NameFault::NotUtf8(err),
                 })?
                 .to_owned();
             if size == 0 || size > MAX_STAT_SIZE {
@@ -447,7 +462,7 @@ impl Layout {
     pub fn snapshot(self: &Arc<Self>, data: &[u8]) -> Result<Snapshot> {
         if data.len() < self.data_len {
             return Err(StatsError::Truncated {
-                what: "data",
+                what: StatsBlock::Data,
                 need: self.data_len,
                 have: data.len(),
             });
@@ -645,14 +660,19 @@ impl StatsFd {
         // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
         let file = unsafe { File::from_raw_fd(fd) };
         let mut hb = [0u8; HEADER_SIZE];
-        read_at(&file, &mut hb, 0, "header")?;
+        read_at(&file, &mut hb, 0, StatsBlock::Header)?;
         let header = StatsHeader::parse(&hb)?;
         let mut idb = vec![0u8; header.name_size as usize];
-        read_at(&file, &mut idb, u64::from(header.id_offset), "id")?;
+        read_at(&file, &mut idb, u64::from(header.id_offset), StatsBlock::Id)?;
         let id_len = idb.iter().position(|&c| c == 0).unwrap_or(idb.len());
         let id = String::from_utf8_lossy(&idb[..id_len]).into_owned();
         let mut db = vec![0u8; header.desc_block_len()];
-        read_at(&file, &mut db, u64::from(header.desc_offset), "descriptors")?;
+        read_at(
+            &file,
+            &mut db,
+            u64::from(header.desc_offset),
+            StatsBlock::Descriptors,
+        )?;
         let layout = Arc::new(Layout::parse(header, &db)?);
         Ok(StatsFd { file, layout, id })
     }
@@ -679,7 +699,7 @@ impl StatsFd {
             &self.file,
             &mut data,
             u64::from(self.layout.header.data_offset),
-            "data",
+            StatsBlock::Data,
         )?;
         self.layout.snapshot(&data)
     }
@@ -710,12 +730,12 @@ impl StatValue {
     /// The value now (the raw `u64`, unscaled).
     pub fn read(&self) -> Result<u64> {
         let mut b = [0u8; 8];
-        read_at(&self.file, &mut b, self.at, "value")?;
+        read_at(&self.file, &mut b, self.at, StatsBlock::Value)?;
         Ok(u64::from_ne_bytes(b))
     }
 }
 
-fn read_at(file: &File, buf: &mut [u8], at: u64, what: &'static str) -> Result<()> {
+fn read_at(file: &File, buf: &mut [u8], at: u64, what: StatsBlock) -> Result<()> {
     file.read_exact_at(buf, at)
         .map_err(|source| StatsError::Io { what, source })
 }
@@ -859,18 +879,24 @@ mod tests {
         let (h, d, data) = sample();
         assert!(matches!(
             parse(&h[..23], &d, &data),
-            Err(StatsError::Truncated { what: "header", .. })
+            Err(StatsError::Truncated {
+                what: StatsBlock::Header,
+                ..
+            })
         ));
         assert!(matches!(
             parse(&h, &d[..d.len() - 1], &data),
             Err(StatsError::Truncated {
-                what: "descriptors",
+                what: StatsBlock::Descriptors,
                 ..
             })
         ));
         assert!(matches!(
             parse(&h, &d, &data[..data.len() - 1]),
-            Err(StatsError::Truncated { what: "data", .. })
+            Err(StatsError::Truncated {
+                what: StatsBlock::Data,
+                ..
+            })
         ));
         let mut bad = h.clone();
         bad[4..8].copy_from_slice(&0u32.to_ne_bytes());
@@ -915,7 +941,7 @@ mod tests {
         assert!(matches!(
             parse(&h, &d, &data),
             Err(StatsError::BadName {
-                why: "not UTF-8",
+                why: NameFault::NotUtf8(_),
                 ..
             })
         ));

@@ -28,12 +28,13 @@ pub mod watch;
 pub struct ReadmeDoctests;
 
 pub use policy::{
-    EnterOutcome, MonotonicClock, RunSlots, SlotClock, SlotConfig, SlotError, SlotSignals,
-    SlotStats, DEFAULT_HALT_WATCH_INTERVAL,
+    EnterOutcome, MonotonicSlotClock, RunSlots, SlotClock, SlotConfig, SlotError, SlotSignals,
+    SlotStats, SlotWaker, DEFAULT_HALT_WATCH_INTERVAL,
 };
 #[cfg(not(loom))]
 pub use quota::{entitled_cpus, parse_cfs_quota, parse_cpu_max};
 #[cfg(not(loom))]
 pub use steal::StealTimeMarks;
+pub use sync::LockStats;
 #[cfg(not(loom))]
 pub use watch::{HaltProbe, HaltWatcher, WatchError, WatchStats};

@@ -57,33 +57,30 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Condvar, LockStats, Ordering, StatGuard, StatMutex};
 
 /// Errors in the slot configuration.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum SlotError {
-    /// Rule: 1 <= slots <= vcpus.
-    #[error("rule: run slots must be between 1 and the vCPU count ({vcpus}), got {slots}")]
+    /// rule: run slots must be between 1 and the vCPU count ({vcpus}), got {slots}
     Slots {
         /// Slots asked for.
         slots: usize,
         /// vCPUs.
         vcpus: usize,
     },
-    /// Rule: a quantum of at least 100 us (shorter ones cost more in forced exits than they
-    /// share), at most 1 s.
-    #[error("rule: the run-slot quantum must be between 100 us and 1 s, got {0:?}")]
+    /// rule: the run-slot quantum must be between 100 us and 1 s, got {0:?}
     Quantum(Duration),
-    /// Rule: the halt watcher polls at least every quantum, at most every 10 us.
-    #[error("rule: the halt-watch interval must be between 10 us and the quantum ({quantum:?}), got {interval:?}")]
+    /// rule: the halt-watch interval must be between 10 us and the quantum ({quantum:?}), got
+    /// {interval:?}
     HaltWatchInterval {
         /// The interval.
         interval: Duration,
         /// The quantum.
         quantum: Duration,
     },
-    /// Rule: the critical-section extension is at most the quantum.
-    #[error("rule: the critical-section extension ({extension:?}) must not exceed the quantum ({quantum:?})")]
+    /// rule: the critical-section extension ({extension:?}) must not exceed the quantum
+    /// ({quantum:?})
     Extension {
         /// The extension.
         extension: Duration,
@@ -94,6 +91,11 @@ pub enum SlotError {
 
 /// The halt watcher's default polling interval (see [`SlotConfig::halt_watch_interval`]).
 pub const DEFAULT_HALT_WATCH_INTERVAL: Duration = Duration::from_micros(100);
+
+/// How often a waiter behind the head of the queue re-checks without being woken: a safety
+/// net only (a hand-over, a new head and the shutdown wake it), so that waiters do not take
+/// the slots' mutex on timers in proportion to their number.
+const BEHIND_HEAD_RECHECK: Duration = Duration::from_millis(100);
 
 /// How run slots are handed out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,17 +191,32 @@ pub trait SlotClock: Send + Sync {
 
 /// The real clock.
 #[derive(Debug)]
-pub struct MonotonicClock(std::time::Instant);
+pub struct MonotonicSlotClock(std::time::Instant);
 
-impl Default for MonotonicClock {
+impl Default for MonotonicSlotClock {
     fn default() -> Self {
         Self(std::time::Instant::now())
     }
 }
 
-impl SlotClock for MonotonicClock {
+impl SlotClock for MonotonicSlotClock {
     fn now_ns(&self) -> u64 {
         u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Told when a vCPU is granted a slot, for embedders that do not park vCPU threads on the
+/// policy's condition variables (a simulator, an event loop): they learn here which waiter to
+/// resume. Called with the policy's lock held: it must not call back into [`RunSlots`] and must
+/// not block. The condition variables are notified as before, so a VMM needs none.
+pub trait SlotWaker: Send + Sync {
+    /// vCPU `v` now holds a slot (granted from the queue, by a hand-over, or taken back).
+    fn granted(&self, v: usize);
+
+    /// vCPU `v` is the queue's new head: it should ask again now (only the head waits on a
+    /// timer, for the holders' quanta; the others wait to be granted or to become the head).
+    fn new_head(&self, v: usize) {
+        let _ = v;
     }
 }
 
@@ -271,7 +288,13 @@ struct State {
     /// Slots kept for kicked vCPUs: `held + reserved <= slots`.
     reserved: usize,
     held: usize,
+    /// The vCPUs that hold a slot (those with `granted_at`), in no order: the decisions look
+    /// at holders only, so their cost grows with the slots, not with the vCPUs.
+    holders: Vec<usize>,
     queue: VecDeque<usize>,
+    /// The head of the queue last woken to watch the holders' deadlines: only the head waits
+    /// on a timer, the others sleep until granted, made head, or shut down.
+    polling: Option<usize>,
     /// Per vCPU: halted inside KVM, as the halt watcher last saw it.
     halted: Vec<bool>,
     /// Per vCPU: halted inside KVM with its slot lent to another vCPU.
@@ -312,6 +335,13 @@ impl State {
         self.queue.iter().any(|&w| self.overtaken[w] >= limit)
     }
 
+    /// `v` holds no slot any more (its `granted_at` was just cleared).
+    fn drop_holder(&mut self, v: usize) {
+        if let Some(i) = self.holders.iter().position(|&h| h == v) {
+            self.holders.swap_remove(i);
+        }
+    }
+
     /// Cancels the slot kept for `v`; returns whether there was one.
     fn cancel_reservation(&mut self, v: usize) -> bool {
         if self.reserved_for[v].take().is_some() {
@@ -342,7 +372,7 @@ fn duration_ns(d: Duration) -> u64 {
 /// call.
 pub struct RunSlots {
     cfg: SlotConfig,
-    state: Mutex<State>,
+    state: StatMutex<State>,
     wakeups: Vec<Condvar>,
     clock: Box<dyn SlotClock>,
     grants: AtomicU64,
@@ -358,6 +388,8 @@ pub struct RunSlots {
     max_over_ns: AtomicU64,
     /// Wakes the halt watcher when it has something to watch.
     watch: Condvar,
+    /// Told of every grant, when set ([`RunSlots::with_waker`]).
+    waker: Option<Box<dyn SlotWaker>>,
 }
 
 impl std::fmt::Debug for RunSlots {
@@ -372,7 +404,7 @@ impl std::fmt::Debug for RunSlots {
 impl RunSlots {
     /// Slots for `vcpus` vCPUs, on the real clock.
     pub fn new(vcpus: usize, cfg: SlotConfig) -> Result<Self, SlotError> {
-        Self::with_clock(vcpus, cfg, Box::new(MonotonicClock::default()))
+        Self::with_clock(vcpus, cfg, Box::new(MonotonicSlotClock::default()))
     }
 
     /// Slots for `vcpus` vCPUs on `clock`.
@@ -384,7 +416,7 @@ impl RunSlots {
         cfg.validate(vcpus)?;
         Ok(Self {
             cfg,
-            state: Mutex::new(State {
+            state: StatMutex::new(State {
                 granted_at: vec![None; vcpus],
                 extended: vec![false; vcpus],
                 preempt_sent: vec![0; vcpus],
@@ -394,7 +426,9 @@ impl RunSlots {
                 reserved_for: vec![None; vcpus],
                 reserved: 0,
                 held: 0,
+                holders: Vec::with_capacity(cfg.slots + 1),
                 queue: VecDeque::with_capacity(vcpus),
+                polling: None,
                 halted: vec![false; vcpus],
                 lent: vec![false; vcpus],
                 over_since: None,
@@ -414,7 +448,14 @@ impl RunSlots {
             reclaims: AtomicU64::new(0),
             max_over_ns: AtomicU64::new(0),
             watch: Condvar::new(),
+            waker: None,
         })
+    }
+
+    /// These slots, telling `waker` of every grant (see [`SlotWaker`]).
+    pub fn with_waker(mut self, waker: Box<dyn SlotWaker>) -> Self {
+        self.waker = Some(waker);
+        self
     }
 
     /// The configuration.
@@ -422,15 +463,21 @@ impl RunSlots {
         self.cfg
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> StatGuard<'_, State> {
+        self.state.lock()
+    }
+
+    /// How the state mutex was used (counted with the `lock-stats` feature only; zero
+    /// without it): what the benches' vCPU storm measures.
+    pub fn lock_stats(&self) -> LockStats {
+        self.state.stats()
     }
 
     /// Gives `v` a slot (the caller holds the lock and checked that one is free).
     fn grant(&self, st: &mut State, v: usize, now: u64) {
-        st.granted_at[v] = Some(now);
+        if st.granted_at[v].replace(now).is_none() {
+            st.holders.push(v);
+        }
         st.extended[v] = false;
         st.preempt_sent[v] = 0;
         st.held += 1;
@@ -442,6 +489,9 @@ impl RunSlots {
         self.grants.fetch_add(1, Ordering::Relaxed);
         self.max_held.fetch_max(st.held as u64, Ordering::Relaxed);
         self.note_over(st, now);
+        if let Some(waker) = &self.waker {
+            waker.granted(v);
+        }
     }
 
     /// Tracks how long more vCPUs hold slots than there are slots (only vCPUs that KVM woke
@@ -468,6 +518,7 @@ impl RunSlots {
         if st.granted_at[v].take().is_none() {
             return;
         }
+        st.drop_holder(v);
         st.held -= 1;
         st.preempt_sent[v] = 0;
         self.note_over(st, now);
@@ -475,6 +526,24 @@ impl RunSlots {
             if let Some(w) = st.queue.pop_front() {
                 self.grant(st, w, now);
                 self.wakeups[w].notify_one();
+            }
+        }
+        self.wake_new_head(st);
+    }
+
+    /// Only the queue's head waits on a timer (it asks overdue holders to leave); when the
+    /// head changes, the new head is woken to take that over. The others sleep until granted
+    /// (the hand-over wakes them), so waiters do not take the mutex on timers in proportion
+    /// to their number.
+    fn wake_new_head(&self, st: &mut State) {
+        let head = st.queue.front().copied();
+        if head != st.polling {
+            st.polling = head;
+            if let Some(h) = head {
+                self.wakeups[h].notify_one();
+                if let Some(waker) = &self.waker {
+                    waker.new_head(h);
+                }
             }
         }
     }
@@ -496,6 +565,7 @@ impl RunSlots {
             return false;
         }
         st.granted_at[from] = None;
+        st.drop_holder(from);
         st.held -= 1;
         st.preempt_sent[from] = 0;
         self.hand_overs.fetch_add(1, Ordering::Relaxed);
@@ -514,6 +584,7 @@ impl RunSlots {
             st.reserved_for[to] = Some(now);
             st.reserved += 1;
         }
+        self.wake_new_head(&mut st);
         true
     }
 
@@ -546,16 +617,29 @@ impl RunSlots {
         since_ns: u64,
         signals: &dyn SlotSignals,
     ) -> Option<EnterOutcome> {
+        self.poll_enter(v, since_ns, signals).ok()
+    }
+
+    /// [`try_enter`](Self::try_enter), saying when to ask again: `Err(ns)` when `v` is queued,
+    /// where `ns` is how long [`enter`](Self::enter) would wait before its next look (a
+    /// holder's quantum ends, or a preemption request is due again), unless a grant comes
+    /// first. For event-driven embedders (a simulator) that cannot block.
+    pub fn poll_enter(
+        &self,
+        v: usize,
+        since_ns: u64,
+        signals: &dyn SlotSignals,
+    ) -> Result<EnterOutcome, u64> {
         let mut st = self.lock();
         loop {
             match self.step(&mut st, v, since_ns, signals) {
-                Step::Done(outcome) => return Some(outcome),
+                Step::Done(outcome) => return Ok(outcome),
                 Step::Preempt(h) => {
                     drop(st);
                     signals.preempt(h);
                     st = self.lock();
                 }
-                Step::WaitNs(_) => return None,
+                Step::WaitNs(ns) => return Err(ns),
             }
         }
     }
@@ -565,8 +649,15 @@ impl RunSlots {
         self.clock.now_ns()
     }
 
-    /// One decision for `v`, which asks for a slot since `start`.
+    /// One decision for `v`, which asks for a slot since `start`; wakes a new head of the
+    /// queue.
     fn step(&self, st: &mut State, v: usize, start: u64, signals: &dyn SlotSignals) -> Step {
+        let step = self.decide(st, v, start, signals);
+        self.wake_new_head(st);
+        step
+    }
+
+    fn decide(&self, st: &mut State, v: usize, start: u64, signals: &dyn SlotSignals) -> Step {
         let now = self.clock.now_ns();
         if v >= st.granted_at.len() {
             return Step::Done(EnterOutcome::Shutdown);
@@ -595,13 +686,15 @@ impl RunSlots {
             // A kicker kept its slot for this vCPU.
             st.queue.retain(|&w| w != v);
             self.grant(st, v, now);
-            return self.step(st, v, start, signals);
+            return self.decide(st, v, start, signals);
         }
         // Slots kept for kicked vCPUs that did not come within a preemption latency go back.
         let latency = duration_ns(self.cfg.preempt_latency);
-        for w in 0..st.reserved_for.len() {
-            if st.reserved_for[w].is_some_and(|t| now >= t.saturating_add(latency)) {
-                st.cancel_reservation(w);
+        if st.reserved > 0 {
+            for w in 0..st.reserved_for.len() {
+                if st.reserved_for[w].is_some_and(|t| now >= t.saturating_add(latency)) {
+                    st.cancel_reservation(w);
+                }
             }
         }
         if st.held + st.reserved < self.cfg.slots && st.queue.is_empty() {
@@ -621,15 +714,21 @@ impl RunSlots {
                 if w != v {
                     self.wakeups[w].notify_one();
                 }
-                return self.step(st, v, start, signals);
+                return self.decide(st, v, start, signals);
             }
+        }
+        if st.queue.front() != Some(&v) {
+            // Behind the head: granted by a hand-over, or woken when it becomes the head.
+            return Step::WaitNs(duration_ns(BEHIND_HEAD_RECHECK));
         }
         // A prioritized vCPU at the head: the holder that has run longest outside a critical
         // section leaves now, once it ran priority_preempt_after.
-        if st.prioritized[v] && st.queue.front() == Some(&v) {
+        if st.prioritized[v] {
             let min_run = duration_ns(self.cfg.priority_preempt_after);
-            let candidate = (0..st.granted_at.len())
-                .filter_map(|h| st.granted_at[h].map(|g| (g, h)))
+            let candidate = st
+                .holders
+                .iter()
+                .filter_map(|&h| st.granted_at[h].map(|g| (g, h)))
                 .filter(|&(g, h)| {
                     st.preempt_sent[h] == 0
                         && now.saturating_sub(g) >= min_run
@@ -645,7 +744,8 @@ impl RunSlots {
         // The holder whose turn ended first: ask it to leave, again once per
         // preempt_latency while it has not.
         let mut wake_at = now.saturating_add(latency);
-        for h in 0..st.granted_at.len() {
+        let mut due = None;
+        for &h in &st.holders {
             let Some(end) = st.deadline(h, &self.cfg) else {
                 continue;
             };
@@ -655,27 +755,24 @@ impl RunSlots {
             }
             let sent = st.preempt_sent[h];
             if sent == 0 || now >= sent.saturating_add(latency) {
-                st.preempt_sent[h] = now.max(1);
-                self.preemptions.fetch_add(1, Ordering::Relaxed);
-                return Step::Preempt(h);
+                // The lowest-numbered one, whatever the holders' order.
+                due = Some(due.map_or(h, |d: usize| d.min(h)));
+            } else {
+                wake_at = wake_at.min(sent.saturating_add(latency));
             }
-            wake_at = wake_at.min(sent.saturating_add(latency));
+        }
+        if let Some(h) = due {
+            st.preempt_sent[h] = now.max(1);
+            self.preemptions.fetch_add(1, Ordering::Relaxed);
+            return Step::Preempt(h);
         }
         Step::WaitNs(wake_at.saturating_sub(now))
     }
 
-    #[cfg(not(loom))]
-    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, ns: u64) -> MutexGuard<'a, State> {
-        self.wakeups[v]
-            .wait_timeout(st, Duration::from_nanos(ns.max(1_000)))
-            .map(|(g, _)| g)
-            .unwrap_or_else(|e| e.into_inner().0)
-    }
-
-    /// Loom has no timeouts: the model checks the hand-over, which needs none.
-    #[cfg(loom)]
-    fn wait<'a>(&self, st: MutexGuard<'a, State>, v: usize, _ns: u64) -> MutexGuard<'a, State> {
-        self.wakeups[v].wait(st).unwrap()
+    /// Parks `v` until woken or `ns` passed (loom has no timeouts: the model checks the
+    /// hand-over, which needs none).
+    fn wait<'a>(&self, st: StatGuard<'a, State>, v: usize, ns: u64) -> StatGuard<'a, State> {
+        st.wait(&self.wakeups[v], Duration::from_nanos(ns.max(1_000)))
     }
 
     /// After `KVM_RUN` returns, on vCPU `v`'s thread: when others wait and `v`'s quantum is
@@ -741,6 +838,7 @@ impl RunSlots {
             }
         }
         self.release(&mut st, v, now);
+        self.wake_new_head(&mut st);
     }
 
     /// vCPU `v` was just kicked, or named as the vCPU others wait for: it goes ahead of
@@ -755,6 +853,8 @@ impl RunSlots {
             st.queue.retain(|&w| w != v);
             let limit = st.granted_at.len();
             st.enqueue(v, limit);
+            // Moved to the head, it takes over watching the holders' deadlines.
+            self.wake_new_head(&mut st);
         }
     }
 
@@ -834,8 +934,13 @@ impl RunSlots {
         now: u64,
         signals: &dyn SlotSignals,
     ) -> Option<usize> {
-        let n = st.granted_at.len();
-        if let Some(h) = (0..n).find(|&h| h != woken && st.halted[h] && st.granted_at[h].is_some())
+        // The lowest-numbered halted holder, whatever the holders' order.
+        if let Some(h) = st
+            .holders
+            .iter()
+            .copied()
+            .filter(|&h| h != woken && st.halted[h])
+            .min()
         {
             self.release(st, h, now);
             st.lent[h] = true;
@@ -843,8 +948,9 @@ impl RunSlots {
             return None;
         }
         let running = |st: &State| {
-            (0..n)
-                .filter_map(|h| st.granted_at[h].map(|g| (g, h)))
+            st.holders
+                .iter()
+                .filter_map(|&h| st.granted_at[h].map(|g| (g, h)))
                 .filter(|&(_, h)| h != woken && st.preempt_sent[h] == 0)
                 .collect::<Vec<_>>()
         };
@@ -882,10 +988,7 @@ impl RunSlots {
                 && st.held + st.reserved <= slots
                 && !st.lent.iter().any(|&l| l)
         };
-        let (st, _) = self
-            .watch
-            .wait_timeout_while(st, timeout, idle)
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = st.wait_while(&self.watch, timeout, idle);
         !st.shutdown
     }
 
@@ -960,6 +1063,42 @@ mod tests {
         }
     }
 
+    #[derive(Debug, Default)]
+    struct Granted(Arc<StdMutex<Vec<usize>>>);
+
+    impl SlotWaker for Granted {
+        fn granted(&self, v: usize) {
+            self.0.lock().unwrap().push(v);
+        }
+    }
+
+    /// `poll_enter` says how long to wait (the holder's quantum), and the waker names every
+    /// grant, from the queue and directly.
+    #[test]
+    fn poll_enter_gives_the_wait_and_the_waker_names_each_grant() {
+        let now = Arc::new(StdAtomicU64::new(1));
+        let seen = Arc::new(StdMutex::new(Vec::new()));
+        let s = RunSlots::with_clock(2, test_config(1), Box::new(ManualClock(now.clone())))
+            .unwrap()
+            .with_waker(Box::new(Granted(seen.clone())));
+        let sig = Signals::default();
+        assert_eq!(
+            s.poll_enter(0, 1, &sig),
+            Ok(EnterOutcome::Granted { waited_ns: 0 })
+        );
+        now.store(500_001, std::sync::atomic::Ordering::SeqCst);
+        // The 2 ms quantum of vCPU 0 ends 1.5 ms from now.
+        assert_eq!(s.poll_enter(1, 500_001, &sig), Err(1_000_000));
+        assert_eq!(*seen.lock().unwrap(), vec![0]);
+        s.leave(0);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![0, 1],
+            "the queued vCPU is named"
+        );
+        assert!(s.holds(1));
+    }
+
     /// The configuration the tests' times are written for (not the defaults, which may move).
     fn test_config(slots: usize) -> SlotConfig {
         SlotConfig {
@@ -980,6 +1119,20 @@ mod tests {
     }
 
     const MS: u64 = 1_000_000;
+
+    /// The holder list the decisions scan is exactly the vCPUs with a slot, and only the
+    /// queue's head is the one woken to watch the deadlines (or nobody, with no queue).
+    fn assert_holders_tracked(s: &RunSlots, seed: u64) {
+        let st = s.lock();
+        let mut listed = st.holders.clone();
+        listed.sort_unstable();
+        let granted: Vec<usize> = (0..st.granted_at.len())
+            .filter(|&v| st.granted_at[v].is_some())
+            .collect();
+        assert_eq!(listed, granted, "seed {seed}");
+        assert_eq!(st.holders.len(), st.held, "seed {seed}");
+        assert_eq!(st.polling, st.queue.front().copied(), "seed {seed}: {st:?}");
+    }
 
     #[test]
     fn configuration_rules_are_named() {
@@ -1200,6 +1353,7 @@ mod tests {
                     }
                 }
                 let holders = (0..n).filter(|&v| s.holds(v)).count();
+                assert_holders_tracked(&s, seed);
                 let kept = s.lock().reserved;
                 assert!(
                     holders + kept <= s_count,
@@ -1311,6 +1465,7 @@ mod tests {
                     }
                 }
                 let holders = (0..n).filter(|&v| s.holds(v)).count();
+                assert_holders_tracked(&s, seed);
                 let kept = s.lock().reserved;
                 // Each vCPU that KVM woke with its slot lent makes one holder too many, until
                 // the holder it asked to leave exits; wakes that keep coming chain such runs.
@@ -1461,6 +1616,33 @@ mod loom_tests {
             );
             assert!(!s.exited(1, &NoSignals), "the borrower leaves");
             assert!(s.holds(0) && !s.holds(1));
+        });
+    }
+
+    /// Three vCPUs, one slot: two wait (one of them behind the head, which sleeps without a
+    /// timer) while the holder leaves and a kick moves the last one to the front; each takes
+    /// the slot and leaves in turn. Every hand-over reaches its waiter: nobody sleeps forever,
+    /// and never two hold the slot.
+    #[test]
+    fn loom_waiters_behind_the_head_are_handed_the_slot() {
+        loom::model(|| {
+            let s = Arc::new(RunSlots::with_clock(3, SlotConfig::new(1), Box::new(Zero)).unwrap());
+            s.enter(0, &NoSignals);
+            let spawn = |v: usize| {
+                let s = s.clone();
+                loom::thread::spawn(move || {
+                    let out = s.enter(v, &NoSignals);
+                    assert!(matches!(out, EnterOutcome::Granted { .. }));
+                    assert!(!s.holds(3 - v) && !s.holds(0), "one slot, one holder");
+                    s.leave(v);
+                })
+            };
+            let (t1, t2) = (spawn(1), spawn(2));
+            s.prioritize(2);
+            s.leave(0);
+            t1.join().unwrap();
+            t2.join().unwrap();
+            assert!(!s.holds(1) && !s.holds(2));
         });
     }
 

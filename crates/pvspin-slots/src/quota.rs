@@ -16,12 +16,9 @@ pub fn entitled_cpus() -> usize {
 
 #[cfg(not(loom))]
 fn affinity_cpus() -> Option<usize> {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is the calling thread; the size matches the set passed.
-    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    // SAFETY: `set` was filled by the kernel.
-    (r == 0).then(|| unsafe { libc::CPU_COUNT(&set) } as usize)
+    rustix::thread::sched_getaffinity(None)
+        .ok()
+        .map(|set| set.count() as usize)
 }
 
 /// CPUs allowed by a v2 `cpu.max` text (`"max 100000"`: unlimited), rounded up.

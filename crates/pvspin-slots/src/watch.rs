@@ -31,13 +31,11 @@ pub trait HaltProbe: Send + Sync {
 }
 
 /// Errors starting the watcher.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum WatchError {
-    /// The watcher thread could not be created.
-    #[error("cannot start the run-slot halt watcher thread: {0}")]
+    /// cannot start the run-slot halt watcher thread: {0}
     Spawn(#[source] io::Error),
-    /// The VMM's start hook (its seccomp filter) failed on the watcher thread.
-    #[error("the thread start hook failed on {WATCHER_THREAD_NAME}: {0}")]
+    /// the thread start hook failed on {WATCHER_THREAD_NAME:}: {0}
     ThreadStart(#[source] io::Error),
 }
 

@@ -69,13 +69,11 @@ impl VcpuState {
 }
 
 /// Errors of the board.
-#[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[derive(Debug, Error, PartialEq, Eq, Clone, Copy, displaydoc::Display)]
 pub enum BoardError {
-    /// A board needs at least one vCPU.
-    #[error("rule: a board has at least one vCPU")]
+    /// rule: a board has at least one vCPU
     Empty,
-    /// A board is limited to `u16::MAX` vCPUs.
-    #[error("rule: a board has at most 65535 vCPUs, asked for {0}")]
+    /// rule: a board has at most 65535 vCPUs, asked for {0}
     TooMany(usize),
 }
 

@@ -28,10 +28,9 @@ use thiserror::Error;
 const CR0_PE: u64 = 1;
 
 /// Errors of the sync-register edge.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error, PartialEq, Eq, displaydoc::Display)]
 pub enum CplError {
-    /// The host KVM lacks `KVM_CAP_SYNC_REGS`, or its sync set lacks `KVM_SYNC_X86_SREGS`.
-    #[error("rule: KVM_CAP_SYNC_REGS with KVM_SYNC_X86_SREGS is required (host reports {0:#x})")]
+    /// rule: KVM_CAP_SYNC_REGS with KVM_SYNC_X86_SREGS is required (host reports {0:#x})
     SyncRegsUnsupported(u64),
 }
 

@@ -31,24 +31,20 @@ pub const KVM_MSR_ENABLED: u64 = 1;
 pub const STEAL_TIME_RESERVED_MASK: u64 = 0x3e;
 
 /// Why a steal-time registration is not used.
-#[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[derive(Debug, Error, PartialEq, Eq, Clone, Copy, displaydoc::Display)]
 pub enum StealTimeError {
-    /// The guest has not enabled steal time (MSR bit 0 clear).
-    #[error("steal time is disabled (MSR bit 0 clear)")]
+    /// steal time is disabled (MSR bit 0 clear)
     Disabled,
-    /// Reserved MSR bits 5:1 set.
-    #[error("rule: steal-time MSR bits 5:1 are reserved, value {0:#x}")]
+    /// rule: steal-time MSR bits 5:1 are reserved, value {0:#x}
     ReservedBits(u64),
-    /// The 64-byte area does not lie inside guest memory.
-    #[error("rule: steal-time area at {gpa:#x} (+64) must lie inside guest memory of {mem_len:#x} bytes")]
+    /// rule: steal-time area at {gpa:#x} (+64) must lie inside guest memory of {mem_len:#x} bytes
     OutOfBounds {
         /// The area's guest-physical address.
         gpa: u64,
         /// The guest memory size.
         mem_len: u64,
     },
-    /// The byte slice handed to the parser is not 64 bytes.
-    #[error("rule: a steal-time area is exactly 64 bytes, got {0}")]
+    /// rule: a steal-time area is exactly 64 bytes, got {0}
     WrongSize(usize),
 }
 

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use pvspin_abi::doorbell::{SpinNotify, SHARED_PAGE_SIZE};
 use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, QueueRole};
+use pvspin_hints::sched as thread_sched;
 use pvspin_hints::{HintPage, HintPages, PageBudgets};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserVirtioFeatures;
@@ -44,13 +45,13 @@ use vmm_sys_util::event::{
 
 use crate::config::{BackendConfig, WorkerPriority, YieldMode};
 use crate::sched::{ProcSched, Reads, RunState, SchedSource, ThreadWatch};
-use crate::telemetry::{BadInput, VmTelemetry};
+use crate::telemetry::{BadInput, DaemonVmTelemetry};
 use crate::yield_policy::{ProcThreads, ThreadActions, YieldPolicy};
 
 /// The guest memory type the backend works on.
-pub type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+pub type BackendMemory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 /// The vring type the backend works on.
-pub type Vring = VringRwLock<GuestMemory>;
+pub type Vring = VringRwLock<BackendMemory>;
 
 /// Largest queue the backend accepts (control queue; kick and spin queues need 1).
 pub const MAX_QUEUE_SIZE: usize = 256;
@@ -64,11 +65,10 @@ pub const DEVICE_FEATURES: u64 = (1 << virtio::F_VERSION_1)
     | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
 
 /// Errors of the backend.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum BackendError {
-    /// The configuration is refused.
-    #[error("invalid configuration: {0}")]
-    Config(#[from] crate::config::ConfigError),
+    /// invalid configuration: {0}
+    Config(#[from] crate::config::DaemonConfigError),
 }
 
 /// The thread actions a backend uses (boxed so tests and the fuzz target can fake them).
@@ -79,7 +79,7 @@ pub type BoxedSched = Box<dyn SchedSource>;
 #[derive(Debug)]
 struct DeviceState {
     acked_features: u64,
-    memory: Option<GuestMemory>,
+    memory: Option<BackendMemory>,
 }
 
 /// The hint pages: mapped over the current guest memory, the address and TSC frequency each
@@ -149,7 +149,7 @@ pub struct SamplePass {
 
 struct Inner {
     config: BackendConfig,
-    telemetry: Arc<VmTelemetry>,
+    telemetry: Arc<DaemonVmTelemetry>,
     state: Mutex<DeviceState>,
     hints: Mutex<Hints>,
     /// pvspin's budget adaptation, per vCPU (shared with the telemetry).
@@ -223,29 +223,14 @@ fn set_worker_priority(priority: WorkerPriority, vm: &str) {
     }
     let result = match priority {
         WorkerPriority::Inherit => return,
-        WorkerPriority::Nice(nice) => {
-            // SAFETY: gettid has no preconditions.
-            let tid = unsafe { libc::gettid() };
-            // SAFETY: setpriority on this thread's own id; no memory is passed.
-            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        }
-        WorkerPriority::Fifo(p) => {
-            let param = libc::sched_param {
-                sched_priority: i32::from(p),
-            };
-            // SAFETY: pid 0 is the calling thread; `param` lives for the call.
-            let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        }
+        WorkerPriority::Nice(nice) => thread_sched::set_nice(thread_sched::current_tid(), nice),
+        WorkerPriority::Fifo(p) => thread_sched::set_policy(
+            thread_sched::current_tid(),
+            thread_sched::SchedPolicy {
+                policy: libc::SCHED_FIFO,
+                priority: i32::from(p),
+            },
+        ),
     };
     match result {
         Ok(()) => log::info!("{vm}: queue worker thread at {priority:?}"),
@@ -285,7 +270,10 @@ pub struct ControlPass {
 
 impl PvspinBackend {
     /// A backend acting on the real threads of the frontend (procfs, setpriority).
-    pub fn new(config: BackendConfig, telemetry: Arc<VmTelemetry>) -> Result<Self, BackendError> {
+    pub fn new(
+        config: BackendConfig,
+        telemetry: Arc<DaemonVmTelemetry>,
+    ) -> Result<Self, BackendError> {
         let actions = Box::new(ProcThreads::new(config.thread_patterns.clone()));
         let sched = Box::new(ProcSched::new(config.thread_patterns.clone()));
         Self::with_actions(config, telemetry, actions, sched)
@@ -294,7 +282,7 @@ impl PvspinBackend {
     /// A backend acting through `actions` and sampling the vCPU threads through `sched`.
     pub fn with_actions(
         config: BackendConfig,
-        telemetry: Arc<VmTelemetry>,
+        telemetry: Arc<DaemonVmTelemetry>,
         actions: BoxedActions,
         sched: BoxedSched,
     ) -> Result<Self, BackendError> {
@@ -312,7 +300,7 @@ impl PvspinBackend {
                 config.budgets.to_config(),
                 config.yield_mode != YieldMode::Off,
             )
-            .map_err(crate::config::ConfigError::from)?,
+            .map_err(crate::config::DaemonConfigError::from)?,
         );
         telemetry.set_budgets(budgets.clone());
         Ok(Self {
@@ -354,7 +342,7 @@ impl PvspinBackend {
     }
 
     /// The VM's counters.
-    pub fn telemetry(&self) -> &Arc<VmTelemetry> {
+    pub fn telemetry(&self) -> &Arc<DaemonVmTelemetry> {
         &self.inner.telemetry
     }
 
@@ -930,7 +918,7 @@ impl PvspinBackend {
 
     /// Replaces the guest memory (SET_MEM_TABLE). Hint pages stay registered by address and
     /// are read through the new memory.
-    pub fn set_memory(&self, memory: GuestMemory) {
+    pub fn set_memory(&self, memory: BackendMemory) {
         let map: Arc<GuestMemoryMmap<()>> = memory.memory().into_inner();
         lock(&self.inner.state).memory = Some(memory);
         let mut h = lock(&self.inner.hints);
@@ -992,7 +980,7 @@ impl VhostUserBackend for PvspinBackend {
         self.config_read(offset, size)
     }
 
-    fn update_memory(&self, mem: GuestMemory) -> io::Result<()> {
+    fn update_memory(&self, mem: BackendMemory) -> io::Result<()> {
         self.set_memory(mem);
         Ok(())
     }
@@ -1053,7 +1041,7 @@ mod tests {
 
     struct Rig {
         backend: PvspinBackend,
-        mem: GuestMemory,
+        mem: BackendMemory,
         vrings: Vec<Vring>,
         calls: Vec<Option<EventFd>>,
         sched: FakeSched,
@@ -1066,7 +1054,7 @@ mod tests {
                 yield_mode: mode,
                 ..BackendConfig::default()
             };
-            let tel = Arc::new(VmTelemetry::new("t", "/t", 4));
+            let tel = Arc::new(DaemonVmTelemetry::new("t", "/t", 4));
             let sched = FakeSched::new(7, 4);
             let backend = PvspinBackend::with_actions(
                 config,

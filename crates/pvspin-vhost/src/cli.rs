@@ -5,12 +5,13 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use crate::config::{BackendConfig, BudgetsUs, YieldMode, DEFAULT_THREAD_PATTERNS};
 use crate::server::{Server, ServerConfig};
 use clap::{Parser, ValueEnum};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 
 /// The --yield values.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -81,61 +82,18 @@ struct Args {
     thread_patterns: Vec<String>,
 }
 
-/// The write end of the shutdown pipe, for the signal handler (-1 until installed).
-static SHUTDOWN_PIPE: AtomicI32 = AtomicI32::new(-1);
-
-extern "C" fn on_shutdown_signal(sig: libc::c_int) {
-    let fd = SHUTDOWN_PIPE.load(Ordering::Relaxed);
-    let byte = sig as u8;
-    // SAFETY: write(2) is async-signal-safe; `byte` lives for the call, and a failed write
-    // (pipe full: a shutdown is already pending) is harmless.
-    unsafe { libc::write(fd, std::ptr::addr_of!(byte).cast(), 1) };
+/// Installs handlers for SIGTERM and SIGINT (signal-hook's self-pipe iterator). A handler
+/// (not a blocked signal and `sigwait`) works whichever thread the kernel delivers the signal
+/// to, also in processes whose other threads this code did not start.
+fn install_shutdown_handlers() -> std::io::Result<Signals> {
+    Signals::new([SIGTERM, SIGINT])
 }
 
-/// Installs handlers for SIGTERM and SIGINT that write the signal number to a pipe, and
-/// returns the pipe's read end. A handler (not a blocked signal and `sigwait`) works
-/// whichever thread the kernel delivers the signal to, also in processes whose other threads
-/// this code did not start.
-fn install_shutdown_handlers() -> Result<std::fs::File, String> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into `fds`, which has room for them.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
-        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
-    }
-    SHUTDOWN_PIPE.store(fds[1], Ordering::Relaxed);
-    for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: an all-zero sigaction is valid (empty mask, no flags); the handler is set
-        // below and has the plain (int) signature sa_handler expects.
-        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
-        action.sa_sigaction = on_shutdown_signal as *const () as usize;
-        action.sa_flags = libc::SA_RESTART;
-        // SAFETY: `action` is initialised and outlives the call; the old action is not asked for.
-        if unsafe { libc::sigaction(sig, &action, std::ptr::null_mut()) } != 0 {
-            return Err(format!(
-                "installing the handler of signal {sig}: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-    }
-    // SAFETY: fds[0] is the pipe's read end, just created and owned by nothing else.
-    Ok(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fds[0]) })
-}
-
-/// Waits (sleeping in poll, never spinning) for a shutdown signal; its number.
-fn wait_for_signal(pipe: &mut std::fs::File) -> i32 {
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
+/// Waits (sleeping, never spinning) for a shutdown signal; its number.
+fn wait_for_signal(signals: &mut Signals) -> i32 {
     loop {
-        let mut poll = libc::pollfd {
-            fd: pipe.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, no timeout.
-        unsafe { libc::poll(&mut poll, 1, -1) };
-        let mut byte = [0u8];
-        if let Ok(1) = pipe.read(&mut byte) {
-            return i32::from(byte[0]);
+        if let Some(sig) = signals.forever().next() {
+            return sig;
         }
     }
 }
@@ -199,7 +157,7 @@ where
     let mut shutdown = match install_shutdown_handlers() {
         Ok(pipe) => pipe,
         Err(e) => {
-            eprintln!("pvspind: {e}");
+            eprintln!("pvspind: installing the SIGTERM and SIGINT handlers: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -23,39 +23,31 @@ pub const TRANSPORT_MAX_VCPUS: u32 = 31;
 /// vhost-user's vring-descriptor messages carry the vring index in 8 bits (256 queues).
 pub const VHOST_USER_MAX_VCPUS: u32 = 127;
 
+// `DaemonConfigError::AboveAbiLimit`'s message names the limit.
+const _: () = assert!(virtio::MAX_VCPUS == 255);
+
 /// Errors of a configuration.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ConfigError {
-    /// No vCPUs.
-    #[error("max_vcpus must be at least 1")]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
+pub enum DaemonConfigError {
+    /// max_vcpus must be at least 1
     NoVcpus,
-    /// More vCPUs than the device ABI allows.
-    #[error(
-        "max_vcpus {0} is above the ABI's limit of {max} (pvspin_abi::MAX_VCPUS: a kick is a REMRD MSI to the vCPU's 8-bit xAPIC ID and 0xFF is broadcast; x2APIC IDs are not supported)",
-        max = virtio::MAX_VCPUS
-    )]
+    /// max_vcpus {0} is above the ABI's limit of 255 (pvspin_abi::MAX_VCPUS: a kick is a REMRD
+    /// MSI to the vCPU's 8-bit xAPIC ID and 0xFF is broadcast; x2APIC IDs are not supported)
     AboveAbiLimit(u32),
-    /// More vCPUs than the vhost-user transport of this daemon serves.
-    #[error(
-        "max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS}: the device needs 1 + 2 * max_vcpus queues and vhost-user-backend's worker masks reach queue indices 0..=63 only (vhost-user itself caps a device at 256 queues, 127 vCPUs)"
-    )]
+    /// max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS:}: the device needs 1 +
+    /// 2 * max_vcpus queues and vhost-user-backend's worker masks reach queue indices 0..=63 only
+    /// (vhost-user itself caps a device at 256 queues, 127 vCPUs)
     AboveTransportLimit(u32),
-    /// The budgets break one of `pvspin_yield::BudgetConfig`'s rules.
-    #[error("budgets: {0}")]
+    /// budgets: {0}
     Budgets(#[from] BudgetError),
-    /// A notification rate too small to carry one event per millisecond window.
-    #[error("max_events_per_sec must be at least 1000 (one event per 1 ms window), got {0}")]
+    /// max_events_per_sec must be at least 1000 (one event per 1 ms window), got {0}
     EventRate(u32),
-    /// A sampling period below [`MIN_SCHED_SAMPLE`].
-    #[error("rule: the scheduler sampling period must be at least {MIN_SCHED_SAMPLE:?} (each sample reads /proc for every vCPU thread), got {0:?}")]
+    /// rule: the scheduler sampling period must be at least {MIN_SCHED_SAMPLE:?} (each sample reads
+    /// /proc for every vCPU thread), got {0:?}
     SchedSample(Duration),
-    /// A worker priority that is none of the accepted forms.
-    #[error(
-        "rule: a worker priority is inherit, nice:N (-20 to 19) or fifo:P (1 to 99), got {0:?}"
-    )]
+    /// rule: a worker priority is inherit, nice:N (-20 to 19) or fifo:P (1 to 99), got {0:?}
     WorkerPriority(String),
-    /// A vCPU thread-name pattern without the `{N}` placeholder.
-    #[error("vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index")]
+    /// vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index
     PatternWithoutIndex(String),
 }
 
@@ -144,11 +136,11 @@ pub enum WorkerPriority {
 }
 
 impl std::str::FromStr for WorkerPriority {
-    type Err = ConfigError;
+    type Err = DaemonConfigError;
 
     /// `inherit`, `nice:N` (-20..=19) or `fifo:P` (1..=99).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || ConfigError::WorkerPriority(s.to_owned());
+        let bad = || DaemonConfigError::WorkerPriority(s.to_owned());
         match s.split_once(':') {
             None if s == "inherit" => Ok(WorkerPriority::Inherit),
             Some(("nice", n)) => match n.parse::<i32>() {
@@ -229,25 +221,25 @@ impl Default for BackendConfig {
 
 impl BackendConfig {
     /// Checks the limits; a daemon refuses to start on an error.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), DaemonConfigError> {
         if self.max_vcpus == 0 {
-            return Err(ConfigError::NoVcpus);
+            return Err(DaemonConfigError::NoVcpus);
         }
         if self.max_vcpus > virtio::MAX_VCPUS {
-            return Err(ConfigError::AboveAbiLimit(self.max_vcpus));
+            return Err(DaemonConfigError::AboveAbiLimit(self.max_vcpus));
         }
         if self.max_vcpus > TRANSPORT_MAX_VCPUS {
-            return Err(ConfigError::AboveTransportLimit(self.max_vcpus));
+            return Err(DaemonConfigError::AboveTransportLimit(self.max_vcpus));
         }
         self.budgets.to_config().validate()?;
         if self.max_events_per_sec < 1000 {
-            return Err(ConfigError::EventRate(self.max_events_per_sec));
+            return Err(DaemonConfigError::EventRate(self.max_events_per_sec));
         }
         if let Some(period) = self.sched_sample.filter(|p| *p < MIN_SCHED_SAMPLE) {
-            return Err(ConfigError::SchedSample(period));
+            return Err(DaemonConfigError::SchedSample(period));
         }
         if let Some(p) = self.thread_patterns.iter().find(|p| !p.contains("{N}")) {
-            return Err(ConfigError::PatternWithoutIndex(p.clone()));
+            return Err(DaemonConfigError::PatternWithoutIndex(p.clone()));
         }
         Ok(())
     }
@@ -271,31 +263,37 @@ mod tests {
         assert!(e.to_string().contains("MAX_VCPUS"), "{e}");
         assert!(e.to_string().contains("xAPIC"), "{e}");
         c.max_vcpus = TRANSPORT_MAX_VCPUS + 1;
-        assert_eq!(c.validate(), Err(ConfigError::AboveTransportLimit(32)));
+        assert_eq!(
+            c.validate(),
+            Err(DaemonConfigError::AboveTransportLimit(32))
+        );
         // vhost-user's 8-bit vring index: at most 256 queues.
         assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS) <= 256);
         assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS + 1) > 256);
         c.max_vcpus = 0;
-        assert_eq!(c.validate(), Err(ConfigError::NoVcpus));
+        assert_eq!(c.validate(), Err(DaemonConfigError::NoVcpus));
         c.max_vcpus = 4;
         c.budgets.wait_after_max = 1;
         assert!(matches!(
             c.validate(),
-            Err(ConfigError::Budgets(BudgetError::WaitRange { .. }))
+            Err(DaemonConfigError::Budgets(BudgetError::WaitRange { .. }))
         ));
         c.budgets = BudgetsUs::default();
         c.budgets.wait_after_min = 0;
         assert!(c.validate().unwrap_err().to_string().contains("rule"));
         c.budgets = BudgetsUs::default();
         c.sched_sample = Some(Duration::from_micros(10));
-        assert!(matches!(c.validate(), Err(ConfigError::SchedSample(_))));
+        assert!(matches!(
+            c.validate(),
+            Err(DaemonConfigError::SchedSample(_))
+        ));
         c.sched_sample = None;
         assert_eq!(c.validate(), Ok(()));
         c.budgets = BudgetsUs::default();
         c.thread_patterns.push("vcpu".into());
         assert!(matches!(
             c.validate(),
-            Err(ConfigError::PatternWithoutIndex(_))
+            Err(DaemonConfigError::PatternWithoutIndex(_))
         ));
     }
 

@@ -39,6 +39,7 @@ pub mod config;
 pub mod sched;
 pub mod server;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 pub mod yield_policy;
 

@@ -471,15 +471,15 @@ mod tests {
     fn real_threads_are_classified() {
         let pid = std::process::id();
         let mut src = ProcSched::new(vec!["pvspin-sched-{N}".into()]);
-        // SAFETY: gettid has no preconditions.
-        let me = unsafe { libc::gettid() } as u32;
+        let me = pvspin_hints::sched::current_tid() as u32;
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let (tid_tx, tid_rx) = std::sync::mpsc::channel();
         let parked = std::thread::Builder::new()
             .name("pvspin-sched-1".into())
             .spawn(move || {
-                // SAFETY: gettid has no preconditions.
-                tid_tx.send(unsafe { libc::gettid() } as u32).unwrap();
+                tid_tx
+                    .send(pvspin_hints::sched::current_tid() as u32)
+                    .unwrap();
                 let _ = rx.recv();
             })
             .unwrap();

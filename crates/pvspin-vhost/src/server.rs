@@ -1,6 +1,11 @@
 //! The daemon's sockets: each vhost-user socket serves one frontend at a time on a thread of
 //! its own, with a fresh [`PvspinBackend`] per connection; a control socket answers telemetry
 //! requests; [`Server::shutdown`] stops everything and restores every changed priority.
+//!
+//! A socket keeps its own thread because serving a frontend blocks it:
+//! vhost-user-backend's `VhostUserDaemon::wait` returns only when that frontend goes. Between
+//! connections each thread sleeps in a vmm-sys-util `Epoll` over its listener and the server's
+//! exit `EventFd`, so shutdown wakes it at once and an idle daemon makes no wake-ups.
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -15,42 +20,54 @@ use std::time::Duration;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::PvspinBackend;
-use crate::config::{BackendConfig, ConfigError};
-use crate::telemetry::{HostTelemetry, VmTelemetry};
+use crate::config::{BackendConfig, DaemonConfigError};
+use crate::telemetry::{DaemonVmTelemetry, HostTelemetry};
 
-/// How often a waiting socket thread checks for shutdown.
-const POLL_INTERVAL_MS: i32 = 200;
 /// Longest a control-socket client may take to send its request or read the answer.
 const CONTROL_IO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Errors of starting the server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[ignore_extra_doc_attributes]
 pub enum ServerError {
+    /// {0}
+    ///
     /// The backend configuration is refused.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// No vhost-user socket was given.
-    #[error("no --socket given")]
+    Config(#[from] DaemonConfigError),
+    /// no --socket given
     NoSockets,
-    /// The path exists and is not a socket.
-    #[error("{0} exists and is not a socket: refusing to replace it")]
+    /// {0} exists and is not a socket: refusing to replace it
     NotASocket(PathBuf),
-    /// The path is a socket something still listens on.
-    #[error("{0} is a live socket (another daemon serves it)")]
+    /// {0} is a live socket (another daemon serves it)
     InUse(PathBuf),
-    /// Binding failed.
-    #[error("binding {path}: {source}")]
+    /// binding {path}: {source}
     Bind {
         /// The socket path.
         path: PathBuf,
         /// The error.
         source: io::Error,
     },
-    /// Starting a thread failed.
-    #[error("starting a thread: {0}")]
+    /// starting a thread: {0}
     Thread(io::Error),
+    /// creating the shutdown event or a socket's epoll set: {0}
+    Wait(io::Error),
+}
+
+/// Why one frontend connection could not be served (logged; the socket thread goes on).
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+enum ConnectionError {
+    /// {0}
+    Backend(#[from] crate::backend::BackendError),
+    /// creating the vhost-user daemon: {0}
+    Daemon(vhost_user_backend::Error),
+    /// duplicating the listening socket: {0}
+    Listener(#[source] io::Error),
+    /// accepting a frontend: {0}
+    Accept(vhost_user_backend::Error),
 }
 
 /// What the daemon serves.
@@ -90,16 +107,59 @@ fn bind(path: &Path) -> Result<UnixListener, ServerError> {
     })
 }
 
-/// Waits up to `timeout_ms` for `fd` to be readable.
-fn readable(fd: RawFd, timeout_ms: i32) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `pfd` is one valid pollfd for the duration of the call.
-    let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-    n > 0 && pfd.revents & libc::POLLIN != 0
+/// What woke a socket thread waiting between connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    /// A client is waiting to be accepted.
+    Client,
+    /// The server is shutting down.
+    Exit,
+}
+
+const LISTENER_TOKEN: u64 = 0;
+const EXIT_TOKEN: u64 = 1;
+
+/// An epoll set over one listener and the server's exit event. The exit event is written
+/// once and never read, so it wakes every socket thread, now and at each later wait.
+struct ListenWait {
+    epoll: Epoll,
+}
+
+impl ListenWait {
+    fn new(listener: &UnixListener, exit: &EventFd) -> io::Result<Self> {
+        let epoll = Epoll::new()?;
+        for (fd, token) in [
+            (listener.as_raw_fd(), LISTENER_TOKEN),
+            (exit.as_raw_fd(), EXIT_TOKEN),
+        ] {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )?;
+        }
+        Ok(Self { epoll })
+    }
+
+    /// Sleeps until a client arrives or the server stops (shutdown wins when both).
+    fn wait(&self) -> io::Result<Wake> {
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            match self.epoll.wait(-1, &mut events) {
+                Ok(n) => {
+                    let ready = &events[..n];
+                    if ready.iter().any(|e| e.data() == EXIT_TOKEN) {
+                        return Ok(Wake::Exit);
+                    }
+                    if !ready.is_empty() {
+                        return Ok(Wake::Client);
+                    }
+                }
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(err),
+            }
+        }
+    }
 }
 
 fn sockopt_int(fd: &OwnedFd, name: libc::c_int) -> Option<libc::c_int> {
@@ -196,6 +256,8 @@ struct Slot {
 /// The running daemon.
 pub struct Server {
     stop: Arc<AtomicBool>,
+    /// Written once by [`Server::shutdown`] to wake the threads waiting for clients.
+    exit: EventFd,
     host: Arc<HostTelemetry>,
     slots: Vec<Arc<Slot>>,
     control: Option<PathBuf>,
@@ -230,8 +292,15 @@ impl Server {
             Some(path) => Some((path.clone(), bind(path)?)),
             None => None,
         };
+        let exit = EventFd::new(EFD_NONBLOCK).map_err(ServerError::Wait)?;
+        let mut waits = Vec::new();
+        for (_, listener) in listeners.iter().chain(control.iter()) {
+            waits.push(ListenWait::new(listener, &exit).map_err(ServerError::Wait)?);
+        }
+        let mut waits = waits.into_iter();
         let mut server = Self {
             stop: Arc::new(AtomicBool::new(false)),
+            exit,
             host: Arc::new(HostTelemetry::default()),
             slots: Vec::new(),
             control: config.control.clone(),
@@ -250,17 +319,19 @@ impl Server {
                 config.backend.clone(),
             );
             let name = format!("pvspind-{}", socket_label(&slot.path));
+            let wait = waits.next().expect("one wait set per listener");
             let t = std::thread::Builder::new()
                 .name(name)
-                .spawn(move || serve_socket(&slot, &listener, &backend, &host, &stop))
+                .spawn(move || serve_socket(&slot, &listener, &wait, &backend, &host, &stop))
                 .map_err(ServerError::Thread)?;
             server.threads.push(t);
         }
         if let Some((_, listener)) = control {
             let (stop, host) = (server.stop.clone(), server.host.clone());
+            let wait = waits.next().expect("one wait set per listener");
             let t = std::thread::Builder::new()
                 .name("pvspind-control".into())
-                .spawn(move || serve_control(&listener, &host, &stop))
+                .spawn(move || serve_control(&listener, &wait, &host, &stop))
                 .map_err(ServerError::Thread)?;
             server.threads.push(t);
         }
@@ -276,6 +347,9 @@ impl Server {
     /// the threads and removes the socket files.
     pub fn shutdown(self) {
         self.stop.store(true, Ordering::Release);
+        if let Err(err) = self.exit.write(1) {
+            log::error!("waking the socket threads: {err}");
+        }
         for slot in &self.slots {
             if let Some(h) = slot
                 .active
@@ -308,6 +382,7 @@ pub fn socket_label(path: &Path) -> String {
 fn serve_socket(
     slot: &Slot,
     listener: &UnixListener,
+    wait: &ListenWait,
     config: &BackendConfig,
     host: &HostTelemetry,
     stop: &AtomicBool,
@@ -316,11 +391,13 @@ fn serve_socket(
     let path_text = slot.path.to_string_lossy().into_owned();
     log::info!("{label}: serving on {}", slot.path.display());
     while !stop.load(Ordering::Acquire) {
-        if !readable(listener.as_raw_fd(), POLL_INTERVAL_MS) {
-            continue;
-        }
-        if stop.load(Ordering::Acquire) {
-            break;
+        match wait.wait() {
+            Ok(Wake::Client) => {}
+            Ok(Wake::Exit) => break,
+            Err(err) => {
+                log::error!("{label}: waiting for a frontend: {err}; not serving any more");
+                break;
+            }
         }
         if let Err(err) = serve_connection(slot, listener, config, host, stop, &label, &path_text) {
             log::warn!("{label}: {err}");
@@ -339,20 +416,20 @@ fn serve_connection(
     stop: &AtomicBool,
     label: &str,
     path_text: &str,
-) -> Result<(), String> {
-    let vm = Arc::new(VmTelemetry::new(label, path_text, config.max_vcpus));
-    let backend = PvspinBackend::new(config.clone(), vm.clone()).map_err(|e| e.to_string())?;
+) -> Result<(), ConnectionError> {
+    let vm = Arc::new(DaemonVmTelemetry::new(label, path_text, config.max_vcpus));
+    let backend = PvspinBackend::new(config.clone(), vm.clone())?;
     let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
     let mut daemon = VhostUserDaemon::new(label.to_owned(), backend.clone(), memory)
-        .map_err(|e| format!("creating the vhost-user daemon: {e}"))?;
-    let clone = listener.try_clone().map_err(|e| e.to_string())?;
+        .map_err(ConnectionError::Daemon)?;
+    let clone = listener.try_clone().map_err(ConnectionError::Listener)?;
     let mut vhost_listener = Listener::from(clone);
     if let Err(e) = daemon.start(&mut vhost_listener) {
         if stop_workers(&daemon) {
             drop(daemon);
             backend.close_exit_events();
         }
-        return Err(format!("accepting a frontend: {e}"));
+        return Err(ConnectionError::Accept(e));
     }
     let pid = find_peer_pid(&slot.path);
     match pid {
@@ -422,10 +499,20 @@ fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) -> bool {
     true
 }
 
-fn serve_control(listener: &UnixListener, host: &HostTelemetry, stop: &AtomicBool) {
+fn serve_control(
+    listener: &UnixListener,
+    wait: &ListenWait,
+    host: &HostTelemetry,
+    stop: &AtomicBool,
+) {
     while !stop.load(Ordering::Acquire) {
-        if !readable(listener.as_raw_fd(), POLL_INTERVAL_MS) {
-            continue;
+        match wait.wait() {
+            Ok(Wake::Client) => {}
+            Ok(Wake::Exit) => break,
+            Err(err) => {
+                log::error!("control socket: waiting for a client: {err}; not serving any more");
+                break;
+            }
         }
         let Ok((stream, _)) = listener.accept() else {
             // Readable but not acceptable (out of descriptors): do not spin on it.
@@ -451,4 +538,46 @@ fn answer_control(stream: &UnixStream, host: &HostTelemetry) -> io::Result<()> {
     let mut out = stream;
     out.write_all(doc.as_bytes())?;
     stream.shutdown(std::net::Shutdown::Both)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("pvspind-{}-{name}.sock", std::process::id()))
+    }
+
+    #[test]
+    fn listen_wait_wakes_for_a_client_and_for_exit() {
+        let path = socket_path("listen-wait");
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        let exit = EventFd::new(EFD_NONBLOCK).unwrap();
+        let wait = ListenWait::new(&listener, &exit).unwrap();
+        let _client = UnixStream::connect(&path).unwrap();
+        assert_eq!(wait.wait().unwrap(), Wake::Client);
+        // Exit wins over a pending client, and stays signalled for every later wait.
+        exit.write(1).unwrap();
+        assert_eq!(wait.wait().unwrap(), Wake::Exit);
+        assert_eq!(wait.wait().unwrap(), Wake::Exit);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn shutdown_ends_idle_socket_threads_and_removes_the_sockets() {
+        let path = socket_path("shutdown");
+        let control = socket_path("shutdown-control");
+        let server = Server::start(&ServerConfig {
+            sockets: vec![path.clone()],
+            control: Some(control.clone()),
+            backend: BackendConfig::default(),
+        })
+        .unwrap();
+        assert!(path.exists() && control.exists());
+        // Joins both threads, which sleep in their epoll sets with no timeout: only the exit
+        // event can end them.
+        server.shutdown();
+        assert!(!path.exists() && !control.exists());
+    }
 }

@@ -3,12 +3,13 @@
 //! `vcpu="N"` labels) with a `vm` label naming the socket that serves the VM.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use pvspin_hints::PageBudgets;
+use pvspin_kick::ratelimit::{Clock, MonotonicClock, RateLimiter};
+use pvspin_prometheus::Families;
 use serde::Serialize;
 
 use crate::sched::Reads;
@@ -118,30 +119,23 @@ fn get(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
 
-/// Logs a bad input at most once per kind per second.
-#[derive(Debug, Default)]
-struct RateLimit {
-    last_second: [AtomicU64; BadInput::ALL.len()],
-}
+/// How often each kind of bad input may be logged.
+const BAD_INPUT_LOG_INTERVAL_NS: u64 = 1_000_000_000;
 
-impl RateLimit {
-    fn allow(&self, kind: BadInput, now_s: u64) -> bool {
-        // Second 0 is "never logged", so stamps are shifted by one.
-        let slot = &self.last_second[kind.index()];
-        let prev = slot.swap(now_s + 1, Ordering::Relaxed);
-        prev != now_s + 1
-    }
+/// The log limiter of a VM's bad inputs: one key per [`BadInput`] kind, at most one line per
+/// kind per second (pvspin-kick's limiter, which the in-process doorbell uses too).
+fn bad_input_limiter<C: Clock>(clock: C) -> RateLimiter<C> {
+    RateLimiter::new(clock, BadInput::ALL.len(), BAD_INPUT_LOG_INTERVAL_NS)
 }
 
 /// The counters of one VM, i.e. of one frontend connection. Shared by the backend (which
 /// counts) and the daemon (which renders).
 #[derive(Debug)]
-pub struct VmTelemetry {
+pub struct DaemonVmTelemetry {
     vm: String,
     socket: String,
     peer_pid: Mutex<Option<u32>>,
     connected_unix_s: u64,
-    started: Instant,
     kicks: Vec<AtomicU64>,
     spin_notifications: Vec<AtomicU64>,
     kicks_unset_queue: AtomicU64,
@@ -158,7 +152,7 @@ pub struct VmTelemetry {
     unregistrations: AtomicU64,
     control_requests: AtomicU64,
     bad_inputs: [AtomicU64; BadInput::ALL.len()],
-    rate_limit: RateLimit,
+    rate_limit: RateLimiter<MonotonicClock>,
     wait_reports: AtomicU64,
     useful_notifications: AtomicU64,
     not_running_set: Vec<AtomicU64>,
@@ -169,7 +163,7 @@ pub struct VmTelemetry {
     budgets: OnceLock<Arc<PageBudgets>>,
 }
 
-impl VmTelemetry {
+impl DaemonVmTelemetry {
     /// Fresh counters for a VM served on `socket`, labelled `vm` (the socket's file name).
     pub fn new(vm: &str, socket: &str, max_vcpus: u32) -> Self {
         let zeros = |n: u32| (0..n).map(|_| AtomicU64::new(0)).collect();
@@ -181,7 +175,6 @@ impl VmTelemetry {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
-            started: Instant::now(),
             kicks: zeros(max_vcpus),
             spin_notifications: zeros(max_vcpus),
             kicks_unset_queue: AtomicU64::new(0),
@@ -198,7 +191,7 @@ impl VmTelemetry {
             unregistrations: AtomicU64::new(0),
             control_requests: AtomicU64::new(0),
             bad_inputs: Default::default(),
-            rate_limit: RateLimit::default(),
+            rate_limit: bad_input_limiter(MonotonicClock::new()),
             wait_reports: AtomicU64::new(0),
             useful_notifications: AtomicU64::new(0),
             not_running_set: zeros(max_vcpus),
@@ -339,9 +332,14 @@ impl VmTelemetry {
     /// Counts a bad input of `kind` and logs it at most once per kind per second.
     pub fn bad_input(&self, kind: BadInput, detail: std::fmt::Arguments<'_>) {
         add(&self.bad_inputs[kind.index()]);
-        let now_s = self.started.elapsed().as_secs();
-        if self.rate_limit.allow(kind, now_s) {
-            log::warn!("{}: bad guest input ({}): {detail}", self.vm, kind.name());
+        match self.rate_limit.check(kind.index()) {
+            Some(0) => log::warn!("{}: bad guest input ({}): {detail}", self.vm, kind.name()),
+            Some(suppressed) => log::warn!(
+                "{}: bad guest input ({}): {detail} ({suppressed} more since the last line)",
+                self.vm,
+                kind.name()
+            ),
+            None => {}
         }
     }
 
@@ -543,7 +541,7 @@ pub struct HostTelemetry {
     connections_total: AtomicU64,
     disconnects: AtomicU64,
     /// Socket path → the VM it serves now (`None` while it waits for a frontend).
-    sockets: Mutex<BTreeMap<String, Option<Arc<VmTelemetry>>>>,
+    sockets: Mutex<BTreeMap<String, Option<Arc<DaemonVmTelemetry>>>>,
     retired: Mutex<Totals>,
 }
 
@@ -555,12 +553,12 @@ impl HostTelemetry {
 
     fn lock_sockets(
         &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<Arc<VmTelemetry>>>> {
+    ) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<Arc<DaemonVmTelemetry>>>> {
         self.sockets.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A frontend connected on `socket`; its VM counts into `vm`.
-    pub fn connected(&self, socket: &str, vm: Arc<VmTelemetry>) {
+    pub fn connected(&self, socket: &str, vm: Arc<DaemonVmTelemetry>) {
         add(&self.connections_total);
         self.lock_sockets().insert(socket.to_owned(), Some(vm));
     }
@@ -635,77 +633,9 @@ pub struct DaemonSnapshot {
     pub vms: Vec<VmSnapshot>,
 }
 
-/// Metric families in first-seen order, each with its samples (as the library renders).
-#[derive(Default)]
-struct Families {
-    order: Vec<String>,
-    by_name: BTreeMap<String, (String, String, Vec<String>)>,
-}
-
-impl Families {
-    fn sample(
-        &mut self,
-        family: &str,
-        typ: &str,
-        help: &str,
-        labels: &[(&str, String)],
-        value: impl std::fmt::Display,
-    ) {
-        let entry = self.by_name.entry(family.to_owned()).or_insert_with(|| {
-            self.order.push(family.to_owned());
-            (typ.to_owned(), help.to_owned(), Vec::new())
-        });
-        let mut line = family.to_owned();
-        if !labels.is_empty() {
-            line.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    line.push(',');
-                }
-                let _ = write!(line, "{k}=\"{}\"", escape_label(v));
-            }
-            line.push('}');
-        }
-        let _ = write!(line, " {value}");
-        entry.2.push(line);
-    }
-
-    fn counter(&mut self, family: &str, help: &str, labels: &[(&str, String)], value: u64) {
-        self.sample(family, "counter", help, labels, value);
-    }
-
-    fn gauge(&mut self, family: &str, help: &str, labels: &[(&str, String)], value: u64) {
-        self.sample(family, "gauge", help, labels, value);
-    }
-
-    fn render(&self) -> String {
-        let mut s = String::new();
-        for name in &self.order {
-            let (typ, help, lines) = &self.by_name[name];
-            let _ = writeln!(
-                s,
-                "# HELP {name} {}",
-                help.replace('\\', "\\\\").replace('\n', "\\n")
-            );
-            let _ = writeln!(s, "# TYPE {name} {typ}");
-            for l in lines {
-                s.push_str(l);
-                s.push('\n');
-            }
-        }
-        s
-    }
-}
-
 /// Nanoseconds as a Prometheus seconds value.
 fn ns_as_seconds(ns: u64) -> String {
     format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Renders a snapshot as Prometheus text.
@@ -873,18 +803,16 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             vm.useful_spin_notifications,
         );
         for (i, ns) in vm.wait_after_ns.iter().enumerate() {
-            f.sample(
+            f.gauge(
                 "pvspin_budget_wait_after_seconds",
-                "gauge",
                 "The vCPU's spin budget before waiting (hint page).",
                 &[l(), ("vcpu", i.to_string())],
                 ns_as_seconds(*ns),
             );
         }
         for (i, ns) in vm.spin_window_ns.iter().flatten().enumerate() {
-            f.sample(
+            f.gauge(
                 "pvspin_budget_notify_after_seconds",
-                "gauge",
                 "The vCPU's spin budget before notifying (hint page).",
                 &[l(), ("vcpu", i.to_string())],
                 ns_as_seconds(*ns),
@@ -914,6 +842,7 @@ pub fn render_prometheus(d: &DaemonSnapshot) -> String {
             "pvspin_vhost_sched_read_seconds_total",
             "counter",
             "CPU time the scheduler sampler spent reading /proc for the VM's vCPU threads.",
+            "",
             &[l()],
             ns_as_seconds(vm.sched.read_ns),
         );
@@ -942,7 +871,7 @@ mod tests {
         let host = HostTelemetry::default();
         host.add_socket("/run/a.sock");
         host.add_socket("/run/b.sock");
-        let vm = Arc::new(VmTelemetry::new("a.sock", "/run/a.sock", 2));
+        let vm = Arc::new(DaemonVmTelemetry::new("a.sock", "/run/a.sock", 2));
         host.connected("/run/a.sock", vm.clone());
         vm.kick(1);
         vm.kick(1);
@@ -968,10 +897,17 @@ mod tests {
 
     #[test]
     fn logging_is_rate_limited_per_kind() {
-        let r = RateLimit::default();
-        assert!(r.allow(BadInput::Ring, 0));
-        assert!(!r.allow(BadInput::Ring, 0));
-        assert!(r.allow(BadInput::HintRead, 0));
-        assert!(r.allow(BadInput::Ring, 1));
+        let clock = std::sync::Arc::new(pvspin_kick::ratelimit::ManualClock::new(0));
+        let r = bad_input_limiter(clock.clone());
+        let key = |k: BadInput| k.index();
+        assert_eq!(r.check(key(BadInput::Ring)), Some(0));
+        assert_eq!(r.check(key(BadInput::Ring)), None);
+        assert_eq!(r.check(key(BadInput::HintRead)), Some(0));
+        clock.advance(BAD_INPUT_LOG_INTERVAL_NS);
+        assert_eq!(r.check(key(BadInput::Ring)), Some(1));
+        // Every kind has its own key.
+        for (i, kind) in BadInput::ALL.iter().enumerate() {
+            assert_eq!(key(*kind), i);
+        }
     }
 }

@@ -10,13 +10,11 @@ pub const DESC_F_NEXT: u16 = 1;
 pub const DESC_F_WRITE: u16 = 2;
 
 /// Errors of ring building.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum RingError {
-    /// A ring address is outside guest memory.
-    #[error("guest memory: {0}")]
+    /// guest memory: {0}
     Memory(#[from] vm_memory::GuestMemoryError),
-    /// More descriptors than the queue has.
-    #[error("the queue has {0} descriptors")]
+    /// the queue has {0} descriptors
     Full(u16),
 }
 

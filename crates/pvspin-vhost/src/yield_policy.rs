@@ -17,7 +17,13 @@
 //!   someone else changed the thread's nice value in between (then theirs is kept).
 //!
 //! The policy is pure over a [`ThreadActions`] implementation: [`ProcThreads`] uses procfs and
-//! `setpriority`, tests use a fake.
+//! pvspin-hints' `sched::set_nice`, tests use a fake.
+//!
+//! Why not pvspin-hints' `BoostTracker`: it boosts the threads of its own process, in
+//! vCPU-index slots fixed at start, and restores from its own watchdog thread. Here the threads
+//! belong to another process, are found and re-checked by name before every change (thread ids
+//! are reused), include deboosts of the spinner, and are restored only if nobody else changed
+//! them meanwhile, from the backend's restore timer. The shared part, the nice calls, is reused.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -27,7 +33,7 @@ use std::time::{Duration, Instant};
 use pvspin_hints::confine::{check_at, Confinement, Verdict};
 
 use crate::config::YieldMode;
-use crate::telemetry::{VmTelemetry, YieldSkip};
+use crate::telemetry::{DaemonVmTelemetry, YieldSkip};
 
 /// How often the vCPU thread list may be re-read when a vCPU's thread is not in it.
 const THREAD_RESCAN_EVERY: Duration = Duration::from_millis(100);
@@ -94,7 +100,7 @@ struct Adjustment {
 
 /// What one spin notification did (for tests and logs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Outcome {
+pub struct SpinOutcome {
     /// The spinner's thread was deboosted (or its deboost extended).
     pub deboosted: bool,
     /// The waited-for vCPU's thread was boosted.
@@ -202,9 +208,9 @@ impl<A: ThreadActions> YieldPolicy<A> {
         spinner: u32,
         waiting_for: Option<u32>,
         now: Instant,
-        tel: &VmTelemetry,
-    ) -> Outcome {
-        let mut out = Outcome::default();
+        tel: &DaemonVmTelemetry,
+    ) -> SpinOutcome {
+        let mut out = SpinOutcome::default();
         if self.mode == YieldMode::Off {
             return out;
         }
@@ -226,7 +232,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         out
     }
 
-    fn deboost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &VmTelemetry) -> bool {
+    fn deboost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &DaemonVmTelemetry) -> bool {
         let Some(tid) = self.thread_of(pid, vcpu, now) else {
             tel.yield_skipped(YieldSkip::NoThread);
             return false;
@@ -241,7 +247,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         self.change(pid, vcpu, tid, self.step, Change::Deboost, now, tel)
     }
 
-    fn boost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &VmTelemetry) -> bool {
+    fn boost(&mut self, pid: u32, vcpu: u32, now: Instant, tel: &DaemonVmTelemetry) -> bool {
         let Some(tid) = self.thread_of(pid, vcpu, now) else {
             tel.yield_skipped(YieldSkip::NoThread);
             return false;
@@ -267,7 +273,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         delta: i32,
         change: Change,
         now: Instant,
-        tel: &VmTelemetry,
+        tel: &DaemonVmTelemetry,
     ) -> bool {
         if !self.actions.is_vcpu_thread(pid, tid, vcpu) {
             // The thread went away (or its id was reused): forget the map.
@@ -312,7 +318,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
         true
     }
 
-    fn restore_one(&mut self, tid: u32, a: Adjustment, tel: &VmTelemetry) {
+    fn restore_one(&mut self, tid: u32, a: Adjustment, tel: &DaemonVmTelemetry) {
         self.adjusted.remove(&tid);
         let Some(pid) = self.pid else { return };
         // Put the old value back only if the thread is still ours and nobody else changed it.
@@ -325,7 +331,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
     }
 
     /// Restores every change whose deadline is at or before `now`.
-    pub fn expire(&mut self, now: Instant, tel: &VmTelemetry) {
+    pub fn expire(&mut self, now: Instant, tel: &DaemonVmTelemetry) {
         let due: Vec<(u32, Adjustment)> = self
             .adjusted
             .iter()
@@ -338,7 +344,7 @@ impl<A: ThreadActions> YieldPolicy<A> {
     }
 
     /// Restores every change (device reset, disconnect, shutdown).
-    pub fn restore_all(&mut self, tel: &VmTelemetry) {
+    pub fn restore_all(&mut self, tel: &DaemonVmTelemetry) {
         let all: Vec<(u32, Adjustment)> = self.adjusted.iter().map(|(t, a)| (*t, *a)).collect();
         for (tid, a) in all {
             self.restore_one(tid, a, tel);
@@ -561,8 +567,8 @@ pub(crate) mod tests {
         }
     }
 
-    fn tel() -> VmTelemetry {
-        VmTelemetry::new("t", "/t", 4)
+    fn tel() -> DaemonVmTelemetry {
+        DaemonVmTelemetry::new("t", "/t", 4)
     }
 
     #[test]
@@ -572,7 +578,7 @@ pub(crate) mod tests {
         let mut p = YieldPolicy::new(YieldMode::Deboost, 5, ms, FakeThreads::new(7, 4, true));
         let now = Instant::now();
         // No pid: nothing happens.
-        assert_eq!(p.on_spin(0, Some(1), now, &t), Outcome::default());
+        assert_eq!(p.on_spin(0, Some(1), now, &t), SpinOutcome::default());
         p.set_peer(Some(7));
         let o = p.on_spin(0, Some(1), now, &t);
         assert!(o.deboosted && !o.boosted && !o.boost_refused);
@@ -621,7 +627,7 @@ pub(crate) mod tests {
         assert!(!deboost_only.on_spin(0, Some(2), now, &t).boosted);
         let mut off = YieldPolicy::new(YieldMode::Off, 5, ms, FakeThreads::new(7, 4, true));
         off.set_peer(Some(7));
-        assert_eq!(off.on_spin(0, Some(2), now, &t), Outcome::default());
+        assert_eq!(off.on_spin(0, Some(2), now, &t), SpinOutcome::default());
         assert!(off.actions().calls.is_empty());
     }
 
@@ -655,7 +661,7 @@ pub(crate) mod tests {
         p.set_peer(Some(7));
         assert_eq!(
             p.on_spin(0, Some(1), now, &t),
-            Outcome {
+            SpinOutcome {
                 deboosted: true,
                 boosted: false,
                 boost_refused: false

@@ -560,14 +560,9 @@ fn a_descheduled_vcpu_thread_is_flagged_not_running() {
     );
     // Two busy threads sharing the first CPU this process may use.
     let cpu = {
-        // SAFETY: an all-zero cpu_set_t is an empty set; sched_getaffinity fills it.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: pid 0 is this thread; `set` has the size passed.
-        let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
-        assert_eq!(rc, 0);
-        // SAFETY: CPU_ISSET reads the set for an index below CPU_SETSIZE.
-        (0..libc::CPU_SETSIZE as usize)
-            .find(|c| unsafe { libc::CPU_ISSET(*c, &set) })
+        let set = rustix::thread::sched_getaffinity(None).unwrap();
+        (0..rustix::thread::CpuSet::MAX_CPU)
+            .find(|&c| set.is_set(c))
             .unwrap()
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -577,14 +572,9 @@ fn a_descheduled_vcpu_thread_is_flagged_not_running() {
             std::thread::Builder::new()
                 .name(format!("pvns-vcpu{v}"))
                 .spawn(move || {
-                    // SAFETY: an all-zero cpu_set_t is empty; CPU_SET adds one valid index.
-                    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-                    // SAFETY: `cpu` is below CPU_SETSIZE.
-                    unsafe { libc::CPU_SET(cpu, &mut set) };
-                    // SAFETY: pid 0 is this thread; `set` has the size passed.
-                    let rc =
-                        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
-                    assert_eq!(rc, 0);
+                    let mut set = rustix::thread::CpuSet::new();
+                    set.set(cpu);
+                    rustix::thread::sched_setaffinity(None, &set).unwrap();
                     let deadline = Instant::now() + WAIT * 3;
                     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                         std::hint::spin_loop();

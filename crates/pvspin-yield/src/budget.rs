@@ -28,10 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use thiserror::Error;
 
 /// Invalid budget configuration; each names the rule.
-#[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[derive(Debug, Error, PartialEq, Eq, Clone, Copy, displaydoc::Display)]
 pub enum BudgetError {
-    /// Rule: floor <= start <= ceiling, floor >= 1 ns, for the wait budget.
-    #[error("rule: wait budget needs 1 <= min ({min} ns) <= start ({start} ns) <= max ({max} ns)")]
+    /// rule: wait budget needs 1 <= min ({min} ns) <= start ({start} ns) <= max ({max} ns)
     WaitRange {
         /// Floor.
         min: u64,
@@ -40,16 +39,14 @@ pub enum BudgetError {
         /// Ceiling.
         max: u64,
     },
-    /// Rule: 1 <= base <= ceiling for the notification window.
-    #[error("rule: notification window needs 1 <= base ({base} ns) <= max ({max} ns)")]
+    /// rule: notification window needs 1 <= base ({base} ns) <= max ({max} ns)
     NotifyRange {
         /// Base.
         base: u64,
         /// Ceiling.
         max: u64,
     },
-    /// Rule: at least one vCPU.
-    #[error("rule: budgets need at least one vCPU")]
+    /// rule: budgets need at least one vCPU
     NoVcpus,
 }
 

@@ -215,13 +215,11 @@ pub struct Outcome {
 }
 
 /// Invalid policy configuration.
-#[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[derive(Debug, Error, PartialEq, Eq, Clone, Copy, displaydoc::Display)]
 pub enum PolicyError {
-    /// `max_failures` must be at least 1.
-    #[error("rule: max_failures must be at least 1 (KVM uses 3)")]
+    /// rule: max_failures must be at least 1 (KVM uses 3)
     ZeroFailures,
-    /// `scan_budget` must be at least 1.
-    #[error("rule: scan_budget must be at least 1 (u32::MAX for no limit)")]
+    /// rule: scan_budget must be at least 1 (u32::MAX for no limit)
     ZeroBudget,
 }
 

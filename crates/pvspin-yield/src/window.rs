@@ -31,21 +31,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use thiserror::Error;
 
 /// Invalid window configuration.
-#[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[derive(Debug, Error, PartialEq, Eq, Clone, Copy, displaydoc::Display)]
 pub enum WindowError {
-    /// `base` must be at least 1.
-    #[error("rule: spin window base must be at least 1")]
+    /// rule: spin window base must be at least 1
     ZeroBase,
-    /// `max` must be at least `base`.
-    #[error("rule: spin window max ({max}) must be at least base ({base})")]
+    /// rule: spin window max ({max}) must be at least base ({base})
     MaxBelowBase {
         /// The base.
         base: u32,
         /// The max.
         max: u32,
     },
-    /// A board with no vCPUs.
-    #[error("rule: spin windows need at least one vCPU")]
+    /// rule: spin windows need at least one vCPU
     NoVcpus,
 }
 

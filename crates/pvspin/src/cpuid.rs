@@ -7,15 +7,11 @@ use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 use pvspin_abi::cpuid::{CpuidRegs, PvspinInfo, SCAN_FIRST, SCAN_LAST, SCAN_STEP};
 
 /// Errors from the CPUID edits.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum CpuidError {
-    /// Rule: pvspin's CPUID base is a 0x100-aligned hypervisor base other than KVM's.
-    #[error(
-        "pvspin CPUID base {0:#x} is invalid (the rule: 0x100-aligned, 0x40000100..=0x4000ff00)"
-    )]
+    /// pvspin CPUID base {0:#x} is invalid (the rule: 0x100-aligned, 0x40000100..=0x4000ff00)
     BadBase(u32),
-    /// The VMM's table has no room for pvspin's two leaves.
-    #[error("the CPUID table is full ({0} entries): no room for pvspin's leaves")]
+    /// the CPUID table is full ({0} entries): no room for pvspin's leaves
     Full(usize),
 }
 

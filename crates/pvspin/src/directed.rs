@@ -15,21 +15,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use pvspin_abi::doorbell::{spun_bucket_floor, SpinNotify};
 use pvspin_hints::confine::{Confinement, Verdict};
-use pvspin_hints::Actuator;
+use pvspin_hints::{Actuator, GuestPageMap};
 use pvspin_track::{GuestBytes, VcpuBoard};
 use pvspin_yield::{
     BoostTrial, Decision, DirectedYield, HintStatus, PolicyConfig, Reason, SpinNotification,
     SpinWindows, TrialConfig, TrialStats, WindowConfig,
 };
 
-/// Guest memory directed yield reads steal-time `preempted` bytes from: anything that reads
-/// a guest byte by GPA and may be shared between vCPU threads.
-pub trait GuestByteSource: GuestBytes + Send + Sync + std::fmt::Debug {}
+/// Guest memory as pvspin reads it: the same [`GuestPageMap`] that hint pages take (a
+/// `vm_memory::GuestMemoryMmap` is one), shared between vCPU threads.
+pub type StealTimeMemory = std::sync::Arc<dyn GuestPageMap>;
 
-impl<T: GuestBytes + Send + Sync + std::fmt::Debug + ?Sized> GuestByteSource for T {}
+/// Steal-time bytes read through the VMM's page map.
+#[derive(Clone, Debug)]
+pub(crate) struct PageBytes(pub(crate) StealTimeMemory);
 
-/// A shared [`GuestByteSource`], as [`crate::PvSpinBuilder::steal_time_memory`] takes it.
-pub type StealTimeMemory = std::sync::Arc<dyn GuestByteSource>;
+impl GuestBytes for PageBytes {
+    #[inline]
+    fn read_u8(&self, gpa: u64) -> Option<u8> {
+        self.0.read_u8(gpa)
+    }
+}
 
 use crate::ConfigError;
 
@@ -154,7 +160,7 @@ pub(crate) struct YieldState {
     pub(crate) actuator: Box<dyn Actuator>,
     /// With it, candidates' steal-time areas are read as they are examined, so a vCPU the
     /// host preempted inside `KVM_RUN` reads as ready (and preempted in kernel or user mode).
-    pub(crate) mem: Option<StealTimeMemory>,
+    pub(crate) mem: Option<PageBytes>,
     /// With `boost_running_hint`: whether boosting a target the board sees running pays
     /// off, tried epoch by epoch from the guests' wait reports (hint pages).
     trial: Option<BoostTrial>,
@@ -179,17 +185,17 @@ fn confined_actuator<'a>(
         return Ok(name);
     }
     let why = match verdict {
-        Verdict::NotConfined { reason } => reason.clone(),
-        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup".into(),
+        Verdict::NotConfined { reason } => reason.as_str(),
+        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup",
     };
     if !options.fallback {
-        return Err(ConfigError::Actuator {
-            name: name.to_string(),
-            reason: format!(
-                "rule: a guest must not raise its VM's CPU share, and this boost would not be \
-                 confined ({why}); run the VMM alone in its own cpu cgroup, or accept \
-                 Confinement::Unconfined"
-            ),
+        let name = name.to_string();
+        return Err(match verdict {
+            Verdict::NotConfined { .. } => ConfigError::BoostNotConfined {
+                name,
+                verdict: verdict.clone(),
+            },
+            _ => ConfigError::FifoNotConfined { name },
         });
     }
     let step = if name == "fifo" && verdict.allows_nice() {
@@ -217,9 +223,9 @@ impl YieldState {
         } else {
             pvspin_hints::by_name_with_start(name, vcpus, deadline, start)
         }
-        .map_err(|err| ConfigError::Actuator {
+        .map_err(|source| ConfigError::Actuator {
             name: name.to_string(),
-            reason: err.to_string(),
+            source,
         })?;
         let mut state = Self::with_actuator(options, vcpus, actuator)?;
         state.confinement = verdict;
@@ -232,11 +238,11 @@ impl YieldState {
         vcpus: usize,
         actuator: Box<dyn Actuator>,
     ) -> Result<Self, ConfigError> {
-        let rule = |err: &dyn std::fmt::Display| ConfigError::DirectedYield(err.to_string());
         Ok(Self {
-            board: VcpuBoard::new(vcpus).map_err(|e| rule(&e))?,
-            policy: DirectedYield::new(options.policy).map_err(|e| rule(&e))?,
-            windows: SpinWindows::new(vcpus, options.windows).map_err(|e| rule(&e))?,
+            board: VcpuBoard::new(vcpus).map_err(ConfigError::DirectedYieldBoard)?,
+            policy: DirectedYield::new(options.policy).map_err(ConfigError::DirectedYieldPolicy)?,
+            windows: SpinWindows::new(vcpus, options.windows)
+                .map_err(ConfigError::DirectedYieldWindows)?,
             actuator,
             mem: None,
             trial: options
@@ -284,7 +290,7 @@ impl YieldState {
             Some(mem) => self.policy.decide(
                 &pvspin_yield::StealTimeView {
                     board: &self.board,
-                    mem: &**mem,
+                    mem,
                 },
                 &notification,
             ),

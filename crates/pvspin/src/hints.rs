@@ -96,8 +96,8 @@ impl HintState {
         vcpus: usize,
         notify: bool,
     ) -> Result<Self, ConfigError> {
-        let budgets = PageBudgets::new(vcpus, options.budgets, notify)
-            .map_err(|e| ConfigError::HintPages(e.to_string()))?;
+        let budgets =
+            PageBudgets::new(vcpus, options.budgets, notify).map_err(ConfigError::HintPages)?;
         Ok(Self {
             pages: HintPages::new(options.memory.clone(), vcpus),
             budgets,

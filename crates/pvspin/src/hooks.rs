@@ -52,6 +52,9 @@ pub struct VcpuHooks {
     /// The next `KVM_RUN` only enters KVM's halt (a WAIT on the in-kernel or signal-msi path):
     /// it needs no run slot, as a `hlt` that never left KVM would not.
     halt_entry: bool,
+    /// The VMM parked this vCPU's thread in a wait of its own ([`VcpuHooks::before_vmm_park`]):
+    /// the board and the hint page show it as not running until the next `before_run`.
+    vmm_parked: bool,
     run_started: Option<Instant>,
     last_exit: Option<ExitKind>,
 }
@@ -77,6 +80,7 @@ impl VcpuHooks {
             setup_complete: false,
             slots: None,
             halt_entry: false,
+            vmm_parked: false,
             run_started: None,
             last_exit: None,
         };
@@ -149,6 +153,9 @@ impl VcpuHooks {
                     *current = Some(self.doorbell.clone());
                 }
             });
+        }
+        if std::mem::take(&mut self.vmm_parked) {
+            self.show_running();
         }
         if let Some(slots) = &self.slots {
             if !std::mem::take(&mut self.halt_entry) {
@@ -243,6 +250,39 @@ impl VcpuHooks {
                 log::error!("vCPU {}: {what}: {err}", self.index);
                 None
             }
+        }
+    }
+
+    /// Call after [`after_run`](Self::after_run) when the VMM parks this vCPU's thread in a
+    /// wait of its own rather than running it again (a halt or an idle vCPU it handles
+    /// itself, outside pvspin's hooks): the vCPU gives its run slot up, so the other vCPUs run
+    /// meanwhile instead of waiting for its quantum to end, and directed yield and the hint
+    /// page see it as not running. The next [`before_run`](Self::before_run) asks for a slot
+    /// again. Nothing to do without run slots, directed yield or hint pages.
+    pub fn before_vmm_park(&mut self) {
+        if self.vmm_parked {
+            return;
+        }
+        if let Some(page) = self.hints.as_ref().and_then(|h| h.pages.get(self.index)) {
+            page.set_not_running(true);
+        }
+        if let Some(slots) = &self.slots {
+            slots.slots.leave(self.index);
+        }
+        if let Some(dy) = &self.dy {
+            dy.board.on_halt(self.index);
+        }
+        self.vmm_parked = true;
+    }
+
+    /// The VMM's park ended: the vCPU runs again (see [`before_vmm_park`](Self::before_vmm_park)).
+    fn show_running(&self) {
+        if let Some(dy) = &self.dy {
+            dy.board.on_wake(self.index);
+            dy.actuator.on_target_exit(self.index);
+        }
+        if let Some(page) = self.hints.as_ref().and_then(|h| h.pages.get(self.index)) {
+            page.set_not_running(false);
         }
     }
 
@@ -767,17 +807,6 @@ mod directed_tests {
         assert_eq!((s.yields_attempted, s.yields_successful), (1, 0));
     }
 
-    /// Guest memory whose bytes tests flip while vCPUs "run".
-    #[derive(Debug)]
-    struct FlipMemory(Vec<std::sync::atomic::AtomicU8>);
-
-    impl pvspin_track::GuestBytes for FlipMemory {
-        fn read_u8(&self, gpa: u64) -> Option<u8> {
-            let i = usize::try_from(gpa).ok()?;
-            Some(self.0.get(i)?.load(std::sync::atomic::Ordering::Relaxed))
-        }
-    }
-
     #[test]
     fn steal_time_shows_preemption_inside_kvm_run_and_in_which_mode() {
         // KVM's rules (no trust in running hints): only steal time can make a vCPU ready.
@@ -786,16 +815,13 @@ mod directed_tests {
             ..DirectedYieldOptions::default()
         };
         let mut vm = vm_with(3, false, &options);
-        let mem = Arc::new(FlipMemory(
-            (0..512)
-                .map(|_| std::sync::atomic::AtomicU8::new(0))
-                .collect(),
-        ));
+        // Guest memory whose bytes the test flips while vCPUs "run".
+        let mem = Arc::new(pvspin_hints::BufferPageMap::new(1));
         // A state with the memory (the builder installs it for a real VM).
         let dy = Arc::new({
             let mut state =
                 YieldState::with_actuator(&options, 3, Box::new(vm.rec.clone())).unwrap();
-            state.mem = Some(mem.clone());
+            state.mem = Some(crate::directed::PageBytes(mem.clone()));
             for (v, gpa) in [(1usize, 64u64), (2, 128)] {
                 state.board.set_steal_time_gpa(v, Some(gpa));
             }
@@ -815,8 +841,11 @@ mod directed_tests {
         spin(&mut vm, 0, notify(Some(1)), 0);
         assert_eq!(vm.dy.stats().yield_self, 1);
         // KVM marks both preempted: the hint is used.
-        mem.0[64 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
-        mem.0[128 + 16].store(1, std::sync::atomic::Ordering::Relaxed);
+        // The `preempted` byte (offset 16) of each area; the word's low byte, little-endian.
+        mem.word(64 + 16)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        mem.word(128 + 16)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
         spin(&mut vm, 0, notify(Some(1)), 0);
         assert_eq!(vm.dy.stats().yield_to_hint, 1);
         // No hint, spinner in kernel mode: the filter skips vCPU 1 (preempted in user mode).

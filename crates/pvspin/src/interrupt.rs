@@ -81,26 +81,20 @@ fn is_foreign(handler: libc::sighandler_t) -> bool {
 }
 
 /// Errors from the signal interrupter.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum InterruptError {
-    /// Rule: a real-time signal, which nothing else in the VMM uses.
-    #[error(
-        "rule: the interrupt signal must be a real-time signal (SIGRTMIN..=SIGRTMAX), got {0}"
-    )]
+    /// rule: the interrupt signal must be a real-time signal (SIGRTMIN..=SIGRTMAX), got {0}
     NotRealtime(i32),
-    /// `sigaction` failed.
-    #[error("installing the interrupt signal's handler: {0}")]
+    /// installing the interrupt signal's handler: {0}
     Handler(#[source] vmm_sys_util::errno::Error),
-    /// vCPU index out of range.
-    #[error("vCPU index {index} is out of range: the interrupter has {vcpus} vCPUs")]
+    /// vCPU index {index} is out of range: the interrupter has {vcpus} vCPUs
     VcpuIndex {
         /// The index.
         index: usize,
         /// The count.
         vcpus: usize,
     },
-    /// Rule: one thread per vCPU at a time.
-    #[error("rule: vCPU {0} already has a thread attached (one VcpuThread per vCPU at a time)")]
+    /// rule: vCPU {0} already has a thread attached (one VcpuThread per vCPU at a time)
     Attached(usize),
 }
 

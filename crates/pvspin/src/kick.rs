@@ -2,7 +2,8 @@
 //! (asked of the VMM, which owns its irqchip, routing table and ioeventfds), and what the hooks
 //! do with doorbell and halt exits.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::fmt;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -43,16 +44,10 @@ pub struct VmMsiSink {
 impl VmMsiSink {
     /// Duplicates `vm`'s descriptor.
     pub fn new(vm: &VmFd) -> Result<Self, Error> {
-        // SAFETY: dup of a descriptor we borrow; the result is checked before use.
-        let fd = unsafe { libc::dup(vm.as_raw_fd()) };
-        if fd < 0 {
-            return Err(Error::Kick(format!(
-                "duplicating the VM fd: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let vm = unsafe { OwnedFd::from_raw_fd(fd) };
+        // kvm-ioctls' VmFd has no AsFd, so borrow its raw descriptor.
+        // SAFETY: `vm` owns the descriptor and outlives this borrow.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(vm.as_raw_fd()) };
+        let vm = borrowed.try_clone_to_owned().map_err(Error::DupVmFd)?;
         Ok(Self { vm })
     }
 }
@@ -121,7 +116,7 @@ impl RemrdSink for VmMsiSink {
     fn signal_remrd(&self, apic_id: u32) -> Result<bool, SinkError> {
         let msi = irqchip::remrd_msi(apic_id).map_err(|err| SinkError {
             apic_id,
-            reason: err.to_string(),
+            source: Box::new(err),
         })?;
         // SAFETY: KVM_SIGNAL_MSI reads one kvm_msi, which lives across the call; the fd is a
         // VM fd (a dup of the VMM's).
@@ -129,7 +124,7 @@ impl RemrdSink for VmMsiSink {
         if ret < 0 {
             return Err(SinkError {
                 apic_id,
-                reason: std::io::Error::last_os_error().to_string(),
+                source: Box::new(std::io::Error::last_os_error()),
             });
         }
         Ok(ret > 0)
@@ -233,13 +228,34 @@ impl std::fmt::Display for RouteFault {
     }
 }
 
-/// `faults`, comma-separated (for [`ConfigError::KickRoutes`]).
-pub(crate) fn route_faults_text(faults: &[RouteFault]) -> String {
-    faults
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
+/// The kick routes a routing table lacks or changes, per vCPU ([`ConfigError::KickRoutes`]);
+/// displayed comma-separated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouteFaults(pub Vec<RouteFault>);
+
+impl std::ops::Deref for RouteFaults {
+    type Target = [RouteFault];
+    fn deref(&self) -> &[RouteFault] {
+        &self.0
+    }
+}
+
+impl<const N: usize> PartialEq<[RouteFault; N]> for RouteFaults {
+    fn eq(&self, other: &[RouteFault; N]) -> bool {
+        self.0 == other
+    }
+}
+
+impl fmt::Display for RouteFaults {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, fault) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{fault}")?;
+        }
+        Ok(())
+    }
 }
 
 /// Whether two MSI routing entries route the same way.
@@ -271,9 +287,7 @@ impl<'a> KickWiring<'a> {
     pub fn routes(&self) -> Result<Vec<kvm_irq_routing_entry>, Error> {
         (0u32..)
             .zip(self.gsis)
-            .map(|(apic_id, &gsi)| {
-                irqchip::remrd_route(gsi, apic_id).map_err(|e| Error::Kick(e.to_string()))
-            })
+            .map(|(apic_id, &gsi)| irqchip::remrd_route(gsi, apic_id).map_err(Error::Irqchip))
             .collect()
     }
 
@@ -306,7 +320,9 @@ impl<'a> KickWiring<'a> {
         if faults.is_empty() {
             Ok(())
         } else {
-            Err(ConfigError::KickRoutes { faults })
+            Err(ConfigError::KickRoutes {
+                faults: RouteFaults(faults),
+            })
         }
     }
 
@@ -409,25 +425,20 @@ impl KickState {
         vm: &VmFd,
     ) -> Result<Self, Error> {
         let vcpus = cfg.nr_vcpus as usize;
-        let kick_err = |err: &dyn std::fmt::Display| Error::Kick(err.to_string());
         let mut eventfds = Vec::new();
         let mut probe_vm = None;
         let device = match options.path {
-            KickPath::Userspace => KickDevice::userspace(cfg).map_err(|e| kick_err(&e))?,
-            KickPath::SignalMsi => KickDevice::signal_msi(cfg, Arc::new(VmMsiSink::new(vm)?))
-                .map_err(|e| kick_err(&e))?,
+            KickPath::Userspace => KickDevice::userspace(cfg)?,
+            KickPath::SignalMsi => KickDevice::signal_msi(cfg, Arc::new(VmMsiSink::new(vm)?))?,
             KickPath::InKernel => {
                 for _ in 0..vcpus {
-                    eventfds.push(
-                        EventFd::new(EFD_NONBLOCK)
-                            .map_err(|e| Error::Kick(format!("creating an eventfd: {e}")))?,
-                    );
+                    eventfds.push(EventFd::new(EFD_NONBLOCK).map_err(Error::KickEventFd)?);
                 }
                 // The fallback delivers a valid kick whose ioeventfd did not catch it.
                 let vm = Arc::new(VmMsiSink::new(vm)?);
                 probe_vm = Some(vm.clone());
                 let sink: Arc<dyn RemrdSink> = vm;
-                KickDevice::in_kernel(cfg, Some(sink)).map_err(|e| kick_err(&e))?
+                KickDevice::in_kernel(cfg, Some(sink))?
             }
         };
         let mut me = Self::new(device, options, eventfds);
@@ -451,28 +462,22 @@ impl KickState {
     /// Records the VMM's GSIs for the in-kernel path (once) and returns the wiring.
     pub(crate) fn set_gsis(&self, gsis: &[u32]) -> Result<KickWiring<'_>, Error> {
         if self.options.path != KickPath::InKernel {
-            return Err(ConfigError::Rule(
-                "only the in-kernel kick path has GSI routes and ioeventfds",
-            )
-            .into());
+            return Err(ConfigError::GsisWithoutInKernelPath.into());
         }
         if gsis.len() != self.eventfds.len() {
-            return Err(ConfigError::KickGsis(format!(
-                "one GSI per vCPU: {} vCPUs, {} GSIs",
-                self.eventfds.len(),
-                gsis.len()
-            ))
+            return Err(ConfigError::KickGsiCount {
+                vcpus: self.eventfds.len(),
+                gsis: gsis.len(),
+            }
             .into());
         }
         let mut sorted = gsis.to_vec();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(ConfigError::KickGsis(format!("GSI {} given twice", w[0])).into());
+            return Err(ConfigError::KickGsiTwice(w[0]).into());
         }
         if let Some(&gsi) = sorted.last().filter(|&&g| g >= MAX_GSI) {
-            return Err(
-                ConfigError::KickGsis(format!("GSI {gsi} is not below KVM's {MAX_GSI}")).into(),
-            );
+            return Err(ConfigError::KickGsiRange(gsi).into());
         }
         if let (Some(vm), Some(&gsi)) = (&self.vm, gsis.first()) {
             // KVM refuses the kick irqfds without an in-kernel irqchip, with a bare EINVAL:
@@ -499,7 +504,7 @@ impl KickState {
         }
         self.gsis
             .set(gsis.to_vec())
-            .map_err(|_| ConfigError::KickGsis("the kick GSIs are set once".into()))?;
+            .map_err(|_| ConfigError::KickGsisSetTwice)?;
         Ok(self.wiring().expect("just set"))
     }
 

@@ -93,10 +93,9 @@ mod nr {
 use nr::{KVM_GET_MSRS, KVM_RUN, KVM_SET_MP_STATE, KVM_SIGNAL_MSI};
 
 /// Errors building or compiling rules.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum SeccompError {
-    /// A rule could not be built (a bug in pvspin's tables).
-    #[error("seccomp rule for {syscall}: {source}")]
+    /// seccomp rule for {syscall}: {source}
     Rule {
         /// The syscall's name.
         syscall: &'static str,
@@ -104,8 +103,7 @@ pub enum SeccompError {
         #[source]
         source: BackendError,
     },
-    /// `seccompiler` has no target for the host architecture.
-    #[error("seccomp: host architecture {arch}: {source}")]
+    /// seccomp: host architecture {arch}: {source}
     Arch {
         /// `std::env::consts::ARCH`.
         arch: &'static str,
@@ -113,9 +111,7 @@ pub enum SeccompError {
         #[source]
         source: BackendError,
     },
-    /// The filter could not be compiled (e.g. the mismatch action is `Allow`, or the program
-    /// is too long).
-    #[error("compiling the seccomp filter: {0}")]
+    /// compiling the seccomp filter: {0}
     Compile(#[source] BackendError),
 }
 

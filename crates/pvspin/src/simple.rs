@@ -28,10 +28,8 @@ pub fn setup_vm(pvspin: &PvSpin, kvm: &Kvm, vm: &VmFd) -> Result<VmSetup, Error>
         let wiring = pvspin.set_kick_gsis(&gsis)?;
         let mut routes = irqchip::default_irqchip_routes();
         routes.extend(wiring.routes()?);
-        let table = KvmIrqRouting::from_entries(&routes)
-            .map_err(|e| Error::Kick(format!("building the GSI routing table: {e:?}")))?;
-        vm.set_gsi_routing(&table)
-            .map_err(|e| Error::Kick(format!("KVM_SET_GSI_ROUTING: {e}")))?;
+        let table = KvmIrqRouting::from_entries(&routes).map_err(Error::RoutingTable)?;
+        vm.set_gsi_routing(&table).map_err(Error::SetGsiRouting)?;
         // What any VMM does after each KVM_SET_GSI_ROUTING.
         pvspin.check_routes(&routes)?;
         wiring.register(vm)?;

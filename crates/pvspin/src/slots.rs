@@ -111,12 +111,7 @@ impl SlotState {
         let Some(blocking) = &self.blocking else {
             return Ok(());
         };
-        let no_stat = || {
-            crate::ConfigError::Rule(
-                "run slots on the in-kernel and signal-msi kick paths need KVM's per-vCPU binary \
-             statistic `blocking` (KVM_GET_STATS_FD): halts there never leave KVM_RUN",
-            )
-        };
+        let no_stat = || crate::ConfigError::RunSlotsNeedBlockingStat;
         let fd = StatsFd::for_vcpu(vcpu).map_err(|_| no_stat())?;
         let reader = fd
             .value_reader(BLOCKING_STAT)

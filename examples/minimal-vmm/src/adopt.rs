@@ -6,13 +6,14 @@ use std::sync::Arc;
 
 use kvm_bindings::{kvm_irq_routing_entry, CpuId};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+pub use pvspin::interrupt::InterruptError;
 pub use pvspin::{KickPath, PvSpin, SignalInterrupter, VcpuHooks, VcpuThread};
-use pvspin_vmm::memory::GuestMemory;
+use pvspin_vmm::memory::VmMemory;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// pvspin for `n` vCPUs on `path`: kicks, WAIT and hint pages; interrupts by signal.
-pub fn build(n: usize, path: KickPath, mem: &GuestMemory) -> Res<(PvSpin, Arc<SignalInterrupter>)> {
+pub fn build(n: usize, path: KickPath, mem: &VmMemory) -> Res<(PvSpin, Arc<SignalInterrupter>)> {
     let signal = SignalInterrupter::new(n)?;
     let hints = pvspin::HintOptions {
         memory: Arc::new(mem.clone()),
@@ -63,8 +64,8 @@ pub fn configure_vcpu(pvspin: &PvSpin, index: usize, vcpu: &mut VcpuFd) -> Res<V
 }
 
 /// Attaches the calling thread as vCPU `index`'s for interrupts.
-pub fn attach(signal: &Arc<SignalInterrupter>, index: usize) -> Res<VcpuThread> {
-    Ok(signal.attach(index)?)
+pub fn attach(signal: &Arc<SignalInterrupter>, index: usize) -> Result<VcpuThread, InterruptError> {
+    signal.attach(index)
 }
 
 /// One `KVM_RUN` with the hooks around it; `vmm` handles the exits pvspin did not take.

@@ -57,8 +57,82 @@ pub fn run_name(path: KickPath, workload: Workload, user_mode: bool) -> String {
     )
 }
 
-fn err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> String {
-    move |e| format!("{what}: {e}")
+fn err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> MinimalVmmError {
+    move |source| MinimalVmmError::Kvm { op, source }
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MinimalVmmError {
+    /// A KVM call of the VMM's failed.
+    #[error("{op}: {source}")]
+    Kvm {
+        /// The call.
+        op: &'static str,
+        /// KVM's answer.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory could not be made or written.
+    #[error("{0}")]
+    Memory(#[from] memory::MemoryError),
+    /// Guest memory has no host mapping at GPA 0.
+    #[error("{0}")]
+    HostAddress(#[from] vm_memory::GuestMemoryError),
+    /// A step of the pvspin adoption (`adopt.rs`) failed.
+    #[error("{0}")]
+    Adopt(Box<dyn std::error::Error>),
+    /// The VMM's device eventfd could not be made.
+    #[error("eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+    /// The GSI routing table could not be built.
+    #[error("{0:?}")]
+    RoutingTable(vmm_sys_util::fam::Error),
+    /// A vCPU failed.
+    #[error("{0}")]
+    Vcpu(#[from] VcpuError),
+    /// No vCPU ended the run in time.
+    #[error("no vCPU ended the run within {0:?}")]
+    Timeout(Duration),
+    /// The guest ended with a failure status.
+    #[error("guest exit status {status}: {console}")]
+    GuestStatus {
+        /// The status.
+        status: u32,
+        /// What the guest wrote to its console.
+        console: String,
+    },
+}
+
+/// Why a vCPU thread ended the run with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// The vCPU's thread could not be attached to pvspin's interrupter.
+    #[error("{0}")]
+    Attach(#[from] adopt::InterruptError),
+    /// The guest wrote the halt port, which needs a virtio device this VMM lacks.
+    #[error("vCPU {0}: wrote the halt port, but this VMM has no virtio pvspin device")]
+    HaltPort(usize),
+    /// An exit this VMM does not handle.
+    #[error("vCPU {index}: unexpected exit {exit}")]
+    UnexpectedExit {
+        /// The vCPU.
+        index: usize,
+        /// The exit, as `VcpuExit`'s `Debug` prints it (it borrows the vCPU's run area).
+        exit: String,
+    },
+    /// `KVM_RUN` failed.
+    #[error("vCPU {index}: KVM_RUN: {source}")]
+    Run {
+        /// The vCPU.
+        index: usize,
+        /// KVM's answer.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// The vCPU was stopped before the guest ended the run.
+    #[error("vCPU {0} stopped")]
+    Stopped(usize),
 }
 
 /// The VMM's GSI allocator: GSIs after the 24 IOAPIC pins, handed out in order.
@@ -99,7 +173,7 @@ fn own_routes(device_gsi: u32) -> Vec<kvm_irq_routing_entry> {
 }
 
 /// Runs one workload on `path` to its end; returns the guest's summary line.
-pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String, String> {
+pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String, MinimalVmmError> {
     let config = RunConfig {
         vcpus: VCPUS,
         workload,
@@ -119,13 +193,10 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     let n = VCPUS as usize;
     let kvm = Kvm::new().map_err(err("opening /dev/kvm"))?;
     let vm = kvm.create_vm().map_err(err("KVM_CREATE_VM"))?;
-    let mem = memory::create(config.mem_bytes()).map_err(|e| e.to_string())?;
-    memory::write_tables(&mem).map_err(|e| e.to_string())?;
-    let entry =
-        memory::load_image(&mem, pvspin_vmm::vmm::GUEST_IMAGE).map_err(|e| e.to_string())?;
-    let host = mem
-        .get_host_address(GuestAddress(0))
-        .map_err(|e| e.to_string())?;
+    let mem = memory::create(config.mem_bytes())?;
+    memory::write_tables(&mem)?;
+    let entry = memory::load_image(&mem, pvspin_vmm::vmm::GUEST_IMAGE)?;
+    let host = mem.get_host_address(GuestAddress(0))?;
     let region = kvm_bindings::kvm_userspace_memory_region {
         slot: 0,
         guest_phys_addr: 0,
@@ -136,8 +207,8 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     // SAFETY: `mem` maps `mem_bytes` bytes and outlives the VM (dropped after `vm` below).
     unsafe { vm.set_user_memory_region(region) }.map_err(err("KVM_SET_USER_MEMORY_REGION"))?;
 
-    let (pvspin, signal) = adopt::build(n, path, &mem).map_err(|e| e.to_string())?;
-    adopt::configure_vm(&pvspin, &kvm, &vm).map_err(|e| e.to_string())?;
+    let (pvspin, signal) = adopt::build(n, path, &mem).map_err(MinimalVmmError::Adopt)?;
+    adopt::configure_vm(&pvspin, &kvm, &vm).map_err(MinimalVmmError::Adopt)?;
 
     // The VMM's own VM-wide state: irqchip (the userspace kick path wants HLT exits, so none
     // there), its GSIs and routes, its device's irqfd.
@@ -151,13 +222,13 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     }
     if path == KickPath::InKernel {
         let kick = adopt::kick_routes(&pvspin, &vm, || gsis.allocate());
-        routes.extend(kick.map_err(|e| e.to_string())?);
+        routes.extend(kick.map_err(MinimalVmmError::Adopt)?);
     }
     if irqchip {
-        let table = KvmIrqRouting::from_entries(&routes).map_err(|e| format!("{e:?}"))?;
+        let table = KvmIrqRouting::from_entries(&routes).map_err(MinimalVmmError::RoutingTable)?;
         vm.set_gsi_routing(&table)
             .map_err(err("KVM_SET_GSI_ROUTING"))?;
-        adopt::check_routes(&pvspin, &routes).map_err(|e| e.to_string())?;
+        adopt::check_routes(&pvspin, &routes).map_err(MinimalVmmError::Adopt)?;
         vm.register_irqfd(&device_event, device_gsi)
             .map_err(err("KVM_IRQFD"))?;
     }
@@ -172,10 +243,10 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
             .map_err(err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported.clone();
         own_cpuid_edit(&mut cpuid);
-        adopt::edit_cpuid(&pvspin, i as usize, &mut cpuid).map_err(|e| e.to_string())?;
+        adopt::edit_cpuid(&pvspin, i as usize, &mut cpuid).map_err(MinimalVmmError::Adopt)?;
         vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
-        let hooks =
-            adopt::configure_vcpu(&pvspin, i as usize, &mut vcpu).map_err(|e| e.to_string())?;
+        let hooks = adopt::configure_vcpu(&pvspin, i as usize, &mut vcpu)
+            .map_err(MinimalVmmError::Adopt)?;
         let sregs = vcpu.get_sregs().map_err(err("KVM_GET_SREGS"))?;
         vcpu.set_sregs(&memory::initial_sregs(sregs, i))
             .map_err(err("KVM_SET_SREGS"))?;
@@ -193,12 +264,12 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     }
     let tsc_khz = vcpus[0].0.get_tsc_khz().map_or(0, u64::from);
     let params = pvspin_vmm::vmm::boot_params(&config, tsc_khz);
-    memory::write_boot_params(&mem, &params, VCPUS).map_err(|e| e.to_string())?;
+    memory::write_boot_params(&mem, &params, VCPUS)?;
 
     let console = ConsoleSink::new(false);
     let bus = Arc::new(IoBus::new(console.clone()));
     let stop = Arc::new(AtomicBool::new(false));
-    let (done_tx, done_rx) = mpsc::channel::<Result<u32, String>>();
+    let (done_tx, done_rx) = mpsc::channel::<Result<u32, VcpuError>>();
     let mut threads = Vec::new();
     for (i, (vcpu, hooks)) in vcpus.into_iter().enumerate() {
         let (bus, stop, done, signal) =
@@ -210,8 +281,8 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     }
     let deadline = Instant::now() + RUN_LIMIT;
     let outcome = match done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(result) => result,
-        Err(_) => Err(format!("no vCPU ended the run within {RUN_LIMIT:?}")),
+        Ok(result) => result.map_err(MinimalVmmError::Vcpu),
+        Err(_) => Err(MinimalVmmError::Timeout(RUN_LIMIT)),
     };
     stop.store(true, Ordering::Release);
     adopt::stop(&pvspin);
@@ -229,7 +300,10 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     if status == pvspin_vmm_proto::status::OK {
         Ok(summary)
     } else {
-        Err(format!("guest exit status {status}: {text}"))
+        Err(MinimalVmmError::GuestStatus {
+            status,
+            console: text,
+        })
     }
 }
 
@@ -242,8 +316,8 @@ fn own_cpuid_edit(cpuid: &mut kvm_bindings::CpuId) {
     }
 }
 
-fn vmm_eventfd() -> Result<EventFd, String> {
-    EventFd::new(libc::EFD_NONBLOCK).map_err(|e| format!("eventfd: {e}"))
+fn vmm_eventfd() -> Result<EventFd, MinimalVmmError> {
+    EventFd::new(libc::EFD_NONBLOCK).map_err(MinimalVmmError::EventFd)
 }
 
 /// One vCPU thread: pvspin's hooks around `KVM_RUN`, the VMM's bus for the rest.
@@ -254,8 +328,8 @@ fn vcpu_loop(
     signal: &Arc<adopt::SignalInterrupter>,
     bus: &IoBus,
     stop: &AtomicBool,
-) -> Result<u32, String> {
-    let thread = adopt::attach(signal, index).map_err(|e| e.to_string())?;
+) -> Result<u32, VcpuError> {
+    let thread = adopt::attach(signal, index)?;
     let mut parked = false;
     while !stop.load(Ordering::Acquire) {
         if parked {
@@ -273,9 +347,7 @@ fn vcpu_loop(
                 PioAction::Continue => None,
                 // The halt port stands in for `hlt` with the virtio device, which this VMM
                 // does not present.
-                PioAction::KvmHalt => Some(Err(format!(
-                    "vCPU {index}: wrote the halt port, but this VMM has no virtio pvspin device"
-                ))),
+                PioAction::KvmHalt => Some(Err(VcpuError::HaltPort(index))),
             },
             Ok(VcpuExit::IoIn(port, data)) => {
                 bus.read(*port, data);
@@ -287,15 +359,21 @@ fn vcpu_loop(
                 None
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
-            Ok(other) => Some(Err(format!("vCPU {index}: unexpected exit {other:?}"))),
-            Err(e) => Some(Err(format!("vCPU {index}: KVM_RUN: {e}"))),
+            Ok(other) => Some(Err(VcpuError::UnexpectedExit {
+                index,
+                exit: format!("{other:?}"),
+            })),
+            Err(source) => Some(Err(VcpuError::Run {
+                index,
+                source: *source,
+            })),
         })
         .flatten();
         if let Some(result) = step {
             return result;
         }
     }
-    Err(format!("vCPU {index} stopped"))
+    Err(VcpuError::Stopped(index))
 }
 
 #[cfg(test)]

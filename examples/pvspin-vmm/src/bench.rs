@@ -42,17 +42,71 @@ pub struct Variant {
     pub guest: Option<GuestKind>,
 }
 
+/// A bench variant that does not parse: the whole text, and what is wrong in it.
+#[derive(Debug, thiserror::Error)]
+#[error("{text:?}: {fault}")]
+pub struct VariantError {
+    /// The variant as given.
+    pub text: String,
+    /// What is wrong.
+    pub fault: VariantFault,
+}
+
+impl VariantError {
+    fn new(text: &str, fault: VariantFault) -> Self {
+        Self {
+            text: text.to_owned(),
+            fault,
+        }
+    }
+}
+
+/// What is wrong in a bench variant ([`VariantError`]).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VariantFault {
+    /// A guest other than `@stock` or `@pvspin`.
+    #[error("unknown guest {0:?} (stock, pvspin)")]
+    UnknownGuest(String),
+    /// An unknown `/option`.
+    #[error("unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost)")]
+    UnknownOption(String),
+    /// An unknown lock (or none).
+    #[error("unknown lock {0:?} (ticket, tas, queued, backoff)")]
+    UnknownLock(Option<String>),
+    /// An unknown PV mode.
+    #[error("unknown pv mode {0:?} (off, kick, kick+yield)")]
+    UnknownPvMode(String),
+    /// An unknown kick path.
+    #[error("unknown kick path {0:?} (in-kernel, signal-msi, userspace)")]
+    UnknownKickPath(String),
+    /// An actuator without `kick+yield`.
+    #[error("an actuator needs kick+yield")]
+    ActuatorNeedsYield,
+    /// An unknown actuator.
+    #[error("unknown actuator {0:?} (yield, nice, fifo)")]
+    UnknownActuator(String),
+    /// Something after the actuator.
+    #[error("unexpected {0:?}")]
+    Unexpected(String),
+    /// Options on a variant without PV.
+    #[error("wait, budget, slot and vhost options need a PV mode")]
+    OptionsNeedPv,
+}
+
 impl Variant {
     /// `lock:pv[/option...][:path[:actuator]][@guest]`, e.g. `ticket:off`,
     /// `queued:kick:userspace`, `ticket:kick/spins` (ABI 0.2 spin budgets),
     /// `ticket:kick/doorbell` (WAIT in kernel mode), `ticket:kick/hlt`, `queued:kick@stock`
     /// (a stock Linux guest's pv qspinlock), `queued:kick:signal-msi@pvspin`.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, VariantError> {
         let (variant, guest) = match text.rsplit_once('@') {
             Some((variant, "stock")) => (variant, Some(GuestKind::Stock)),
             Some((variant, "pvspin")) => (variant, Some(GuestKind::Pvspin)),
             Some((_, other)) => {
-                return Err(format!("{text:?}: unknown guest {other:?} (stock, pvspin)"))
+                return Err(VariantError::new(
+                    text,
+                    VariantFault::UnknownGuest(other.to_owned()),
+                ))
             }
             None => (text, None),
         };
@@ -62,7 +116,8 @@ impl Variant {
     }
 
     /// [`parse`](Self::parse) without the guest; `text` is the whole variant, for messages.
-    fn parse_variant(text: &str, variant: &str) -> Result<Self, String> {
+    fn parse_variant(text: &str, variant: &str) -> Result<Self, VariantError> {
+        let fault = |fault| VariantError::new(text, fault);
         let (text_base, options) = match variant.split_once('/') {
             Some((base, rest)) => {
                 // Options sit on the pv part: split them off up to the next ':'.
@@ -85,11 +140,7 @@ impl Variant {
                 "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
                 "slots" => slots = Some(true),
                 "vhost" => vhost = true,
-                other => {
-                    return Err(format!(
-                    "{text:?}: unknown option {other:?} (spins, time, hlt, doorbell, slots, vhost)"
-                ))
-                }
+                other => return Err(fault(VariantFault::UnknownOption(other.to_owned()))),
             }
         }
         let mut parts = text_base.split(':');
@@ -98,53 +149,35 @@ impl Variant {
             Some("tas") => LockKind::Tas,
             Some("queued") => LockKind::Queued,
             Some("backoff") => LockKind::Backoff,
-            other => {
-                return Err(format!(
-                    "{text:?}: unknown lock {other:?} (ticket, tas, queued, backoff)"
-                ))
-            }
+            other => return Err(fault(VariantFault::UnknownLock(other.map(str::to_owned)))),
         };
         let pv = match parts.next().unwrap_or("off") {
             "off" => PvMode::Off,
             "kick" => PvMode::Kick,
             "kick+yield" => PvMode::KickYield,
-            other => {
-                return Err(format!(
-                    "{text:?}: unknown pv mode {other:?} (off, kick, kick+yield)"
-                ))
-            }
+            other => return Err(fault(VariantFault::UnknownPvMode(other.to_owned()))),
         };
         let kick_path = match parts.next().unwrap_or("in-kernel") {
             "in-kernel" => pvspin::KickPath::InKernel,
             "signal-msi" => pvspin::KickPath::SignalMsi,
             "userspace" => pvspin::KickPath::Userspace,
-            other => {
-                return Err(format!(
-                    "{text:?}: unknown kick path {other:?} (in-kernel, signal-msi, userspace)"
-                ))
-            }
+            other => return Err(fault(VariantFault::UnknownKickPath(other.to_owned()))),
         };
         let actuator = match parts.next() {
             None => pvspin::DEFAULT_ACTUATOR,
             Some(_) if pv != PvMode::KickYield => {
-                return Err(format!("{text:?}: an actuator needs kick+yield"))
+                return Err(fault(VariantFault::ActuatorNeedsYield))
             }
             Some("yield") => "yield",
             Some("nice") => "nice",
             Some("fifo") => "fifo",
-            Some(other) => {
-                return Err(format!(
-                    "{text:?}: unknown actuator {other:?} (yield, nice, fifo)"
-                ))
-            }
+            Some(other) => return Err(fault(VariantFault::UnknownActuator(other.to_owned()))),
         };
         if let Some(extra) = parts.next() {
-            return Err(format!("{text:?}: unexpected {extra:?}"));
+            return Err(fault(VariantFault::Unexpected(extra.to_owned())));
         }
         if pv == PvMode::Off && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost) {
-            return Err(format!(
-                "{text:?}: wait, budget, slot and vhost options need a PV mode"
-            ));
+            return Err(fault(VariantFault::OptionsNeedPv));
         }
         Ok(Self {
             lock,

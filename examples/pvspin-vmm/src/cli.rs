@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use pvspin_kvm::guest::UnknownGuestKernel;
 use pvspin_vmm_proto::{LockKind, Workload};
 
 use crate::bench::{self, BenchOptions};
@@ -15,12 +16,12 @@ use crate::vmm;
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub command: CliCommand,
 }
 
 /// Subcommands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub enum CliCommand {
     /// Runs one VM and prints a summary line and a JSON line.
     Run(RunArgs),
     /// Runs the lock workload repeatedly at several overcommit levels and prints a table.
@@ -514,13 +515,18 @@ pub enum PvBackendArg {
     VhostUser(std::path::PathBuf),
 }
 
-fn parse_pv_backend(text: &str) -> Result<PvBackendArg, String> {
+/// A `--pv-backend` that is neither form.
+#[derive(Debug, thiserror::Error)]
+#[error("expected `in-process` or `vhost-user:PATH`")]
+pub struct PvBackendError;
+
+fn parse_pv_backend(text: &str) -> Result<PvBackendArg, PvBackendError> {
     if text == "in-process" {
         return Ok(PvBackendArg::InProcess);
     }
     match text.strip_prefix("vhost-user:") {
         Some(path) if !path.is_empty() => Ok(PvBackendArg::VhostUser(path.into())),
-        _ => Err("expected `in-process` or `vhost-user:PATH`".into()),
+        _ => Err(PvBackendError),
     }
 }
 
@@ -542,21 +548,34 @@ pub enum BoostsArg {
     Unconfined,
 }
 
-fn parse_placement(text: &str) -> Result<pvspin::Placement, String> {
-    text.parse()
-        .map_err(|err: pvspin::PlanError| err.to_string())
-}
-
-fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, String> {
+fn parse_placement(text: &str) -> Result<pvspin::Placement, pvspin::PlanError> {
     text.parse()
 }
 
-fn parse_u32(text: &str) -> Result<u32, String> {
+fn parse_guest_kernel(text: &str) -> Result<pvspin::GuestKernel, UnknownGuestKernel> {
+    text.parse()
+}
+
+/// A command-line number that is not a 32-bit decimal or `0x` hexadecimal number.
+#[derive(Debug, thiserror::Error)]
+#[error("{text:?} is not a 32-bit number: {source}")]
+pub struct NumberError {
+    /// The text given.
+    pub text: String,
+    /// Why it does not parse.
+    #[source]
+    pub source: std::num::ParseIntError,
+}
+
+fn parse_u32(text: &str) -> Result<u32, NumberError> {
     let parsed = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16),
         None => text.parse(),
     };
-    parsed.map_err(|err| format!("{text:?} is not a 32-bit number: {err}"))
+    parsed.map_err(|source| NumberError {
+        text: text.to_owned(),
+        source,
+    })
 }
 
 /// Options of `run`.
@@ -751,17 +770,17 @@ where
         }
     };
     let vm_args = match &cli.command {
-        Command::Run(args) => &args.vm,
-        Command::Bench(args) => &args.vm,
-        Command::Report(args) => {
+        CliCommand::Run(args) => &args.vm,
+        CliCommand::Bench(args) => &args.vm,
+        CliCommand::Report(args) => {
             let mut stdout = std::io::stdout().lock();
             return report_command(args, &mut stdout);
         }
-        Command::Cotenant(args) => {
+        CliCommand::Cotenant(args) => {
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
         }
-        Command::GuestImage(args) => {
+        CliCommand::GuestImage(args) => {
             return match std::fs::write(&args.out, vmm::GUEST_IMAGE) {
                 Ok(()) => 0,
                 Err(err) => {
@@ -770,7 +789,7 @@ where
                 }
             };
         }
-        Command::GuestCmdline(args) => {
+        CliCommand::GuestCmdline(args) => {
             let config = args.vm.config(0);
             if let Err(err) = config.validate(u32::MAX) {
                 eprintln!("pvspin-vmm: {err}");
@@ -781,7 +800,7 @@ where
         }
     };
     let _cgroup = if vm_args.vm_cgroup || vm_args.cpu_limit.is_some() {
-        if matches!(cli.command, Command::Run(_)) && vm_args.seccomp != SeccompArg::Off {
+        if matches!(cli.command, CliCommand::Run(_)) && vm_args.seccomp != SeccompArg::Off {
             eprintln!(
                 "pvspin-vmm: rule: run --vm-cgroup and --cpu-limit need --seccomp off (leaving \
                  the cgroup at the end needs file-system calls the confined main thread may not \
@@ -790,12 +809,12 @@ where
             return 2;
         }
         let hogs = match &cli.command {
-            Command::Run(args) => args.hogs,
-            Command::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            Command::Cotenant(_)
-            | Command::Report(_)
-            | Command::GuestImage(_)
-            | Command::GuestCmdline(_) => 0,
+            CliCommand::Run(args) => args.hogs,
+            CliCommand::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
+            CliCommand::Cotenant(_)
+            | CliCommand::Report(_)
+            | CliCommand::GuestImage(_)
+            | CliCommand::GuestCmdline(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -809,7 +828,11 @@ where
                 if let Some(cpus) = vm_args.cpu_limit {
                     if let Err(err) = cgroup.limit(cpus) {
                         eprintln!("pvspin-vmm: --cpu-limit: {err}");
-                        return if err.starts_with("rule:") { 2 } else { 1 };
+                        return if matches!(err, crate::cgroup::CgroupError::CpuLimit(_)) {
+                            2
+                        } else {
+                            1
+                        };
                     }
                 }
                 Some(cgroup)
@@ -823,11 +846,11 @@ where
         None
     };
     match cli.command {
-        Command::Cotenant(_)
-        | Command::Report(_)
-        | Command::GuestImage(_)
-        | Command::GuestCmdline(_) => 0,
-        Command::Run(args) => match if confine_caller {
+        CliCommand::Cotenant(_)
+        | CliCommand::Report(_)
+        | CliCommand::GuestImage(_)
+        | CliCommand::GuestCmdline(_) => 0,
+        CliCommand::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {
             vmm::run(&args.vm.config(args.hogs))
@@ -844,7 +867,7 @@ where
                 err.exit_code()
             }
         },
-        Command::Bench(args) => {
+        CliCommand::Bench(args) => {
             let mut stdout = std::io::stdout().lock();
             bench_command(&args, command, &mut stdout, vmm::run)
         }
@@ -963,7 +986,7 @@ mod tests {
     fn guest_option_and_its_spin_threshold_default() {
         let parse = |args: &[&str]| {
             let cli = Cli::try_parse_from(["pvspin-vmm", "run"].iter().chain(args)).unwrap();
-            let Command::Run(args) = cli.command else {
+            let CliCommand::Run(args) = cli.command else {
                 panic!("expected run")
             };
             args.vm.config(0)
@@ -1024,7 +1047,7 @@ mod tests {
             json.to_str().unwrap(),
         ])
         .unwrap();
-        let Command::Bench(args) = cli.command else {
+        let CliCommand::Bench(args) = cli.command else {
             panic!("expected bench")
         };
         let command: Vec<String> = ["pvspin-vmm", "bench", "--made-up"]
@@ -1103,7 +1126,7 @@ mod tests {
     fn parses_bench_hog_lists() {
         let cli =
             Cli::try_parse_from(["pvspin-vmm", "bench", "--hogs", "0,2,4", "--runs", "3"]).unwrap();
-        let Command::Bench(args) = cli.command else {
+        let CliCommand::Bench(args) = cli.command else {
             panic!("expected bench")
         };
         assert_eq!(args.hogs, [0, 2, 4]);

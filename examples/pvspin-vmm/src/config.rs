@@ -245,7 +245,7 @@ impl Default for RunConfig {
 
 /// Why a configuration is refused. Each message names the rule.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ConfigError {
+pub enum RunConfigError {
     /// Zero vCPUs.
     #[error("--vcpus must be at least 1")]
     NoVcpus,
@@ -358,12 +358,12 @@ pub const MAX_HOGS: u32 = 256;
 
 impl RunConfig {
     /// Checks the configuration against its rules and against KVM's vCPU limit.
-    pub fn validate(&self, kvm_max_vcpus: u32) -> Result<(), ConfigError> {
+    pub fn validate(&self, kvm_max_vcpus: u32) -> Result<(), RunConfigError> {
         if self.vcpus == 0 {
-            return Err(ConfigError::NoVcpus);
+            return Err(RunConfigError::NoVcpus);
         }
         if self.vcpus > kvm_max_vcpus || self.vcpus > MAX_VCPUS {
-            return Err(ConfigError::TooManyVcpus {
+            return Err(RunConfigError::TooManyVcpus {
                 got: self.vcpus,
                 kvm_max: kvm_max_vcpus,
                 proto_max: MAX_VCPUS,
@@ -372,30 +372,30 @@ impl RunConfig {
         let need = min_memory_bytes(self.vcpus);
         let need_mib = need.div_ceil(1 << 20);
         if self.mem_mib < need_mib {
-            return Err(ConfigError::TooLittleMemory {
+            return Err(RunConfigError::TooLittleMemory {
                 got: self.mem_mib,
                 vcpus: self.vcpus,
                 need_mib,
             });
         }
         if self.mem_mib > MAPPED_BYTES >> 20 {
-            return Err(ConfigError::TooMuchMemory {
+            return Err(RunConfigError::TooMuchMemory {
                 got: self.mem_mib,
                 max_mib: MAPPED_BYTES >> 20,
             });
         }
         if self.workload == Workload::Lock && self.iterations == 0 {
-            return Err(ConfigError::NoIterations);
+            return Err(RunConfigError::NoIterations);
         }
         if self.watchdog_ms == 0 || self.timeout_ms == 0 {
-            return Err(ConfigError::ZeroBound);
+            return Err(RunConfigError::ZeroBound);
         }
         if self.pv.kicks() && self.lock == LockKind::Tas {
-            return Err(ConfigError::NoPvVariant);
+            return Err(RunConfigError::NoPvVariant);
         }
         for threshold in [self.spin_threshold, self.stock_spin_threshold] {
             if threshold == 0 || threshold > MAX_SPIN_THRESHOLD {
-                return Err(ConfigError::SpinThreshold {
+                return Err(RunConfigError::SpinThreshold {
                     got: threshold,
                     max: MAX_SPIN_THRESHOLD,
                 });
@@ -407,7 +407,7 @@ impl RunConfig {
         if self.workload == Workload::PingPong
             && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
         {
-            return Err(ConfigError::PingPongNeedsPv);
+            return Err(RunConfigError::PingPongNeedsPv);
         }
         if self.vhost_user.is_some()
             && (!self.pv.kicks()
@@ -415,7 +415,7 @@ impl RunConfig {
                 || self.budgets == BudgetMode::Spins
                 || self.kick_path != pvspin::KickPath::InKernel)
         {
-            return Err(ConfigError::VhostUserNeeds);
+            return Err(RunConfigError::VhostUserNeeds);
         }
         if self.vhost_user.is_some() {
             let in_process_only = [
@@ -428,14 +428,14 @@ impl RunConfig {
                 (self.park_spin_us != 0, "--park-spin-us"),
             ];
             if let Some((_, option)) = in_process_only.iter().find(|(set, _)| *set) {
-                return Err(ConfigError::InProcessOnly(option));
+                return Err(RunConfigError::InProcessOnly(option));
             }
         }
         if self.run_slots.is_some() && self.pv == PvMode::Off {
-            return Err(ConfigError::SlotsNeedKicks);
+            return Err(RunConfigError::SlotsNeedKicks);
         }
         if self.workload == Workload::Abuse && (self.pv != PvMode::KickYield || self.vcpus < 2) {
-            return Err(ConfigError::AbuseNeedsNotifications);
+            return Err(RunConfigError::AbuseNeedsNotifications);
         }
         if self.user_mode
             && (!matches!(
@@ -443,25 +443,25 @@ impl RunConfig {
                 Workload::Lock | Workload::PingPong | Workload::Burn | Workload::Abuse
             ) || self.wait == WaitMode::Hlt)
         {
-            return Err(ConfigError::UserModeCannotHalt);
+            return Err(RunConfigError::UserModeCannotHalt);
         }
         let budget = self.budget_config();
         if budget.validate().is_err() {
-            return Err(ConfigError::WaitBudget {
+            return Err(RunConfigError::WaitBudget {
                 start: budget.wait_after_ns / 1000,
                 max: budget.wait_after_max_ns / 1000,
             });
         }
         if self.boot == BootMode::Pvh {
             if self.pv.kicks() && self.kick_path == pvspin::KickPath::Userspace {
-                return Err(ConfigError::PvhNeedsInKernelLapic);
+                return Err(RunConfigError::PvhNeedsInKernelLapic);
             }
             if self.vhost_user.is_some() {
-                return Err(ConfigError::PvhNoVhostUser);
+                return Err(RunConfigError::PvhNoVhostUser);
             }
         }
         if self.hogs > MAX_HOGS {
-            return Err(ConfigError::TooManyHogs {
+            return Err(RunConfigError::TooManyHogs {
                 got: self.hogs,
                 max: MAX_HOGS,
             });
@@ -470,7 +470,7 @@ impl RunConfig {
     }
 
     /// The stock guest's rules (`--guest stock`).
-    fn validate_stock(&self) -> Result<(), ConfigError> {
+    fn validate_stock(&self) -> Result<(), RunConfigError> {
         let pvspin_only = [
             (
                 self.pv == PvMode::KickYield,
@@ -488,14 +488,14 @@ impl RunConfig {
             (self.workload == Workload::Abuse, "--workload abuse"),
         ];
         if let Some((_, option)) = pvspin_only.iter().find(|(set, _)| *set) {
-            return Err(ConfigError::StockGuestCannot(option));
+            return Err(RunConfigError::StockGuestCannot(option));
         }
         if self.pv.kicks() {
             if self.kick_path == pvspin::KickPath::Userspace {
-                return Err(ConfigError::StockGuestNeedsInKernelLapic);
+                return Err(RunConfigError::StockGuestNeedsInKernelLapic);
             }
             if self.lock != LockKind::Queued {
-                return Err(ConfigError::StockGuestNoPvLock);
+                return Err(RunConfigError::StockGuestNoPvLock);
             }
         }
         Ok(())
@@ -578,14 +578,14 @@ mod tests {
                 vcpus: 0,
                 ..base.clone()
             }),
-            ConfigError::NoVcpus
+            RunConfigError::NoVcpus
         );
         assert!(matches!(
             check(RunConfig {
                 vcpus: 9,
                 ..base.clone()
             }),
-            ConfigError::TooManyVcpus {
+            RunConfigError::TooManyVcpus {
                 got: 9,
                 kvm_max: 8,
                 ..
@@ -596,35 +596,35 @@ mod tests {
                 mem_mib: 1,
                 ..base.clone()
             }),
-            ConfigError::TooLittleMemory { got: 1, .. }
+            RunConfigError::TooLittleMemory { got: 1, .. }
         ));
         assert!(matches!(
             check(RunConfig {
                 mem_mib: 4096,
                 ..base.clone()
             }),
-            ConfigError::TooMuchMemory { got: 4096, .. }
+            RunConfigError::TooMuchMemory { got: 4096, .. }
         ));
         assert_eq!(
             check(RunConfig {
                 iterations: 0,
                 ..base.clone()
             }),
-            ConfigError::NoIterations
+            RunConfigError::NoIterations
         );
         assert_eq!(
             check(RunConfig {
                 watchdog_ms: 0,
                 ..base.clone()
             }),
-            ConfigError::ZeroBound
+            RunConfigError::ZeroBound
         );
         assert!(matches!(
             check(RunConfig {
                 hogs: 1000,
                 ..base.clone()
             }),
-            ConfigError::TooManyHogs { .. }
+            RunConfigError::TooManyHogs { .. }
         ));
         assert_eq!(
             check(RunConfig {
@@ -632,7 +632,7 @@ mod tests {
                 lock: LockKind::Tas,
                 ..base.clone()
             }),
-            ConfigError::NoPvVariant
+            RunConfigError::NoPvVariant
         );
         // The guest's PV lock domain has state for every vCPU the protocol allows.
         for lock in [LockKind::Queued, LockKind::Ticket] {
@@ -652,7 +652,7 @@ mod tests {
                 spin_threshold: 0,
                 ..base.clone()
             }),
-            ConfigError::SpinThreshold { got: 0, .. }
+            RunConfigError::SpinThreshold { got: 0, .. }
         ));
         // The protocol's limit applies even when KVM allows more.
         assert!(RunConfig {
@@ -692,13 +692,13 @@ mod tests {
                 ..vhost.clone()
             },
         ] {
-            assert_eq!(check(refused), ConfigError::VhostUserNeeds);
+            assert_eq!(check(refused), RunConfigError::VhostUserNeeds);
         }
         let fifo = RunConfig {
             actuator: "fifo",
             ..vhost.clone()
         };
-        assert_eq!(check(fifo), ConfigError::InProcessOnly("--actuator"));
+        assert_eq!(check(fifo), RunConfigError::InProcessOnly("--actuator"));
         let spin = RunConfig {
             park_spin_us: 50,
             ..vhost
@@ -763,7 +763,7 @@ mod tests {
                 kick_path: pvspin::KickPath::Userspace,
                 ..stock.clone()
             }),
-            ConfigError::StockGuestNeedsInKernelLapic
+            RunConfigError::StockGuestNeedsInKernelLapic
         );
         for lock in [LockKind::Ticket, LockKind::Backoff] {
             assert_eq!(
@@ -771,7 +771,7 @@ mod tests {
                     lock,
                     ..stock.clone()
                 }),
-                ConfigError::StockGuestNoPvLock,
+                RunConfigError::StockGuestNoPvLock,
                 "{lock:?}"
             );
         }
@@ -781,14 +781,14 @@ mod tests {
                 lock: LockKind::Tas,
                 ..stock.clone()
             }),
-            ConfigError::NoPvVariant
+            RunConfigError::NoPvVariant
         );
         let yield_ = check(RunConfig {
             pv: PvMode::KickYield,
             ..stock.clone()
         });
         assert!(
-            matches!(yield_, ConfigError::StockGuestCannot(o) if o.starts_with("--pv kick+yield")),
+            matches!(yield_, RunConfigError::StockGuestCannot(o) if o.starts_with("--pv kick+yield")),
             "{yield_}"
         );
         let doorbell = check(RunConfig {
@@ -803,21 +803,24 @@ mod tests {
             vhost_user: Some("/run/pvspind.sock".into()),
             ..stock.clone()
         });
-        assert!(matches!(vhost, ConfigError::StockGuestCannot(_)), "{vhost}");
+        assert!(
+            matches!(vhost, RunConfigError::StockGuestCannot(_)),
+            "{vhost}"
+        );
         let pingpong = check(RunConfig {
             workload: Workload::PingPong,
             ..stock.clone()
         });
         assert_eq!(
             pingpong,
-            ConfigError::StockGuestCannot("--workload pingpong")
+            RunConfigError::StockGuestCannot("--workload pingpong")
         );
         assert!(matches!(
             check(RunConfig {
                 stock_spin_threshold: 0,
                 ..stock.clone()
             }),
-            ConfigError::SpinThreshold { got: 0, .. }
+            RunConfigError::SpinThreshold { got: 0, .. }
         ));
         // The same options are fine for a pvspin-aware guest.
         for config in [
@@ -856,7 +859,7 @@ mod tests {
                 ..pvh.clone()
             }
             .validate(8),
-            Err(ConfigError::PvhNeedsInKernelLapic)
+            Err(RunConfigError::PvhNeedsInKernelLapic)
         );
         assert_eq!(
             RunConfig {
@@ -864,7 +867,7 @@ mod tests {
                 ..pvh.clone()
             }
             .validate(8),
-            Err(ConfigError::PvhNoVhostUser)
+            Err(RunConfigError::PvhNoVhostUser)
         );
         // Without PV the kick path is not used.
         assert_eq!(

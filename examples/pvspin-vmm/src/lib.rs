@@ -23,6 +23,6 @@ pub mod vhost;
 pub mod virtio_mmio;
 pub mod vmm;
 
-pub use config::{ConfigError, PvMode, RunConfig};
+pub use config::{PvMode, RunConfig, RunConfigError};
 pub use report::RunReport;
 pub use vmm::{run, RunError};

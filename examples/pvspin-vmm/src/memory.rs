@@ -12,7 +12,7 @@ use pvspin_vmm_proto::{
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// Guest memory of the example VMM.
-pub type GuestMemory = GuestMemoryMmap<()>;
+pub type VmMemory = GuestMemoryMmap<()>;
 
 /// Errors while preparing guest memory.
 #[derive(Debug, thiserror::Error)]
@@ -80,15 +80,15 @@ const EFER_LME: u64 = 1 << 8;
 const EFER_LMA: u64 = 1 << 10;
 
 /// Allocates `bytes` of zeroed guest memory at GPA 0.
-pub fn create(bytes: u64) -> Result<GuestMemory, MemoryError> {
+pub fn create(bytes: u64) -> Result<VmMemory, MemoryError> {
     let size = usize::try_from(bytes).unwrap_or(usize::MAX);
-    GuestMemory::from_ranges(&[(GuestAddress(0), size)])
+    VmMemory::from_ranges(&[(GuestAddress(0), size)])
         .map_err(|source| MemoryError::Allocate { bytes, source })
 }
 
 /// Allocates `bytes` of zeroed guest memory at GPA 0 backed by a memfd, so that a vhost-user
 /// backend can map it (the descriptor travels in `VHOST_USER_SET_MEM_TABLE`).
-pub fn create_shared(bytes: u64) -> Result<GuestMemory, MemoryError> {
+pub fn create_shared(bytes: u64) -> Result<VmMemory, MemoryError> {
     let shared_error = |source: std::io::Error| MemoryError::Shared { bytes, source };
     // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new descriptor
     // or -1, checked below.
@@ -100,7 +100,7 @@ pub fn create_shared(bytes: u64) -> Result<GuestMemory, MemoryError> {
     let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     file.set_len(bytes).map_err(shared_error)?;
     let size = usize::try_from(bytes).unwrap_or(usize::MAX);
-    GuestMemory::from_ranges_with_files(&[(
+    VmMemory::from_ranges_with_files(&[(
         GuestAddress(0),
         size,
         Some(vm_memory::FileOffset::new(file, 0)),
@@ -109,7 +109,7 @@ pub fn create_shared(bytes: u64) -> Result<GuestMemory, MemoryError> {
 }
 
 fn write<T: vm_memory::ByteValued>(
-    memory: &GuestMemory,
+    memory: &VmMemory,
     what: &'static str,
     addr: u64,
     value: T,
@@ -120,7 +120,7 @@ fn write<T: vm_memory::ByteValued>(
 }
 
 /// Writes the GDT and identity-maps [`MAPPED_BYTES`] with 2 MiB pages.
-pub fn write_tables(memory: &GuestMemory) -> Result<(), MemoryError> {
+pub fn write_tables(memory: &VmMemory) -> Result<(), MemoryError> {
     for (i, entry) in GDT.iter().enumerate() {
         write(memory, "GDT", GDT_ADDR + 8 * i as u64, *entry)?;
     }
@@ -148,7 +148,7 @@ pub fn write_tables(memory: &GuestMemory) -> Result<(), MemoryError> {
 }
 
 /// Loads the guest ELF image; returns its entry point.
-pub fn load_image(memory: &GuestMemory, image: &[u8]) -> Result<u64, MemoryError> {
+pub fn load_image(memory: &VmMemory, image: &[u8]) -> Result<u64, MemoryError> {
     load(memory, image).map(|loaded| loaded.entry)
 }
 
@@ -162,7 +162,7 @@ pub struct LoadedImage {
 }
 
 /// Loads the guest ELF image (below 1 MiB nothing: linux-loader refuses segments there).
-pub fn load(memory: &GuestMemory, image: &[u8]) -> Result<LoadedImage, MemoryError> {
+pub fn load(memory: &VmMemory, image: &[u8]) -> Result<LoadedImage, MemoryError> {
     let loaded = Elf::load(
         memory,
         None,
@@ -187,7 +187,7 @@ pub fn load(memory: &GuestMemory, image: &[u8]) -> Result<LoadedImage, MemoryErr
 
 /// Writes the boot parameters and zeroes every vCPU's progress slot.
 pub fn write_boot_params(
-    memory: &GuestMemory,
+    memory: &VmMemory,
     params: &BootParams,
     vcpus: u32,
 ) -> Result<(), MemoryError> {
@@ -203,7 +203,7 @@ pub fn write_boot_params(
 }
 
 /// Reads the boot parameters back (the guest writes its result into them).
-pub fn read_boot_params(memory: &GuestMemory) -> Option<BootParams> {
+pub fn read_boot_params(memory: &VmMemory) -> Option<BootParams> {
     memory
         .read_obj::<Pod<BootParams>>(GuestAddress(BOOT_PARAMS_ADDR))
         .ok()
@@ -211,7 +211,7 @@ pub fn read_boot_params(memory: &GuestMemory) -> Option<BootParams> {
 }
 
 /// Reads vCPU `index`'s progress slot.
-pub fn read_slot(memory: &GuestMemory, index: u32) -> Option<VcpuSlot> {
+pub fn read_slot(memory: &VmMemory, index: u32) -> Option<VcpuSlot> {
     memory
         .read_obj::<Pod<VcpuSlot>>(GuestAddress(vcpu_slot_addr(index)))
         .ok()

@@ -16,7 +16,7 @@ use pvspin_vmm_proto::pvh::{
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::config::{BudgetMode, GuestKind, PvMode, RunConfig, WaitMode};
-use crate::memory::GuestMemory;
+use crate::memory::VmMemory;
 use crate::vmm::{lock_name, workload_name};
 
 /// Errors while writing the PVH boot data.
@@ -115,7 +115,7 @@ pub fn guest_cmdline(config: &RunConfig, tsc_khz: u64) -> String {
 }
 
 fn write_bytes(
-    memory: &GuestMemory,
+    memory: &VmMemory,
     what: &'static str,
     addr: u64,
     bytes: &[u8],
@@ -128,7 +128,7 @@ fn write_bytes(
 /// Writes the start info, memory map, command line and ACPI tables for `vcpus` vCPUs in
 /// `mem_bytes` of guest memory.
 pub fn write_boot_data(
-    memory: &GuestMemory,
+    memory: &VmMemory,
     mem_bytes: u64,
     cmdline: &str,
     vcpus: u32,
@@ -397,7 +397,7 @@ mod tests {
     struct Phys(Vec<u8>);
 
     impl Phys {
-        fn of(memory: &GuestMemory) -> Self {
+        fn of(memory: &VmMemory) -> Self {
             let mut low = vec![0; 1 << 20];
             memory.read_slice(&mut low, GuestAddress(0)).unwrap();
             Self(low)

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::devices::IoBus;
-use crate::memory::{self, GuestMemory};
-use crate::vcpu::{RegsSnapshot, VcpuShared, VcpuState};
+use crate::memory::{self, VmMemory};
+use crate::vcpu::{RegsSnapshot, VcpuRunState, VcpuShared};
 use crate::vmm::{lock_name, workload_name};
 
 /// One vCPU at the end of a run.
@@ -18,7 +18,7 @@ pub struct VcpuReport {
     /// Index.
     pub index: u32,
     /// State when the VM stopped.
-    pub state: VcpuState,
+    pub state: VcpuRunState,
     /// Exits handled by the VMM in userspace.
     pub userspace_exits: u64,
     /// `KVM_RUN` calls (pvspin's counters).
@@ -36,7 +36,7 @@ pub struct VcpuReport {
 impl VcpuReport {
     pub(crate) fn collect(
         vcpu: &VcpuShared,
-        memory: &GuestMemory,
+        memory: &VmMemory,
         counters: Option<&PvspinVcpuCounters>,
     ) -> Self {
         let slot = memory::read_slot(memory, vcpu.index).unwrap_or_default();
@@ -405,11 +405,7 @@ impl LatencySummary {
 
     /// Reads the samples the guest left in its memory. Untrusted: the address and count are
     /// bounds-checked against the protocol's maximum and guest memory.
-    pub(crate) fn from_guest(
-        memory: &GuestMemory,
-        params: &BootParams,
-        tsc_khz: u64,
-    ) -> Option<Self> {
+    pub(crate) fn from_guest(memory: &VmMemory, params: &BootParams, tsc_khz: u64) -> Option<Self> {
         let result = params.result;
         let len = usize::try_from(result.samples_len).ok()?;
         if len == 0 || len > pvspin_vmm_proto::MAX_SAMPLES {

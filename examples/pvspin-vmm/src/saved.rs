@@ -328,7 +328,8 @@ pub fn parse(text: &str, path: &Path) -> Result<Vec<BenchTable>, LoadError> {
                 let mut cases = Vec::new();
                 for &hogs in &header.hogs {
                     for name in &header.variants {
-                        let variant = Variant::parse(name).map_err(|err| mismatch(line, err))?;
+                        let variant =
+                            Variant::parse(name).map_err(|err| mismatch(line, err.to_string()))?;
                         cases.push(CaseResult::new(hogs, variant));
                     }
                 }

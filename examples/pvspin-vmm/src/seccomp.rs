@@ -298,15 +298,25 @@ impl Filters {
     }
 
     /// Installs the filter of `thread` on the calling thread.
-    pub fn apply(&self, thread: VmmThread) -> Result<(), String> {
+    pub fn apply(&self, thread: VmmThread) -> Result<(), InstallError> {
         install(&self.programs[&key(thread)], thread)
     }
 }
 
+/// A thread's seccomp filter that could not be installed.
+#[derive(Debug, thiserror::Error)]
+#[error("installing the {thread:?} seccomp filter: {source}")]
+pub struct InstallError {
+    /// Whose filter it is.
+    pub thread: VmmThread,
+    /// What seccompiler (the kernel) answered.
+    #[source]
+    pub source: seccompiler::Error,
+}
+
 /// Installs `program`, the filter of `thread`, on the calling thread.
-pub fn install(program: &BpfProgram, thread: VmmThread) -> Result<(), String> {
-    seccompiler::apply_filter(program)
-        .map_err(|err| format!("installing the {thread:?} seccomp filter: {err}"))
+pub fn install(program: &BpfProgram, thread: VmmThread) -> Result<(), InstallError> {
+    seccompiler::apply_filter(program).map_err(|source| InstallError { thread, source })
 }
 
 /// Test aid (`--seccomp-violation`): a syscall no thread's filter allows. Under `enforce`

@@ -13,7 +13,7 @@ use crate::devices::{IoBus, PioAction};
 /// Why a vCPU thread stopped or what it saw last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum VcpuState {
+pub enum VcpuRunState {
     /// Not started yet.
     Created,
     /// In or around `KVM_RUN`.
@@ -29,7 +29,7 @@ pub enum VcpuState {
 pub struct VcpuShared {
     /// The vCPU's index.
     pub index: u32,
-    state: Mutex<VcpuState>,
+    state: Mutex<VcpuRunState>,
     parked: Condvar,
     unpark: AtomicBool,
     /// Exits handled in userspace.
@@ -56,7 +56,7 @@ impl VcpuShared {
     pub fn new(index: u32, signal: Arc<pvspin::SignalInterrupter>) -> Self {
         Self {
             index,
-            state: Mutex::new(VcpuState::Created),
+            state: Mutex::new(VcpuRunState::Created),
             parked: Condvar::new(),
             unpark: AtomicBool::new(false),
             exits: AtomicU64::new(0),
@@ -66,11 +66,11 @@ impl VcpuShared {
     }
 
     /// The vCPU's state now.
-    pub fn state(&self) -> VcpuState {
+    pub fn state(&self) -> VcpuRunState {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn set_state(&self, state: VcpuState) {
+    fn set_state(&self, state: VcpuRunState) {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner) = state;
     }
 
@@ -86,7 +86,7 @@ impl VcpuShared {
     /// the caller re-check why it is parked.
     fn park(&self, poll: Duration) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        *state = VcpuState::Halted;
+        *state = VcpuRunState::Halted;
         while !self.unpark.swap(false, Ordering::AcqRel) {
             let (guard, timeout) = self
                 .parked
@@ -97,25 +97,25 @@ impl VcpuShared {
                 break;
             }
         }
-        *state = VcpuState::Running;
+        *state = VcpuRunState::Running;
     }
 }
 
 /// The VMM's [`VcpuInterrupter`] for pvspin: pvspin's signal interrupter, plus the wake-up of
 /// the VMM's own park.
 #[derive(Debug)]
-pub struct SignalInterrupter {
+pub struct VcpuKicker {
     vcpus: Vec<Arc<VcpuShared>>,
 }
 
-impl SignalInterrupter {
+impl VcpuKicker {
     /// Interrupts the given vCPUs by index.
     pub fn new(vcpus: Vec<Arc<VcpuShared>>) -> Self {
         Self { vcpus }
     }
 }
 
-impl VcpuInterrupter for SignalInterrupter {
+impl VcpuInterrupter for VcpuKicker {
     fn interrupt(&self, index: usize) {
         if let Some(vcpu) = self.vcpus.get(index) {
             vcpu.kick();
@@ -174,11 +174,11 @@ impl VcpuRunner {
             Err(err) => {
                 let end = VcpuEnd::Fault(format!("attaching the vCPU thread: {err}"));
                 on_end(index, &end);
-                self.shared.set_state(VcpuState::Exited);
+                self.shared.set_state(VcpuRunState::Exited);
                 return self.vcpu;
             }
         };
-        self.shared.set_state(VcpuState::Running);
+        self.shared.set_state(VcpuRunState::Running);
         let end = loop {
             if self.stopping.load(Ordering::Acquire) {
                 break VcpuEnd::Stopped;
@@ -187,7 +187,9 @@ impl VcpuRunner {
                 Step::Continue => {}
                 Step::Halt => {
                     // Without an in-kernel irqchip, nothing wakes a halted vCPU but the VMM;
-                    // the example's guests halt only when done, so park until the run ends.
+                    // the example's guests halt only when done, so park until the run ends,
+                    // without its run slot (others would wait for its quantum to end).
+                    self.hooks.before_vmm_park();
                     self.shared.park(Duration::from_millis(100));
                 }
                 Step::KvmHalt => self.kvm_halt(),
@@ -200,7 +202,7 @@ impl VcpuRunner {
         }
         drop(thread);
         on_end(index, &end);
-        self.shared.set_state(VcpuState::Exited);
+        self.shared.set_state(VcpuRunState::Exited);
         self.vcpu
     }
 
@@ -280,6 +282,7 @@ impl VcpuRunner {
             mp_state: kvm_bindings::KVM_MP_STATE_HALTED,
         };
         if self.vcpu.set_mp_state(halted).is_err() {
+            self.hooks.before_vmm_park();
             self.shared.park(Duration::from_millis(100));
         }
     }

@@ -38,7 +38,7 @@ use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::memory::GuestMemory;
+use crate::memory::VmMemory;
 use crate::virtio_mmio::{MmioEffect, MmioRegisters, QUEUE_NOTIFY, STATUS_DRIVER_OK};
 
 /// How often the VMM tries to reconnect to a lost backend.
@@ -209,7 +209,7 @@ pub struct VhostPvspin {
     base: u64,
     vcpus: u32,
     max_vcpus: u32,
-    memory: GuestMemory,
+    memory: VmMemory,
     regions: Vec<VhostUserMemoryRegionInfo>,
     state: Mutex<State>,
     stats: FrontendStats,
@@ -236,7 +236,7 @@ impl VhostPvspin {
         path: &Path,
         base: u64,
         vcpus: u32,
-        memory: GuestMemory,
+        memory: VmMemory,
         vm: &VmFd,
     ) -> Result<Arc<Self>, VhostError> {
         let (link, config) = Link::open(path)?;

@@ -15,12 +15,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::config::{BootMode, ConfigError, PvMode, RunConfig};
+use crate::config::{BootMode, PvMode, RunConfig, RunConfigError};
 use crate::devices::{ConsoleSink, IoBus};
-use crate::memory::{self, GuestMemory, MemoryError};
+use crate::memory::{self, MemoryError, VmMemory};
 use crate::report::{RunReport, VcpuReport};
 use crate::seccomp::{Filters, VmmThread};
-use crate::vcpu::{SignalInterrupter, VcpuEnd, VcpuRunner, VcpuShared};
+use crate::vcpu::{VcpuEnd, VcpuKicker, VcpuRunner, VcpuShared};
 
 /// The guest program, built by this crate's build script.
 pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
@@ -33,7 +33,7 @@ const WATCHDOG_TICK: Duration = Duration::from_millis(50);
 pub enum RunError {
     /// Invalid configuration (exit code 2).
     #[error("invalid configuration: {0}")]
-    Config(#[from] ConfigError),
+    Config(#[from] RunConfigError),
     /// The host could not set the VM up.
     #[error("setting up the VM: {0}")]
     Setup(String),
@@ -170,7 +170,7 @@ impl MutEventSubscriber for EndWatcher {
 struct Watchdog {
     timer: TimerFd,
     control: Arc<RunControl>,
-    memory: GuestMemory,
+    memory: VmMemory,
     vcpus: Vec<Arc<VcpuShared>>,
     last_progress: Vec<(u64, u64, Instant)>,
     limit: Duration,
@@ -192,7 +192,7 @@ impl Watchdog {
             // still looks Running: its finish stamp says it is done, not stuck.
             if (slot.heartbeat, exits) != (last.0, last.1)
                 || slot.finish_tsc != 0
-                || vcpu.state() != crate::vcpu::VcpuState::Running
+                || vcpu.state() != crate::vcpu::VcpuRunState::Running
             {
                 *last = (slot.heartbeat, exits, now);
                 continue;
@@ -301,6 +301,20 @@ impl Hogs {
     }
 }
 
+/// Why [`spawn_confined`] could not start its thread.
+#[derive(Debug, thiserror::Error)]
+enum SpawnError {
+    /// The thread could not be created.
+    #[error("cannot start the thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// Its seccomp filter could not be installed (the thread ended without running).
+    #[error("{0}")]
+    Filter(#[from] crate::seccomp::InstallError),
+    /// The thread ended before saying whether its filter is in place.
+    #[error("the thread ended before it started")]
+    Ended,
+}
+
 /// Starts thread `name` running `f`, with `filter` (a seccomp program and whose it is)
 /// installed first, on the thread; returns once the filter is in place. When it cannot be
 /// installed the thread ends without running `f`, and this returns why.
@@ -308,8 +322,9 @@ fn spawn_confined<T: Send + 'static>(
     name: String,
     filter: Option<(Arc<seccompiler::BpfProgram>, VmmThread)>,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Result<JoinHandle<Option<T>>, String> {
-    let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+) -> Result<JoinHandle<Option<T>>, SpawnError> {
+    let (started_tx, started_rx) =
+        std::sync::mpsc::sync_channel::<Result<(), crate::seccomp::InstallError>>(1);
     let thread = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
@@ -320,16 +335,16 @@ fn spawn_confined<T: Send + 'static>(
             let _ = started_tx.send(started);
             ok.then(f)
         })
-        .map_err(|err| format!("cannot start the thread: {err}"))?;
+        .map_err(SpawnError::Thread)?;
     match started_rx.recv() {
         Ok(Ok(())) => Ok(thread),
         Ok(Err(err)) => {
             let _ = thread.join();
-            Err(err)
+            Err(err.into())
         }
         Err(_) => {
             let _ = thread.join();
-            Err("the thread ended before it started".into())
+            Err(SpawnError::Ended)
         }
     }
 }
@@ -406,7 +421,7 @@ fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunE
     let result = thread
         .join()
         .unwrap_or_else(|_| Err(RunError::Setup("the VMM thread panicked".into())));
-    confined.map_err(RunError::Setup)?;
+    confined.map_err(|err| RunError::Setup(err.to_string()))?;
     result
 }
 
@@ -444,7 +459,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         .collect();
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
-        .interrupter(Arc::new(SignalInterrupter::new(shared.clone())));
+        .interrupter(Arc::new(VcpuKicker::new(shared.clone())));
     if let Some(filters) = filters {
         builder = builder.helper_thread_filter(filters.program(VmmThread::BoostWatchdog));
     }
@@ -461,8 +476,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // guest (`--guest stock`) gets the same host as a pvspin-aware one: it just uses none of
     // the hint pages or budgets offered.
     let in_process = config.vhost_user.is_none();
-    if config.pv.kicks() && in_process {
-        builder = builder
+    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
+    let slot_count = config_slots(config);
+    let built = if config.pv.kicks() && in_process {
+        let mut kicked = builder
             .kick(pvspin::KickOptions {
                 park_spin: Duration::from_micros(config.park_spin_us),
                 ..pvspin::KickOptions::new(config.kick_path)
@@ -472,38 +489,35 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
                 budgets: config.budget_config(),
             })
             .pv_wait(pvspin::WaitOptions::default());
-    }
-    if config.pv == PvMode::KickYield && in_process {
-        builder = builder
-            .directed_yield({
-                let mut options = pvspin::DirectedYieldOptions {
-                    actuator: config.actuator.to_string(),
-                    confinement: config.confinement.clone(),
-                    ..pvspin::DirectedYieldOptions::default()
-                };
-                if let Some(us) = config.boost_deadline_us {
-                    options.boost_deadline = Duration::from_micros(us);
-                }
-                options
-            })
-            .steal_time_memory(Arc::new(StealTimeBytes(memory.clone())));
-    }
-    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
-    let slot_count = config_slots(config);
-    if config.run_slots.is_some() {
-        let mut slots = pvspin::SlotConfig::new(slot_count);
-        if let Some(us) = config.slot_quantum_us {
-            slots.quantum = Duration::from_micros(us);
-            slots.cs_extension = slots.cs_extension.min(slots.quantum);
+        if config.pv == PvMode::KickYield {
+            let mut options = pvspin::DirectedYieldOptions {
+                actuator: config.actuator.to_string(),
+                confinement: config.confinement.clone(),
+                ..pvspin::DirectedYieldOptions::default()
+            };
+            if let Some(us) = config.boost_deadline_us {
+                options.boost_deadline = Duration::from_micros(us);
+            }
+            // Steal-time bytes are read through the hint pages' memory: one memory for pvspin.
+            kicked = kicked.directed_yield(options);
         }
-        if let Some(us) = config.halt_watch_us {
-            slots.halt_watch_interval = Duration::from_micros(us);
+        // `RunConfig::validate` refuses slots without pvspin's in-process kick device.
+        if config.run_slots.is_some() {
+            let mut slots = pvspin::SlotConfig::new(slot_count);
+            if let Some(us) = config.slot_quantum_us {
+                slots.quantum = Duration::from_micros(us);
+                slots.cs_extension = slots.cs_extension.min(slots.quantum);
+            }
+            if let Some(us) = config.halt_watch_us {
+                slots.halt_watch_interval = Duration::from_micros(us);
+            }
+            kicked = kicked.run_slots(slots);
         }
-        builder = builder.run_slots(slots);
-    }
-    let pvspin = builder
-        .build()
-        .map_err(|err| RunError::Refused(err.to_string()))?;
+        kicked.build()
+    } else {
+        builder.build()
+    };
+    let pvspin = built.map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
     // PVH: the guest starts its APs with INIT-SIPI-SIPI through KVM's in-kernel LAPIC, which
     // the in-kernel and signal-msi kick paths (pvspin) and the vhost-user device (below)
@@ -722,7 +736,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         if let Err(err) = filters.apply(VmmThread::Vmm) {
             control.end(Ending::Fault {
                 vcpu: 0,
-                reason: err,
+                reason: err.to_string(),
             });
         }
     }
@@ -923,15 +937,5 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
         LockKind::Backoff => "backoff",
-    }
-}
-
-/// Guest memory as pvspin reads steal-time bytes from it.
-#[derive(Debug)]
-struct StealTimeBytes(memory::GuestMemory);
-
-impl pvspin::GuestBytes for StealTimeBytes {
-    fn read_u8(&self, gpa: u64) -> Option<u8> {
-        vm_memory::Bytes::read_obj::<u8>(&self.0, GuestAddress(gpa)).ok()
     }
 }

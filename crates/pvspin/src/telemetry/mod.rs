@@ -70,10 +70,9 @@ pub(crate) use cell::VcpuCounterCell;
 pub use histogram::{LatencyHistogram, LATENCY_BOUNDS_NS};
 
 /// Errors of the telemetry module.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum TelemetryError {
-    /// A format name [`TelemetryFormat`] does not know.
-    #[error("unknown telemetry format {0:?} (expected json or prometheus)")]
+    /// unknown telemetry format {0:?} (expected json or prometheus)
     UnknownFormat(String),
 }
 

@@ -1,11 +1,9 @@
 //! The Prometheus rendering of [`VmTelemetry`] (text exposition format 0.0.4); the families
 //! are listed in the [module docs](super).
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-
 use pvspin_kick::KickPath;
 use pvspin_kvm::stats::{Snapshot, StatBase, StatKind, StatUnit};
+use pvspin_prometheus::{escape_help, fmt_f64, sanitize, Families};
 
 use super::{ExitKind, VcpuTelemetry, VmTelemetry};
 
@@ -73,7 +71,7 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
         "Time inside KVM_RUN (guest time plus exits and halts handled in KVM).",
         "",
         &vl,
-        &seconds(p.run_ns),
+        seconds(p.run_ns),
     );
     if let (Some(kicks), Some(path)) = (&p.kicks, path) {
         out.counter(
@@ -144,18 +142,11 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
                 help,
                 "_bucket",
                 &[vcpu_label(v), ("le", le)],
-                &cum.to_string(),
+                cum.to_string(),
             );
         }
-        out.sample(fam, "histogram", help, "_sum", &vl, &seconds(h.sum_ns()));
-        out.sample(
-            fam,
-            "histogram",
-            help,
-            "_count",
-            &vl,
-            &h.count().to_string(),
-        );
+        out.sample(fam, "histogram", help, "_sum", &vl, seconds(h.sum_ns()));
+        out.sample(fam, "histogram", help, "_count", &vl, h.count().to_string());
     }
     if let Some(b) = &v.budgets {
         out.sample(
@@ -164,7 +155,7 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
             "The vCPU's spin budget before waiting (hint page).",
             "",
             &vl,
-            &seconds(b.wait_after_ns),
+            seconds(b.wait_after_ns),
         );
         if let Some(ns) = b.notify_after_ns {
             out.sample(
@@ -173,7 +164,7 @@ fn vcpu_samples(out: &mut Families, v: &VcpuTelemetry, path: Option<KickPath>) {
                 "The vCPU's spin budget before notifying (hint page).",
                 "",
                 &vl,
-                &seconds(ns),
+                seconds(ns),
             );
         }
     }
@@ -277,7 +268,7 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
             "vCPUs that may run guest code at once.",
             "",
             &[],
-            &r.slots.to_string(),
+            r.slots.to_string(),
         );
         for (what, help, value) in [
             ("grants", "Run slots granted.", r.grants),
@@ -341,7 +332,7 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
             "The longest wait for a run slot.",
             "",
             &[],
-            &format!("{}", r.max_wait_ns as f64 / 1e9),
+            format!("{}", r.max_wait_ns as f64 / 1e9),
         );
         out.sample(
             "pvspin_run_slot_max_over_seconds",
@@ -349,7 +340,7 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
             "The longest run with more run-slot holders than slots.",
             "",
             &[],
-            &format!("{}", r.max_over_ns as f64 / 1e9),
+            format!("{}", r.max_over_ns as f64 / 1e9),
         );
         out.sample(
             "pvspin_run_slot_max_held",
@@ -357,7 +348,7 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
             "The most vCPUs that held run slots at once.",
             "",
             &[],
-            &r.max_held.to_string(),
+            r.max_held.to_string(),
         );
     }
     if let Some(d) = &t.directed_yield {
@@ -442,7 +433,7 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
                         "The boost trial's mean wait (moving average), with boosts off and on.",
                         "",
                         &[("boosting", boosting.to_owned())],
-                        &seconds(ns),
+                        seconds(ns),
                     );
                 }
             }
@@ -488,105 +479,6 @@ fn vm_samples(out: &mut Families, t: &VmTelemetry) {
     }
 }
 
-/// Families in first-seen order, so every family's samples come out together.
-#[derive(Default)]
-struct Families {
-    order: Vec<String>,
-    by_name: BTreeMap<String, (String, String, Vec<String>)>,
-}
-
-impl Families {
-    fn sample(
-        &mut self,
-        family: &str,
-        typ: &str,
-        help: &str,
-        suffix: &str,
-        labels: &[(&str, String)],
-        value: &str,
-    ) {
-        let entry = self.by_name.entry(family.to_owned()).or_insert_with(|| {
-            self.order.push(family.to_owned());
-            (typ.to_owned(), help.to_owned(), Vec::new())
-        });
-        if entry.0 != typ {
-            log::warn!(
-                "telemetry: metric family {family} seen as {} and {typ}; sample dropped",
-                entry.0
-            );
-            return;
-        }
-        let mut line = format!("{family}{suffix}");
-        if !labels.is_empty() {
-            line.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    line.push(',');
-                }
-                let _ = write!(line, "{k}=\"{}\"", escape_label(v));
-            }
-            line.push('}');
-        }
-        let _ = write!(line, " {value}");
-        entry.2.push(line);
-    }
-
-    fn counter(&mut self, family: &str, help: &str, labels: &[(&str, String)], value: u64) {
-        self.sample(family, "counter", help, "", labels, &value.to_string());
-    }
-
-    fn render(&self) -> String {
-        let mut s = String::new();
-        for name in &self.order {
-            let (typ, help, lines) = &self.by_name[name];
-            let _ = writeln!(s, "# HELP {name} {}", escape_help(help));
-            let _ = writeln!(s, "# TYPE {name} {typ}");
-            for l in lines {
-                s.push_str(l);
-                s.push('\n');
-            }
-        }
-        s
-    }
-}
-
-pub(super) fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-fn escape_help(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('\n', "\\n")
-}
-
-pub(super) fn sanitize(name: &str) -> String {
-    let mut s: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if s.is_empty() {
-        s.push('_');
-    }
-    s
-}
-
-fn fmt_f64(v: f64) -> String {
-    if v.is_infinite() {
-        if v > 0.0 { "+Inf" } else { "-Inf" }.to_owned()
-    } else if v.is_nan() {
-        "NaN".to_owned()
-    } else {
-        format!("{v}")
-    }
-}
-
 fn kvm_samples(out: &mut Families, prefix: &str, snap: &Snapshot, labels: &[(&str, String)]) {
     for st in snap.iter() {
         let d = st.desc;
@@ -629,7 +521,7 @@ fn kvm_samples(out: &mut Families, prefix: &str, snap: &Snapshot, labels: &[(&st
             StatKind::Cumulative => {
                 let fam = format!("{base}_total");
                 let v = st.values.first().copied().unwrap_or(0);
-                out.sample(&fam, "counter", &help, "", labels, &val(v));
+                out.sample(&fam, "counter", &help, "", labels, val(v));
             }
             StatKind::LinearHist | StatKind::LogHist => {
                 let mut cum = 0u64;
@@ -645,20 +537,13 @@ fn kvm_samples(out: &mut Families, prefix: &str, snap: &Snapshot, labels: &[(&st
                     );
                     let mut l = labels.to_vec();
                     l.push(("le", le));
-                    out.sample(&base, "histogram", &help, "_bucket", &l, &cum.to_string());
+                    out.sample(&base, "histogram", &help, "_bucket", &l, cum.to_string());
                 }
-                out.sample(
-                    &base,
-                    "histogram",
-                    &help,
-                    "_count",
-                    labels,
-                    &cum.to_string(),
-                );
+                out.sample(&base, "histogram", &help, "_count", labels, cum.to_string());
             }
             StatKind::Instant | StatKind::Peak | StatKind::Unknown(_) => {
                 let v = st.values.first().copied().unwrap_or(0);
-                out.sample(&base, "gauge", &help, "", labels, &val(v));
+                out.sample(&base, "gauge", &help, "", labels, val(v));
             }
         }
     }

@@ -1,6 +1,5 @@
 //! The telemetry types and both renderings, on hand-built snapshots.
 
-use super::prometheus::{escape_label, sanitize};
 use super::*;
 use crate::{DirectedYieldStats, HintStats};
 use kvm_bindings::{
@@ -8,6 +7,7 @@ use kvm_bindings::{
     KVM_STATS_TYPE_LOG_HIST, KVM_STATS_UNIT_BOOLEAN, KVM_STATS_UNIT_SECONDS,
 };
 use pvspin_kvm::stats::{parse, DESC_FIXED_SIZE};
+use pvspin_prometheus::{escape_label, sanitize};
 use std::collections::HashMap;
 
 /// A KVM stats image (header, descriptors, data) for `parse`. Each stat: (name, flags,
