@@ -99,7 +99,12 @@ mod setup_nr {
     use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
     ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
-    ioctl_iowr_nr!(KVM_GET_SUPPORTED_CPUID, KVMIO, 0x05, kvm_bindings::kvm_cpuid2);
+    ioctl_iowr_nr!(
+        KVM_GET_SUPPORTED_CPUID,
+        KVMIO,
+        0x05,
+        kvm_bindings::kvm_cpuid2
+    );
     ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_bindings::kvm_irqfd);
     ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_bindings::kvm_ioeventfd);
     ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_bindings::kvm_lapic_state);
