@@ -66,9 +66,10 @@ chbin="$target/release/cloud-hypervisor"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     # The crates the series touches: vmm (config, cpu, interrupt, seccomp, the pvspin module),
     # hypervisor (the KVM fd accessors) and cloud-hypervisor (the --pvspin option).
+    # As CH's scripts/run_unit_tests.sh runs them (--lib --bins, release, the kvm feature).
     echo "== CH's unit tests: vmm, hypervisor, cloud-hypervisor"
-    (cd "$ch" && nice -n 19 cargo test $jobs --release -p vmm -p hypervisor --lib)
-    (cd "$ch" && nice -n 19 cargo test $jobs --release -p cloud-hypervisor --bin cloud-hypervisor)
+    (cd "$ch" && nice -n 19 cargo test $jobs --release --lib --bins -p vmm -p hypervisor \
+        -p cloud-hypervisor --features vmm/kvm,hypervisor/kvm)
 fi
 
 tool=${GUEST_CMDLINE_TOOL:-}
