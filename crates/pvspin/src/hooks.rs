@@ -189,8 +189,8 @@ impl VcpuHooks {
 
     /// [`handle_exit`](Self::handle_exit) for a VMM whose vCPU loop sees its own exit type, not
     /// `kvm_ioctls::VcpuExit` (Cloud Hypervisor's `hypervisor::cpu::VmExit`): `kind` is what
-    /// `KVM_RUN` returned ([`ExitKind::of_last_run`] reads it from `kvm_run`). Such a VMM
-    /// dispatches port I/O on a bus, so the doorbell is its bus device
+    /// `KVM_RUN` returned ([`ExitKind::from_exit_reason`] of `kvm_run.exit_reason`). Such a
+    /// VMM dispatches port I/O on a bus, so the doorbell is its bus device
     /// ([`crate::PvSpin::doorbell_pio`]); everything else `handle_exit` does happens here: the
     /// run and its exit are counted, the guest's wait report is read, and on the userspace kick
     /// path a halt parks the thread (then `Handled`).
