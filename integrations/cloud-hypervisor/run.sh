@@ -103,10 +103,18 @@ boot() {
     timeout --kill-after=10 "$boot_timeout" "$chbin" "${args[@]}" >"$log" 2>&1 || rc=$?
     local secs
     secs=$(echo "$(date +%s.%N) - $start" | bc)
-    local result
+    local result summary
     result=$(grep -a -o 'pvspin-guest: result .*' "$log" | tail -1 || true)
-    printf '%-28s rc=%-3s %6.2fs %s\n' "$name" "$rc" "$secs" "${result:-NO RESULT (see $log)}" |
-        tee -a "$results"
+    summary=$(printf '%s' "${result#pvspin-guest: result }" | python3 -c '
+import json, sys
+try:
+    r = json.load(sys.stdin)
+except ValueError:
+    sys.exit(0)
+print("%s %s, counter %s/%s, %s acq/s, pv halts %s kicks %s" % (r["guest"], r["pv"],
+    r["counter"], r["expected"], r["acquisitions_per_sec"], r["pv_halts"], r["pv_kicks"]))')
+    printf '%-28s rc=%-3s %6.2fs %s\n' "$name" "$rc" "$secs" \
+        "${summary:-NO RESULT (see $log)}" | tee -a "$results"
     if [ -s "$tele" ]; then
         python3 - "$tele" <<'EOF'
 import json, sys
@@ -124,7 +132,8 @@ for v in t.get("vcpus", []):
         p.get("configured")))
 EOF
     fi
-    [ "$rc" = 0 ] && [ -n "$result" ]
+    # CH exits 0 on any guest power-off: the guest's status line says whether the run passed.
+    [ "$rc" = 0 ] && [ -n "$summary" ] && grep -aq 'pvspin-guest: status 0 ' "$log"
 }
 
 failed=0
