@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use pvspin_hints::sched::current_tid;
-use pvspin_hints::{by_name, Actuator};
+use pvspin_hints::{Actuator, ActuatorOptions};
 
 const FREE: u32 = u32::MAX;
 const LIMIT: Duration = Duration::from_secs(20);
@@ -143,7 +143,7 @@ fn main() {
          critical section {cs} steps, median of {reps}"
     );
     for name in ["yield", "nice", "fifo"] {
-        let act: Arc<dyn Actuator> = match by_name(name, threads) {
+        let act: Arc<dyn Actuator> = match ActuatorOptions::new(name, threads).build() {
             Ok(a) => Arc::from(a),
             Err(e) => {
                 println!("{name:>5}: refused: {e}");

@@ -6,9 +6,9 @@
 //! * [`BoostActuator::fifo`]: X's thread becomes `SCHED_FIFO` at priority 1 (bounded), then the
 //!   spinner yields. Refused at construction when the process may not do it.
 //!
-//! [`by_name`] builds one from "yield", "nice" or "fifo", so an embedding VMM can compare them
-//! from a command line; [`by_name_or_fallback`] steps down fifo -> nice -> yield when a boost
-//! is not permitted instead of failing.
+//! [`ActuatorOptions`] builds one from "yield", "nice" or "fifo", so an embedding VMM can
+//! compare them from a command line; with `fallback` it steps down fifo -> nice -> yield when a
+//! boost is not permitted instead of failing.
 //!
 //! The default ([`DEFAULT_ACTUATOR`]) is the nice boost, from the example VMM's guests
 //! (`docs/benchmarks.md`, "Directed yield and the actuators"; lock workload, median guest
@@ -183,88 +183,97 @@ impl Actuator for BoostActuator {
     }
 }
 
-/// Builds an actuator by name ("yield", "nice", "fifo") for `n` vCPUs with the default
-/// deadline and nice value.
-pub fn by_name(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
-    by_name_with(name, n, DEFAULT_BOOST_DEADLINE)
+/// What actuator to build ([`ActuatorOptions::build`]): its name ("yield", "nice", "fifo"),
+/// for how many vCPUs, how long a boost may last, whether a boost the process may not apply
+/// steps down instead of failing, and what runs first on the thread a boost actuator starts.
+#[derive(Clone)]
+pub struct ActuatorOptions<'a> {
+    /// "yield", "nice" or "fifo".
+    pub name: &'a str,
+    /// How many vCPUs the actuator serves.
+    pub vcpus: usize,
+    /// The longest a boost lasts before its watchdog restores it.
+    pub deadline: Duration,
+    /// A boost that is not permitted steps down (fifo -> nice -> yield) with a warning
+    /// instead of failing; unknown names and a failing `thread_start` still fail.
+    pub fallback: bool,
+    /// Run first on the helper thread a boost actuator starts (its deadline watchdog, see
+    /// [`ThreadStartHook`]); `"yield"` starts no thread.
+    pub thread_start: Option<ThreadStartHook>,
 }
 
-/// [`by_name`] with boosts that last at most `deadline`.
-pub fn by_name_with(
-    name: &str,
-    n: usize,
-    deadline: Duration,
-) -> Result<Box<dyn Actuator>, ActuatorError> {
-    by_name_with_start(name, n, deadline, None)
-}
-
-/// [`by_name_with`], with `start` run first on the helper thread a boost actuator starts (its
-/// deadline watchdog, see [`ThreadStartHook`]). `"yield"` starts no thread.
-pub fn by_name_with_start(
-    name: &str,
-    n: usize,
-    deadline: Duration,
-    start: Option<&ThreadStartHook>,
-) -> Result<Box<dyn Actuator>, ActuatorError> {
-    let boost = |kind, name| -> Result<Box<dyn Actuator>, ActuatorError> {
-        Ok(Box::new(BoostActuator {
-            tracker: BoostTracker::with_thread_start(n, kind, deadline, start.cloned())?,
-            name,
-        }))
-    };
-    match name {
-        "yield" => Ok(Box::new(YieldOnly)),
-        "nice" => boost(BoostKind::Nice(DEFAULT_BOOST_NICE), "nice"),
-        "fifo" => boost(BoostKind::Fifo(1), "fifo"),
-        other => Err(ActuatorError::UnknownName(other.to_string())),
+impl std::fmt::Debug for ActuatorOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActuatorOptions")
+            .field("name", &self.name)
+            .field("vcpus", &self.vcpus)
+            .field("deadline", &self.deadline)
+            .field("fallback", &self.fallback)
+            .field("thread_start", &self.thread_start.is_some())
+            .finish()
     }
 }
 
-/// Like [`by_name`], but a boost that is not permitted steps down (fifo -> nice -> yield)
-/// with a warning instead of failing. Unknown names still fail.
-pub fn by_name_or_fallback(name: &str, n: usize) -> Result<Box<dyn Actuator>, ActuatorError> {
-    by_name_or_fallback_with(name, n, DEFAULT_BOOST_DEADLINE)
-}
-
-/// [`by_name_or_fallback`] with boosts that last at most `deadline`.
-pub fn by_name_or_fallback_with(
-    name: &str,
-    n: usize,
-    deadline: Duration,
-) -> Result<Box<dyn Actuator>, ActuatorError> {
-    by_name_or_fallback_with_start(name, n, deadline, None)
-}
-
-/// [`by_name_or_fallback_with`], with `start` run first on the helper thread a boost actuator
-/// starts (see [`ThreadStartHook`]). A failing hook is not a missing privilege: it fails the
-/// call instead of stepping down.
-pub fn by_name_or_fallback_with_start(
-    name: &str,
-    n: usize,
-    deadline: Duration,
-    start: Option<&ThreadStartHook>,
-) -> Result<Box<dyn Actuator>, ActuatorError> {
-    let chain: &[&str] = match name {
-        "fifo" => &["fifo", "nice", "yield"],
-        "nice" => &["nice", "yield"],
-        "yield" => &["yield"],
-        other => return Err(ActuatorError::UnknownName(other.to_string())),
-    };
-    let mut last = None;
-    for &c in chain {
-        match by_name_with_start(c, n, deadline, start) {
-            Ok(a) => {
-                if c != name {
-                    log::warn!("pvspin-hints: {name} actuator refused, using {c}");
-                }
-                return Ok(a);
-            }
-            Err(e @ ActuatorError::Boost(BoostError::ThreadStart { .. })) => return Err(e),
-            Err(e) => {
-                log::warn!("pvspin-hints: {c} actuator unavailable: {e}");
-                last = Some(e);
-            }
+impl<'a> ActuatorOptions<'a> {
+    /// `name` for `vcpus` vCPUs: the default deadline, no step-down, no start hook.
+    pub fn new(name: &'a str, vcpus: usize) -> Self {
+        Self {
+            name,
+            vcpus,
+            deadline: DEFAULT_BOOST_DEADLINE,
+            fallback: false,
+            thread_start: None,
         }
     }
-    Err(last.unwrap_or_else(|| ActuatorError::UnknownName(name.to_string())))
+
+    /// Builds the actuator.
+    pub fn build(&self) -> Result<Box<dyn Actuator>, ActuatorError> {
+        if !self.fallback {
+            return self.build_exactly(self.name);
+        }
+        let name = self.name;
+        let chain: &[&str] = match name {
+            "fifo" => &["fifo", "nice", "yield"],
+            "nice" => &["nice", "yield"],
+            "yield" => &["yield"],
+            other => return Err(ActuatorError::UnknownName(other.to_string())),
+        };
+        let mut last = None;
+        for &c in chain {
+            match self.build_exactly(c) {
+                Ok(a) => {
+                    if c != name {
+                        log::warn!("pvspin-hints: {name} actuator refused, using {c}");
+                    }
+                    return Ok(a);
+                }
+                Err(e @ ActuatorError::Boost(BoostError::ThreadStart { .. })) => return Err(e),
+                Err(e) => {
+                    log::warn!("pvspin-hints: {c} actuator unavailable: {e}");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| ActuatorError::UnknownName(name.to_string())))
+    }
+
+    fn build_exactly(&self, name: &str) -> Result<Box<dyn Actuator>, ActuatorError> {
+        let boost = |kind, name| -> Result<Box<dyn Actuator>, ActuatorError> {
+            Ok(Box::new(BoostActuator {
+                tracker: BoostTracker::with_thread_start(
+                    self.vcpus,
+                    kind,
+                    self.deadline,
+                    self.thread_start.clone(),
+                )?,
+                name,
+            }))
+        };
+        match name {
+            "yield" => Ok(Box::new(YieldOnly)),
+            "nice" => boost(BoostKind::Nice(DEFAULT_BOOST_NICE), "nice"),
+            "fifo" => boost(BoostKind::Fifo(1), "fifo"),
+            other => Err(ActuatorError::UnknownName(other.to_string())),
+        }
+    }
 }

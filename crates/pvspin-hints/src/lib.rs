@@ -5,7 +5,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`actuator`] | [`YieldOnly`] and [`BoostActuator`] (nice or `SCHED_FIFO` boost, then yield), built by name with [`by_name`]; the default, [`DEFAULT_ACTUATOR`] |
+//! | [`actuator`] | [`YieldOnly`] and [`BoostActuator`] (nice or `SCHED_FIFO` boost, then yield), built by name with [`ActuatorOptions`]; the default, [`DEFAULT_ACTUATOR`] |
 //! | [`boost`] | [`BoostTracker`]: every boost ends at its deadline, on the target's next exit or kick, on errors, at shutdown and on drop |
 //! | [`sched`] | the Linux calls on thread ids (nice, `SCHED_FIFO`, `sched_yield`, [`sched::current_tid`]) |
 //! | [`page`] | the guest's hint pages (ABI 0.3): mapped once through the VMM's guest memory ([`GuestPageMap`]), read and written without exits |
@@ -47,9 +47,8 @@ pub mod sched;
 
 #[cfg(not(loom))]
 pub use actuator::{
-    by_name, by_name_or_fallback, by_name_or_fallback_with, by_name_or_fallback_with_start,
-    by_name_with, by_name_with_start, Actuator, ActuatorError, BoostActuator, YieldOnly,
-    YieldReport, DEFAULT_ACTUATOR,
+    Actuator, ActuatorError, ActuatorOptions, BoostActuator, YieldOnly, YieldReport,
+    DEFAULT_ACTUATOR,
 };
 #[cfg(not(loom))]
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};

@@ -193,11 +193,15 @@ fn config_rules() {
         );
     }
     assert!(matches!(
-        by_name("sched_ext", 1),
+        ActuatorOptions::new("sched_ext", 1).build(),
         Err(ActuatorError::UnknownName(_))
     ));
     assert!(matches!(
-        by_name_or_fallback("bogus", 1),
+        ActuatorOptions {
+            fallback: true,
+            ..ActuatorOptions::new("bogus", 1)
+        }
+        .build(),
         Err(ActuatorError::UnknownName(_))
     ));
 }
@@ -397,7 +401,7 @@ fn already_higher_is_left_alone() {
 fn actuators_by_name_boost_and_restore() {
     for name in ["yield", "nice", "fifo"] {
         let test = format!("actuators_by_name_boost_and_restore/{name}");
-        let act: Arc<dyn Actuator> = match by_name(name, 2) {
+        let act: Arc<dyn Actuator> = match ActuatorOptions::new(name, 2).build() {
             Ok(a) => {
                 if name != "yield" {
                     tally(&test, None);
@@ -434,7 +438,12 @@ fn actuators_by_name_boost_and_restore() {
 #[test]
 fn fallback_gives_fifo_when_permitted() {
     let test = "fallback_gives_fifo_when_permitted";
-    let a = by_name_or_fallback("fifo", 1).unwrap();
+    let a = ActuatorOptions {
+        fallback: true,
+        ..ActuatorOptions::new("fifo", 1)
+    }
+    .build()
+    .unwrap();
     if has_cap_sys_nice() {
         assert_eq!(a.name(), "fifo");
         tally(test, None);
@@ -501,11 +510,24 @@ fn failing_start_hook_fails_the_constructor_without_stepping_down() {
     }
     // A permission problem steps down to yield; a failing hook does not.
     assert!(matches!(
-        by_name_or_fallback_with_start("nice", 1, d, Some(&hook)),
+        ActuatorOptions {
+            deadline: d,
+            fallback: true,
+            thread_start: Some(hook.clone()),
+            ..ActuatorOptions::new("nice", 1)
+        }
+        .build(),
         Err(ActuatorError::Boost(BoostError::ThreadStart { .. }))
     ));
     // `yield` starts no thread, so the hook never runs.
-    let a = by_name_or_fallback_with_start("yield", 1, d, Some(&hook)).unwrap();
+    let a = ActuatorOptions {
+        deadline: d,
+        fallback: true,
+        thread_start: Some(hook.clone()),
+        ..ActuatorOptions::new("yield", 1)
+    }
+    .build()
+    .unwrap();
     assert_eq!(a.name(), "yield");
 }
 

@@ -218,11 +218,13 @@ impl YieldState {
         let verdict = pvspin_hints::confine::check(&options.confinement);
         let name = confined_actuator(options, &verdict)?;
         let deadline = options.boost_deadline;
-        let actuator = if options.fallback {
-            pvspin_hints::by_name_or_fallback_with_start(name, vcpus, deadline, start)
-        } else {
-            pvspin_hints::by_name_with_start(name, vcpus, deadline, start)
+        let actuator = pvspin_hints::ActuatorOptions {
+            deadline,
+            fallback: options.fallback,
+            thread_start: start.cloned(),
+            ..pvspin_hints::ActuatorOptions::new(name, vcpus)
         }
+        .build()
         .map_err(|source| ConfigError::Actuator {
             name: name.to_string(),
             source,

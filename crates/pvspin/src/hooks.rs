@@ -181,6 +181,40 @@ impl VcpuHooks {
         exit: &mut Result<VcpuExit<'_>, kvm_ioctls::Error>,
     ) -> ExitOutcome {
         let kind = classify(exit);
+        match exit {
+            Ok(VcpuExit::IoOut(port, data)) if self.kick.is_some() => {
+                self.record_exit(kind);
+                self.doorbell.pio_write(*port, data)
+            }
+            Ok(VcpuExit::IoIn(port, data)) if self.kick.is_some() => {
+                self.record_exit(kind);
+                self.doorbell.pio_read(*port, data)
+            }
+            _ => self.handle_exit_kind(kind),
+        }
+    }
+
+    /// [`handle_exit`](Self::handle_exit) for a VMM whose vCPU loop sees its own exit type, not
+    /// `kvm_ioctls::VcpuExit` (Cloud Hypervisor's `hypervisor::cpu::VmExit`): `kind` is what
+    /// `KVM_RUN` returned ([`ExitKind::from_exit_reason`] of `kvm_run.exit_reason`). Such a
+    /// VMM dispatches port I/O on a bus, so the doorbell is its bus device
+    /// ([`crate::PvSpin::doorbell_pio`]); everything else `handle_exit` does happens here: the
+    /// run and its exit are counted, the guest's wait report is read, and on the userspace kick
+    /// path a halt parks the thread (then `Handled`).
+    pub fn handle_exit_kind(&mut self, kind: ExitKind) -> ExitOutcome {
+        self.record_exit(kind);
+        match &self.kick {
+            Some(kick) if kind == ExitKind::Hlt && kick.device.path() == KickPath::Userspace => {
+                let index = u32::try_from(self.index).unwrap_or(u32::MAX);
+                self.park(kick, "parking on a halt", |dev| dev.handle_hlt(index));
+                ExitOutcome::Handled
+            }
+            _ => ExitOutcome::NotHandled,
+        }
+    }
+
+    /// Counts the run that just ended and reads the guest's wait report.
+    fn record_exit(&mut self, kind: ExitKind) {
         let ns = self.run_started.take().map_or(0, |start| {
             u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
         });
@@ -192,19 +226,6 @@ impl VcpuHooks {
             if let (Some(ns), Some(dy)) = (hints.on_exit(self.index), &self.dy) {
                 dy.on_wait_report(ns);
             }
-        }
-        let Some(kick) = &self.kick else {
-            return ExitOutcome::NotHandled;
-        };
-        match exit {
-            Ok(VcpuExit::IoOut(port, data)) => self.doorbell.pio_write(*port, data),
-            Ok(VcpuExit::IoIn(port, data)) => self.doorbell.pio_read(*port, data),
-            Ok(VcpuExit::Hlt) if kick.device.path() == KickPath::Userspace => {
-                let index = u32::try_from(self.index).unwrap_or(u32::MAX);
-                self.park(kick, "parking on a halt", |dev| dev.handle_hlt(index));
-                ExitOutcome::Handled
-            }
-            _ => ExitOutcome::NotHandled,
         }
     }
 
@@ -605,6 +626,33 @@ mod tests {
         assert_eq!(exits.total(), 8);
         assert_eq!(cells[0].snapshot(Shape::default(), None).runs, 0);
         assert_eq!(hooks.index(), 3);
+    }
+
+    #[test]
+    fn neutral_entry_counts_exit_reasons_like_handle_exit() {
+        let cells: Arc<[Arc<VcpuCounterCell>]> =
+            (0..2).map(|_| Arc::new(VcpuCounterCell::new())).collect();
+        let mut hooks = VcpuHooks::new(1, cells.clone(), None, None);
+        let reasons = [
+            kvm_bindings::KVM_EXIT_IO,
+            kvm_bindings::KVM_EXIT_MMIO,
+            kvm_bindings::KVM_EXIT_HLT,
+            kvm_bindings::KVM_EXIT_INTR,
+            kvm_bindings::KVM_EXIT_SHUTDOWN,
+            kvm_bindings::KVM_EXIT_IRQ_WINDOW_OPEN,
+        ];
+        for reason in reasons {
+            hooks.before_run();
+            let kind = ExitKind::from_exit_reason(reason);
+            assert_eq!(hooks.handle_exit_kind(kind), ExitOutcome::NotHandled);
+            assert_eq!(hooks.last_exit(), Some(kind));
+            hooks.after_run_with_cpl(None);
+        }
+        let exits = cells[1].snapshot(Shape::default(), None).exits;
+        for kind in ExitKind::ALL {
+            assert_eq!(exits.get(kind), 1, "{kind:?}");
+        }
+        assert_eq!(cells[0].snapshot(Shape::default(), None).runs, 0);
     }
 }
 

@@ -92,6 +92,29 @@ mod nr {
 }
 use nr::{KVM_GET_MSRS, KVM_RUN, KVM_SET_MP_STATE, KVM_SIGNAL_MSI};
 
+/// The KVM requests of pvspin's setup (`configure_vm`, `set_kick_gsis`,
+/// `KickWiring::register`, `configure_vcpu`), for [`setup_rules`].
+mod setup_nr {
+    use kvm_bindings::KVMIO;
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
+
+    ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
+    ioctl_iowr_nr!(
+        KVM_GET_SUPPORTED_CPUID,
+        KVMIO,
+        0x05,
+        kvm_bindings::kvm_cpuid2
+    );
+    ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_bindings::kvm_irqfd);
+    ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_bindings::kvm_ioeventfd);
+    ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_bindings::kvm_lapic_state);
+    ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_bindings::kvm_lapic_state);
+    ioctl_iowr_nr!(KVM_GET_CPUID2, KVMIO, 0x91, kvm_bindings::kvm_cpuid2);
+    ioctl_iow_nr!(KVM_ENABLE_CAP, KVMIO, 0xa3, kvm_bindings::kvm_enable_cap);
+    ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
+    ioctl_io_nr!(KVM_GET_STATS_FD, KVMIO, 0xce);
+}
+
 /// Errors building or compiling rules.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum SeccompError {
@@ -341,6 +364,66 @@ pub fn rules(kind: ThreadKind) -> Result<RuleMap, SeccompError> {
     build(&needs(kind))
 }
 
+/// The syscalls pvspin's setup makes (`PvSpinBuilder::build`, `SignalInterrupter::new`,
+/// `configure_vm`, `set_kick_gsis`, `KickWiring::register`, `edit_cpuid`, `configure_vcpu`),
+/// for a VMM whose thread is confined before it sets a VM up: Cloud Hypervisor's `vmm` thread
+/// creates every VM under its filter. A superset over every configuration: the KVM requests
+/// (`KVM_CHECK_EXTENSION`, `KVM_ENABLE_CAP`, `KVM_GET_SUPPORTED_CPUID`; `KVM_IRQFD` and
+/// `KVM_IOEVENTFD`, also as probes; `KVM_GET_LAPIC`/`KVM_SET_LAPIC`, `KVM_GET_CPUID2`,
+/// `KVM_GET_TSC_KHZ`, `KVM_GET_STATS_FD` and `pread64` of the stats header), the kick
+/// eventfds and the VM fd's duplicate (`eventfd2`, `dup`, `fcntl`, `close`), the helper
+/// threads and the actuator's probe thread (`clone3`, `clone`, `set_robust_list`, `rseq`,
+/// `gettid`, `getpriority`/`setpriority`, `sched_getscheduler`/`sched_getparam`/
+/// `sched_setscheduler`), the interrupt signal's handler (`rt_sigaction`), and the reads of
+/// `/proc` and the cgroup tree that directed yield's confinement check and run slots'
+/// entitlement make (`openat`, `read`, `newfstatat`, `statx`, `statfs`, `getdents64`,
+/// `readlink`, `lseek`, `sched_getaffinity`). Not in [`ThreadKind::ALL`]'s rules: a VMM
+/// that sets pvspin up before confining the thread needs none of it.
+pub fn setup_rules() -> Result<RuleMap, SeccompError> {
+    use setup_nr::*;
+    let prio_process = unsigned(libc::PRIO_PROCESS as libc::c_int);
+    let kvm = vec![
+        KVM_CHECK_EXTENSION(),
+        KVM_GET_SUPPORTED_CPUID(),
+        KVM_IRQFD(),
+        KVM_IOEVENTFD(),
+        KVM_GET_LAPIC(),
+        KVM_SET_LAPIC(),
+        KVM_GET_CPUID2(),
+        KVM_ENABLE_CAP(),
+        KVM_GET_TSC_KHZ(),
+        KVM_GET_STATS_FD(),
+    ];
+    build(&[
+        arg_in(libc::SYS_ioctl, "ioctl", 1, kvm),
+        any(libc::SYS_pread64, "pread64"),
+        any(libc::SYS_eventfd2, "eventfd2"),
+        any(libc::SYS_dup, "dup"),
+        any(libc::SYS_fcntl, "fcntl"),
+        any(libc::SYS_close, "close"),
+        any(libc::SYS_clone3, "clone3"),
+        any(libc::SYS_clone, "clone"),
+        any(libc::SYS_set_robust_list, "set_robust_list"),
+        any(libc::SYS_rseq, "rseq"),
+        any(libc::SYS_gettid, "gettid"),
+        arg_in(libc::SYS_getpriority, "getpriority", 0, vec![prio_process]),
+        arg_in(libc::SYS_setpriority, "setpriority", 0, vec![prio_process]),
+        any(libc::SYS_sched_getscheduler, "sched_getscheduler"),
+        any(libc::SYS_sched_getparam, "sched_getparam"),
+        any(libc::SYS_sched_setscheduler, "sched_setscheduler"),
+        any(libc::SYS_sched_getaffinity, "sched_getaffinity"),
+        any(libc::SYS_rt_sigaction, "rt_sigaction"),
+        any(libc::SYS_openat, "openat"),
+        any(libc::SYS_read, "read"),
+        any(libc::SYS_newfstatat, "newfstatat"),
+        any(libc::SYS_statx, "statx"),
+        any(libc::SYS_statfs, "statfs"),
+        any(libc::SYS_getdents64, "getdents64"),
+        any(libc::SYS_readlink, "readlink"),
+        any(libc::SYS_lseek, "lseek"),
+    ])
+}
+
 /// Merges pvspin's rules for `kind` into `map`, the VMM's rules for that thread ([`merge`]).
 pub fn merge_into(map: &mut RuleMap, kind: ThreadKind) -> Result<(), SeccompError> {
     merge(map, rules(kind)?);
@@ -430,6 +513,32 @@ mod tests {
         )
         .unwrap()])
         .unwrap()
+    }
+
+    #[test]
+    fn setup_rules_name_the_uapi_requests_and_compile() {
+        use setup_nr::*;
+        let expected: [(u64, u64); 10] = [
+            (KVM_CHECK_EXTENSION(), 0xae03),
+            (KVM_GET_SUPPORTED_CPUID(), 0xc008_ae05),
+            (KVM_IRQFD(), 0x4020_ae76),
+            (KVM_IOEVENTFD(), 0x4040_ae79),
+            (KVM_GET_LAPIC(), 0x8400_ae8e),
+            (KVM_SET_LAPIC(), 0x4400_ae8f),
+            (KVM_GET_CPUID2(), 0xc008_ae91),
+            (KVM_ENABLE_CAP(), 0x4068_aea3),
+            (KVM_GET_TSC_KHZ(), 0xaea3),
+            (KVM_GET_STATS_FD(), 0xaece),
+        ];
+        for (got, want) in expected {
+            assert_eq!(got, want, "{got:#x}");
+        }
+        let map = setup_rules().unwrap();
+        assert!(map.contains_key(&libc::SYS_ioctl) && map.contains_key(&libc::SYS_pread64));
+        assert!(!map.contains_key(&libc::SYS_execve) && !map.contains_key(&libc::SYS_socket));
+        let mut with_baseline = baseline_rules().unwrap();
+        merge(&mut with_baseline, map);
+        compile(with_baseline, SeccompAction::KillProcess).unwrap();
     }
 
     #[test]

@@ -44,6 +44,35 @@ pub enum CliCommand {
     /// work they got done (`bench --suite confinement` runs it beside a VM).
     #[command(hide = true)]
     Cotenant(CotenantArgs),
+    /// Writes the guest program's ELF (the image `run` boots) to a file, for other VMMs.
+    ///
+    /// The image boots in any VMM with x86 PVH boot (Cloud Hypervisor's --kernel, QEMU's
+    /// -kernel, Firecracker); its parameters come from the kernel command line, which
+    /// `guest-cmdline` prints (docs/guest-programs.md).
+    GuestImage(GuestImageArgs),
+    /// Prints the kernel command line that gives a PVH-booted guest the workload these
+    /// options describe (the names are `run`'s: `vcpus=2 workload=lock lock=ticket ...`).
+    GuestCmdline(Box<GuestCmdlineArgs>),
+}
+
+/// Options of `guest-image`.
+#[derive(Clone, Debug, Args)]
+pub struct GuestImageArgs {
+    /// Where to write the ELF.
+    #[arg(long, value_name = "PATH")]
+    pub out: std::path::PathBuf,
+}
+
+/// Options of `guest-cmdline`.
+#[derive(Clone, Debug, Args)]
+pub struct GuestCmdlineArgs {
+    /// The run options the command line describes (host-only ones are not in it).
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// The guest TSC's rate in kHz, when the other VMM does not tell the guest through CPUID
+    /// (0: leave it to CPUID).
+    #[arg(long, default_value_t = 0)]
+    pub tsc_khz: u64,
 }
 
 /// Options of `report`.
@@ -457,6 +486,25 @@ pub struct VmArgs {
     /// `pvspind --socket PATH`; the guest finds it on virtio-mmio).
     #[arg(long, default_value = "in-process", value_parser = parse_pv_backend)]
     pub pv_backend: PvBackendArg,
+    /// How the guest boots: `direct` (every vCPU in 64-bit mode at the ELF entry, the
+    /// example's own boot parameters) or `pvh` (as any PVH VMM boots it: start info, kernel
+    /// command line, ACPI MADT, APs started by the guest with INIT-SIPI-SIPI, ACPI power-off;
+    /// needs an in-kernel LAPIC: not --kick-path userspace, not vhost-user).
+    #[arg(long, value_enum, default_value_t = BootArg::Direct)]
+    pub boot: BootArg,
+    /// Test aid for --boot pvh: this kernel command line instead of the one the options
+    /// describe.
+    #[arg(long, hide = true)]
+    pub pvh_cmdline: Option<String>,
+}
+
+/// How the guest boots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BootArg {
+    /// The example's own protocol.
+    Direct,
+    /// PVH boot.
+    Pvh,
 }
 
 /// Who serves PV kicks.
@@ -710,6 +758,11 @@ impl VmArgs {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,
             },
+            boot: match self.boot {
+                BootArg::Direct => crate::config::BootMode::Direct,
+                BootArg::Pvh => crate::config::BootMode::Pvh,
+            },
+            pvh_cmdline: self.pvh_cmdline.clone(),
         }
     }
 }
@@ -769,6 +822,24 @@ where
             print_stdout(&format!("{{\"units_per_sec\":{:.0}}}", cotenant(args)));
             return 0;
         }
+        CliCommand::GuestImage(args) => {
+            return match std::fs::write(&args.out, vmm::GUEST_IMAGE) {
+                Ok(()) => 0,
+                Err(err) => {
+                    eprintln!("pvspin-vmm: cannot write {}: {err}", args.out.display());
+                    1
+                }
+            };
+        }
+        CliCommand::GuestCmdline(args) => {
+            let config = args.vm.config(0);
+            if let Err(err) = config.validate(u32::MAX) {
+                eprintln!("pvspin-vmm: {err}");
+                return 2;
+            }
+            print_stdout(&crate::pvh::guest_cmdline(&config, args.tsc_khz));
+            return 0;
+        }
     };
     let _cgroup = if vm_args.vm_cgroup || vm_args.cpu_limit.is_some() {
         if matches!(cli.command, CliCommand::Run(_)) && vm_args.seccomp != SeccompArg::Off {
@@ -782,7 +853,10 @@ where
         let hogs = match &cli.command {
             CliCommand::Run(args) => args.hogs,
             CliCommand::Bench(args) => args.hogs.iter().copied().max().unwrap_or(0),
-            CliCommand::Cotenant(_) | CliCommand::Report(_) => 0,
+            CliCommand::Cotenant(_)
+            | CliCommand::Report(_)
+            | CliCommand::GuestImage(_)
+            | CliCommand::GuestCmdline(_) => 0,
         };
         if vm_args.cpu_limit.is_some() && hogs > 0 {
             eprintln!(
@@ -814,7 +888,10 @@ where
         None
     };
     match cli.command {
-        CliCommand::Cotenant(_) | CliCommand::Report(_) => 0,
+        CliCommand::Cotenant(_)
+        | CliCommand::Report(_)
+        | CliCommand::GuestImage(_)
+        | CliCommand::GuestCmdline(_) => 0,
         CliCommand::Run(args) => match if confine_caller {
             vmm::run_and_confine_caller(&args.vm.config(args.hogs))
         } else {

@@ -88,6 +88,34 @@ pub struct RunConfig {
     /// Test aid: vCPU 0's thread makes a syscall no filter allows (`socket`) right after its
     /// filter is installed, to show that the filter stops it.
     pub seccomp_violation: bool,
+    /// How the guest image boots.
+    pub boot: BootMode,
+    /// Test aid for `--boot pvh`: this kernel command line instead of the one the options
+    /// describe (to show what the guest refuses).
+    pub pvh_cmdline: Option<String>,
+}
+
+/// How the guest image boots (`--boot`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BootMode {
+    /// The example's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
+    /// the boot parameters the VMM wrote (`pvspin_vmm_proto`).
+    #[default]
+    Direct,
+    /// PVH, as any PVH VMM boots the image: start info, command line, ACPI MADT/FADT, the
+    /// boot vCPU at the PVH entry, APs started by the guest with INIT-SIPI-SIPI, power-off
+    /// through the ACPI sleep control port (`crate::pvh`).
+    Pvh,
+}
+
+impl BootMode {
+    /// The name `--boot` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BootMode::Direct => "direct",
+            BootMode::Pvh => "pvh",
+        }
+    }
 }
 
 /// Which guest the guest program behaves as (`--guest`).
@@ -209,6 +237,8 @@ impl Default for RunConfig {
             vhost_user: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
+            boot: BootMode::Direct,
+            pvh_cmdline: None,
         }
     }
 }
@@ -303,6 +333,13 @@ pub enum RunConfigError {
     /// An option only a pvspin-aware guest has a use for.
     #[error("--guest stock: {0} needs a pvspin-aware guest (a stock guest uses only the doorbell's KICK, WAIT as its user-mode halt, and KVM steal time)")]
     StockGuestCannot(&'static str),
+    /// PVH boot starts the APs through KVM's in-kernel LAPIC.
+    #[error("--boot pvh needs an in-kernel LAPIC (the guest starts its APs with INIT-SIPI-SIPI, which KVM's LAPIC delivers): not --kick-path userspace, which runs without one")]
+    PvhNeedsInKernelLapic,
+    /// PVH boot tells the guest its parameters on the command line, which has no virtio-mmio
+    /// device address.
+    #[error("--boot pvh does not take --pv-backend vhost-user (the guest's command line has no virtio-mmio device; use --boot direct)")]
+    PvhNoVhostUser,
     /// Too many hogs.
     #[error("--hogs {got} is more than {max}")]
     TooManyHogs {
@@ -414,6 +451,14 @@ impl RunConfig {
                 start: budget.wait_after_ns / 1000,
                 max: budget.wait_after_max_ns / 1000,
             });
+        }
+        if self.boot == BootMode::Pvh {
+            if self.pv.kicks() && self.kick_path == pvspin::KickPath::Userspace {
+                return Err(RunConfigError::PvhNeedsInKernelLapic);
+            }
+            if self.vhost_user.is_some() {
+                return Err(RunConfigError::PvhNoVhostUser);
+            }
         }
         if self.hogs > MAX_HOGS {
             return Err(RunConfigError::TooManyHogs {
@@ -798,6 +843,42 @@ mod tests {
             };
             assert_eq!(pvspin.validate(8), Ok(()), "{pvspin:?}");
         }
+    }
+
+    #[test]
+    fn pvh_boot_refuses_what_it_cannot_start() {
+        let pvh = RunConfig {
+            boot: BootMode::Pvh,
+            pv: PvMode::Kick,
+            ..RunConfig::default()
+        };
+        assert_eq!(pvh.validate(8), Ok(()));
+        assert_eq!(
+            RunConfig {
+                kick_path: pvspin::KickPath::Userspace,
+                ..pvh.clone()
+            }
+            .validate(8),
+            Err(RunConfigError::PvhNeedsInKernelLapic)
+        );
+        assert_eq!(
+            RunConfig {
+                vhost_user: Some("/run/pvspind.sock".into()),
+                ..pvh.clone()
+            }
+            .validate(8),
+            Err(RunConfigError::PvhNoVhostUser)
+        );
+        // Without PV the kick path is not used.
+        assert_eq!(
+            RunConfig {
+                pv: PvMode::Off,
+                kick_path: pvspin::KickPath::Userspace,
+                ..pvh
+            }
+            .validate(8),
+            Ok(())
+        );
     }
 
     #[test]

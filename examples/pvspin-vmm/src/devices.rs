@@ -1,9 +1,12 @@
-//! The example's port-I/O devices: a 16550 UART (vm-superio) and the exit port.
+//! The example's port-I/O devices: a 16550 UART (vm-superio) and the exit port; with
+//! `--boot pvh` the exit port only records the status, and the ACPI sleep control port
+//! (power-off) or the i8042 reset ends the run.
 
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use pvspin_vmm_proto::pvh::{I8042_COMMAND_PORT, I8042_RESET, POWER_OFF_PORT, POWER_OFF_VALUE};
 use pvspin_vmm_proto::{EXIT_PORT, SERIAL_PORT};
 use vm_superio::{Serial, Trigger};
 
@@ -87,6 +90,10 @@ pub struct IoBus {
     unknown_port_accesses: AtomicU64,
     bad_exit_writes: AtomicU64,
     virtio: Option<Arc<crate::vhost::VhostPvspin>>,
+    /// `--boot pvh`: the exit port records, power-off ends.
+    pvh: AtomicBool,
+    /// `--boot pvh`: the last status the guest wrote to the exit port (`u64::MAX`: none).
+    reported_status: AtomicU64,
 }
 
 const SERIAL_PORTS: std::ops::Range<u16> = SERIAL_PORT..SERIAL_PORT + 8;
@@ -99,7 +106,21 @@ impl IoBus {
             unknown_port_accesses: AtomicU64::new(0),
             bad_exit_writes: AtomicU64::new(0),
             virtio: None,
+            pvh: AtomicBool::new(false),
+            reported_status: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// The bus of a `--boot pvh` run: the exit port records the guest's status, the ACPI
+    /// sleep control port ([`POWER_OFF_PORT`]) and the i8042 reset end the run with it.
+    pub fn with_pvh(self, pvh: bool) -> Self {
+        self.pvh.store(pvh, Ordering::Relaxed);
+        self
+    }
+
+    fn power_off_status(&self) -> u32 {
+        u32::try_from(self.reported_status.load(Ordering::Relaxed))
+            .unwrap_or(pvspin_vmm_proto::status::NOT_REPORTED)
     }
 
     /// The bus with the pvspin virtio device's MMIO window on it.
@@ -148,8 +169,30 @@ impl IoBus {
         if port == pvspin_vmm_proto::HALT_PORT {
             return PioAction::KvmHalt;
         }
+        let pvh = self.pvh.load(Ordering::Relaxed);
+        if pvh && port == POWER_OFF_PORT {
+            // SLP_TYP in bits 2..4, SLP_EN in bit 5: S5 with SLP_EN is power-off.
+            if data
+                .first()
+                .is_some_and(|value| value & 0x3c == POWER_OFF_VALUE & 0x3c)
+            {
+                return PioAction::Exit(self.power_off_status());
+            }
+            self.count_unknown(port, "sleep-state write (not S5)");
+            return PioAction::Continue;
+        }
+        if pvh && port == I8042_COMMAND_PORT && data == [I8042_RESET] {
+            log::info!("the guest reset the machine (i8042): the run ends");
+            return PioAction::Exit(self.power_off_status());
+        }
         if port == EXIT_PORT {
             return match <[u8; 4]>::try_from(data) {
+                Ok(bytes) if pvh => {
+                    let status = u32::from_le_bytes(bytes);
+                    self.reported_status
+                        .store(u64::from(status), Ordering::Relaxed);
+                    PioAction::Continue
+                }
                 Ok(bytes) => PioAction::Exit(u32::from_le_bytes(bytes)),
                 Err(_) => {
                     // Only 32-bit writes end the run; anything else is a guest bug.
@@ -235,6 +278,38 @@ mod tests {
         assert_eq!(bus.write(EXIT_PORT, &[1]), PioAction::Continue);
         assert_eq!(bus.write(EXIT_PORT, &[1, 2]), PioAction::Continue);
         assert_eq!(bus.bad_exit_writes(), 2);
+    }
+
+    #[test]
+    fn pvh_runs_end_at_power_off_with_the_status_reported_before() {
+        let bus = IoBus::new(ConsoleSink::new(false)).with_pvh(true);
+        assert_eq!(bus.write(POWER_OFF_PORT, &[0x14]), PioAction::Continue);
+        assert_eq!(
+            bus.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
+            PioAction::Exit(pvspin_vmm_proto::status::NOT_REPORTED)
+        );
+        assert_eq!(
+            bus.write(EXIT_PORT, &3u32.to_le_bytes()),
+            PioAction::Continue
+        );
+        assert_eq!(
+            bus.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
+            PioAction::Exit(3)
+        );
+        assert_eq!(
+            bus.write(I8042_COMMAND_PORT, &[I8042_RESET]),
+            PioAction::Exit(3)
+        );
+        // Under the direct boot those ports are nobody's, and the exit port ends the run.
+        let direct = IoBus::new(ConsoleSink::new(false));
+        assert_eq!(
+            direct.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
+            PioAction::Continue
+        );
+        assert_eq!(
+            direct.write(EXIT_PORT, &0u32.to_le_bytes()),
+            PioAction::Exit(0)
+        );
     }
 
     #[test]

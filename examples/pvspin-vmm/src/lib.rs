@@ -14,6 +14,7 @@ pub mod config;
 pub mod devices;
 pub mod memory;
 pub mod plot;
+pub mod pvh;
 pub mod report;
 pub mod saved;
 pub mod seccomp;

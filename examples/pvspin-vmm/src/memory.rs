@@ -149,14 +149,40 @@ pub fn write_tables(memory: &VmMemory) -> Result<(), MemoryError> {
 
 /// Loads the guest ELF image; returns its entry point.
 pub fn load_image(memory: &VmMemory, image: &[u8]) -> Result<u64, MemoryError> {
-    let loaded =
-        Elf::load(memory, None, &mut Cursor::new(image), None).map_err(MemoryError::Load)?;
+    load(memory, image).map(|loaded| loaded.entry)
+}
+
+/// Where a loaded guest image is entered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadedImage {
+    /// The ELF entry point (the direct boot's 64-bit entry).
+    pub entry: u64,
+    /// The PVH entry from the image's `XEN_ELFNOTE_PHYS32_ENTRY` note, when it has one.
+    pub pvh_entry: Option<u64>,
+}
+
+/// Loads the guest ELF image (below 1 MiB nothing: linux-loader refuses segments there).
+pub fn load(memory: &VmMemory, image: &[u8]) -> Result<LoadedImage, MemoryError> {
+    let loaded = Elf::load(
+        memory,
+        None,
+        &mut Cursor::new(image),
+        Some(GuestAddress(1 << 20)),
+    )
+    .map_err(MemoryError::Load)?;
     let start = loaded.kernel_load.0;
     let end = loaded.kernel_end;
     if start < IMAGE_BASE || end > IMAGE_BASE + IMAGE_MAX_BYTES {
         return Err(MemoryError::ImageOutOfWindow { start, end });
     }
-    Ok(start)
+    let pvh_entry = match loaded.pvh_boot_cap {
+        linux_loader::loader::elf::PvhBootCapability::PvhEntryPresent(addr) => Some(addr.0),
+        _ => None,
+    };
+    Ok(LoadedImage {
+        entry: start,
+        pvh_entry,
+    })
 }
 
 /// Writes the boot parameters and zeroes every vCPU's progress slot.
@@ -294,6 +320,29 @@ mod tests {
             load_image(&memory, b"not an elf"),
             Err(MemoryError::Load(_))
         ));
+    }
+
+    #[test]
+    fn the_guest_image_carries_a_pvh_entry_note_inside_its_window() {
+        let memory = create(16 << 20).unwrap();
+        let loaded = load(&memory, crate::vmm::GUEST_IMAGE).unwrap();
+        let pvh = loaded
+            .pvh_entry
+            .expect("the guest ELF has no PVH entry note");
+        assert!(
+            (IMAGE_BASE..IMAGE_BASE + IMAGE_MAX_BYTES).contains(&pvh),
+            "{pvh:#x}"
+        );
+        assert_ne!(pvh, loaded.entry);
+        // The note itself, read from the ELF: owner "Xen", type 18, a 32-bit address.
+        let image = crate::vmm::GUEST_IMAGE;
+        let note = [4u32.to_le_bytes(), 4u32.to_le_bytes(), 18u32.to_le_bytes()].concat();
+        let at = image
+            .windows(note.len() + 4)
+            .position(|w| w[..12] == note[..] && &w[12..] == b"Xen\0")
+            .expect("no Xen note of type 18");
+        let desc = u32::from_le_bytes(image[at + 16..at + 20].try_into().unwrap());
+        assert_eq!(u64::from(desc), pvh);
     }
 
     #[test]

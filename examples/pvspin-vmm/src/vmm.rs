@@ -15,7 +15,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::config::{PvMode, RunConfig, RunConfigError};
+use crate::config::{BootMode, PvMode, RunConfig, RunConfigError};
 use crate::devices::{ConsoleSink, IoBus};
 use crate::memory::{self, MemoryError, VmMemory};
 use crate::report::{RunReport, VcpuReport};
@@ -54,7 +54,7 @@ pub enum RunError {
         states: VcpuStates,
     },
     /// The guest ended the run with a failure status.
-    #[error("the guest reported failure status {status} ({meaning})\n{states}")]
+    #[error("the guest reported failure status {status} ({meaning})\n{states}{console_tail}")]
     GuestStatus {
         /// The status written to the exit port.
         status: u32,
@@ -62,6 +62,9 @@ pub enum RunError {
         meaning: &'static str,
         /// Every vCPU's state.
         states: VcpuStates,
+        /// The guest console's last lines, when it was not echoed (`--quiet`): the guest says
+        /// there why it failed. Empty, or a newline and the lines.
+        console_tail: String,
     },
     /// A running vCPU made no progress for too long.
     #[error("watchdog: vCPU {vcpu} made no progress for {silent_ms} ms (limit {limit_ms} ms); the VM was stopped\n{states}")]
@@ -436,8 +439,19 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     } else {
         memory::create(config.mem_bytes())?
     };
-    memory::write_tables(&memory)?;
-    let entry = memory::load_image(&memory, GUEST_IMAGE)?;
+    let pvh = config.boot == BootMode::Pvh;
+    if !pvh {
+        memory::write_tables(&memory)?;
+    }
+    let image = memory::load(&memory, GUEST_IMAGE)?;
+    let pvh_entry = match (pvh, image.pvh_entry) {
+        (true, None) => {
+            return Err(RunError::Setup(
+                "the guest image has no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY)".into(),
+            ))
+        }
+        (_, entry) => entry,
+    };
 
     let vm = kvm.create_vm().map_err(setup_err("KVM_CREATE_VM"))?;
     let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
@@ -505,6 +519,16 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     };
     let pvspin = built.map_err(|err| RunError::Refused(err.to_string()))?;
     let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
+    // PVH: the guest starts its APs with INIT-SIPI-SIPI through KVM's in-kernel LAPIC, which
+    // the in-kernel and signal-msi kick paths (pvspin) and the vhost-user device (below)
+    // create anyway.
+    let irqchip_made_elsewhere =
+        (config.pv.kicks() && in_process && config.kick_path != pvspin::KickPath::Userspace)
+            || config.vhost_user.is_some();
+    if pvh && !irqchip_made_elsewhere {
+        pvspin_kvm::irqchip::create_irqchip(&vm)
+            .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))?;
+    }
     // Where the guest registers its steal-time areas (it does when KVM offers them). With run
     // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
     // does not know its guest's layout would.
@@ -581,32 +605,61 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             ));
         }
         let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
-        vcpu.set_sregs(&memory::initial_sregs(sregs, index))
-            .map_err(setup_err("KVM_SET_SREGS"))?;
-        vcpu.set_regs(&memory::initial_regs(index, entry))
-            .map_err(setup_err("KVM_SET_REGS"))?;
+        match pvh_entry {
+            // PVH: the boot vCPU at the PVH entry; the APs stay in KVM's wait-for-SIPI.
+            Some(pvh_entry) if pvh => {
+                if index == 0 {
+                    vcpu.set_sregs(&crate::pvh::entry_sregs(sregs))
+                        .map_err(setup_err("KVM_SET_SREGS"))?;
+                    vcpu.set_regs(&crate::pvh::entry_regs(pvh_entry))
+                        .map_err(setup_err("KVM_SET_REGS"))?;
+                }
+            }
+            _ => {
+                vcpu.set_sregs(&memory::initial_sregs(sregs, index))
+                    .map_err(setup_err("KVM_SET_SREGS"))?;
+                vcpu.set_regs(&memory::initial_regs(index, image.entry))
+                    .map_err(setup_err("KVM_SET_REGS"))?;
+            }
+        }
         vcpus.push((vcpu, hooks));
     }
-    if let (Some(_), Some((last, _))) = (&virtio, vcpus.last()) {
+    if let (true, Some((last, _))) = (virtio.is_some() || pvh, vcpus.last()) {
         // KVM maps APIC IDs to vCPUs once all exist; rewriting a LAPIC rebuilds the map, so
-        // the kick queues' MSIs find their vCPUs.
+        // the kick queues' MSIs and the guest's INIT-SIPI-SIPI find their vCPUs.
         pvspin_kvm::irqchip::refresh_lapic(last)
             .map_err(|err| RunError::Setup(format!("refreshing the LAPIC: {err}")))?;
     }
-    // The example's guests start every vCPU at once (no INIT/SIPI).
-    pvspin::simple::start_aps(vcpus.iter().map(|(vcpu, _)| vcpu)).map_err(pvspin_error)?;
+    // The direct boot starts every vCPU at once (no INIT/SIPI); under PVH the guest does.
+    if !pvh {
+        pvspin::simple::start_aps(vcpus.iter().map(|(vcpu, _)| vcpu)).map_err(pvspin_error)?;
+    }
     let tsc_khz = vcpus
         .first()
         .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
         .map_or(0, u64::from);
-    let mut params = boot_params(config, tsc_khz);
-    if virtio.is_some() {
-        params.virtio_mmio_base = pvspin_vmm_proto::VIRTIO_MMIO_ADDR;
+    if pvh {
+        // The guest writes the boot parameters itself, from the command line.
+        let cmdline = config
+            .pvh_cmdline
+            .clone()
+            .unwrap_or_else(|| crate::pvh::guest_cmdline(config, tsc_khz));
+        crate::pvh::write_boot_data(&memory, config.mem_bytes(), &cmdline, config.vcpus)
+            .map_err(|err| RunError::Setup(err.to_string()))?;
+    } else {
+        let mut params = boot_params(config, tsc_khz);
+        if virtio.is_some() {
+            params.virtio_mmio_base = pvspin_vmm_proto::VIRTIO_MMIO_ADDR;
+        }
+        memory::write_boot_params(&memory, &params, config.vcpus)?;
     }
-    memory::write_boot_params(&memory, &params, config.vcpus)?;
 
     let console = ConsoleSink::new(config.echo_console);
-    let bus = Arc::new(IoBus::new(console.clone()).with_virtio(virtio.clone()));
+    let bus = Arc::new(
+        IoBus::new(console.clone())
+            .with_virtio(virtio.clone())
+            .with_pvh(pvh),
+    );
     let control = Arc::new(RunControl {
         ending: Mutex::new(None),
         ended: EventFd::new(libc::EFD_NONBLOCK)
@@ -764,6 +817,11 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
                 status,
                 meaning: status_meaning(status),
                 states,
+                console_tail: if config.echo_console {
+                    String::new()
+                } else {
+                    console_tail(&console.captured(), 4)
+                },
             })
         }
         Ending::Fault { vcpu, reason } => {
@@ -844,14 +902,17 @@ fn pvspin_error(err: pvspin::Error) -> RunError {
     }
 }
 
+/// The last `lines` lines of the guest's console, after a newline, for error messages.
+fn console_tail(console: &str, lines: usize) -> String {
+    let all: Vec<&str> = console.lines().collect();
+    let tail = &all[all.len().saturating_sub(lines)..];
+    tail.iter()
+        .map(|line| format!("\n  guest: {line}"))
+        .collect()
+}
+
 fn status_meaning(status: u32) -> &'static str {
-    use pvspin_vmm_proto::status;
-    match status {
-        status::COUNTER_MISMATCH => "the shared counter is wrong: mutual exclusion failed",
-        status::BAD_PARAMS => "the guest refused its boot parameters",
-        status::PANIC => "the guest panicked",
-        _ => "unknown status",
-    }
+    pvspin_vmm_proto::status::meaning(status)
 }
 
 /// Names for the CLI and reports.

@@ -119,6 +119,24 @@ impl ExitKind {
     pub(crate) fn index(self) -> usize {
         self as usize
     }
+
+    /// The kind of a `KVM_RUN` that returned with `kvm_run.exit_reason` = `reason`, for a VMM
+    /// whose run loop does not see `kvm_ioctls::VcpuExit` (with
+    /// [`VcpuHooks::handle_exit_kind`](crate::VcpuHooks::handle_exit_kind)). KVM sets
+    /// `KVM_EXIT_INTR` when `KVM_RUN` returns `EINTR` (a signal, `immediate_exit`).
+    pub fn from_exit_reason(reason: u32) -> ExitKind {
+        use kvm_bindings as kb;
+        match reason {
+            kb::KVM_EXIT_IO => ExitKind::Io,
+            kb::KVM_EXIT_MMIO => ExitKind::Mmio,
+            kb::KVM_EXIT_HLT => ExitKind::Hlt,
+            kb::KVM_EXIT_INTR => ExitKind::Interrupted,
+            kb::KVM_EXIT_SHUTDOWN | kb::KVM_EXIT_FAIL_ENTRY | kb::KVM_EXIT_INTERNAL_ERROR => {
+                ExitKind::Failure
+            }
+            _ => ExitKind::Other,
+        }
+    }
 }
 
 /// Returns from `KVM_RUN` by [`ExitKind`].

@@ -123,3 +123,30 @@ pub fn cpuid(leaf: u32) -> [u32; 4] {
     [eax, ebx, ecx, edx]
 }
 
+
+/// Writes two bytes to an I/O port.
+pub fn outw(port: u16, value: u16) {
+    // SAFETY: as for `outb`.
+    unsafe { asm!("out dx, ax", in("dx") port, in("ax") value, options(nomem, nostack, preserves_flags)) };
+}
+
+/// Reads a 32-bit device register (memory-mapped I/O).
+///
+/// # Safety
+///
+/// `addr` must be mapped (the PVH page tables identity-map 4 GiB) and reading it must have no
+/// effect the caller did not intend.
+pub unsafe fn mmio_read32(addr: u64) -> u32 {
+    // SAFETY: the caller's contract; a volatile load is one 32-bit access.
+    unsafe { (addr as *const u32).read_volatile() }
+}
+
+/// Writes a 32-bit device register (memory-mapped I/O).
+///
+/// # Safety
+///
+/// As for [`mmio_read32`], for a write.
+pub unsafe fn mmio_write32(addr: u64, value: u32) {
+    // SAFETY: the caller's contract; a volatile store is one 32-bit access.
+    unsafe { (addr as *mut u32).write_volatile(value) };
+}

@@ -55,12 +55,104 @@ impl Line {
         digits.iter().take(count).rev().copied().fold(self, Self::byte)
     }
 
+    /// Appends a number in hexadecimal, `0x`-prefixed.
+    pub fn hex(self, value: u64) -> Self {
+        let mut line = self.text("0x");
+        let mut started = false;
+        for shift in (0..16).rev() {
+            let digit = ((value >> (shift * 4)) & 0xf) as u8;
+            if digit != 0 || started || shift == 0 {
+                started = true;
+                line = line.byte(if digit < 10 { b'0' + digit } else { b'a' + digit - 10 });
+            }
+        }
+        line
+    }
+
     /// Prints the line and a newline.
     pub fn print(self) {
         let _guard = CONSOLE.lock();
+        self.print_unlocked();
+    }
+
+    /// Prints the line, taking the console lock if it comes within a bounded wait: for the
+    /// exception handler and the end of the run, which may follow a vCPU that faulted while
+    /// holding the lock (its own, or another's).
+    pub fn print_bounded(self) {
+        for _ in 0..100_000 {
+            if let Some(_guard) = CONSOLE.try_lock() {
+                self.print_unlocked();
+                return;
+            }
+            core::hint::spin_loop();
+        }
+        self.print_unlocked();
+    }
+
+    fn print_unlocked(self) {
         for &byte in self.buf.iter().take(self.len) {
             outb(SERIAL_PORT, byte);
         }
         outb(SERIAL_PORT, b'\n');
+    }
+}
+
+/// Output longer than a [`Line`] (the JSON result line), written as it is built, under the
+/// console lock.
+pub struct Stream {
+    _guard: pvspin_guest::SpinMutexGuard<'static, TasLock, ()>,
+}
+
+impl Stream {
+    /// Takes the console.
+    pub fn new() -> Self {
+        Self {
+            _guard: CONSOLE.lock(),
+        }
+    }
+
+    /// Writes text.
+    pub fn text(&mut self, text: &str) -> &mut Self {
+        for byte in text.bytes() {
+            outb(SERIAL_PORT, byte);
+        }
+        self
+    }
+
+    /// Writes a number in decimal.
+    pub fn num(&mut self, value: u64) -> &mut Self {
+        let mut digits = [0u8; 20];
+        let mut count = 0;
+        let mut rest = value;
+        for digit in digits.iter_mut() {
+            *digit = b'0' + (rest % 10) as u8;
+            count += 1;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        for &digit in digits.iter().take(count).rev() {
+            outb(SERIAL_PORT, digit);
+        }
+        self
+    }
+
+    /// Writes `numerator / denominator` as a decimal with 9 fractional digits (integers
+    /// only: the guest has no floats).
+    pub fn ratio(&mut self, numerator: u64, denominator: u64) -> &mut Self {
+        if denominator == 0 {
+            return self.text("0.0");
+        }
+        let whole = numerator / denominator;
+        let fraction = (u128::from(numerator % denominator) * 1_000_000_000
+            / u128::from(denominator)) as u64;
+        self.num(whole).text(".");
+        let mut scale = 100_000_000;
+        while scale > 0 {
+            outb(SERIAL_PORT, b'0' + ((fraction / scale) % 10) as u8);
+            scale /= 10;
+        }
+        self
     }
 }

@@ -11,6 +11,8 @@
 mod arch;
 mod console;
 mod pingpong;
+mod pvh;
+mod result_line;
 mod pv;
 mod rt;
 mod virtio;
@@ -52,16 +54,30 @@ static ROUNDS: AtomicU64 = AtomicU64::new(0);
 static PV_BACKOFF_COUNTER: SpinMutex<StaticPvBackoffTicketLock<pv::GuestPv>, u64> =
     SpinMutex::new(0);
 
-/// Entry point of every vCPU: `rdi` = vCPU index, `rsi` = boot parameters.
+/// Entry point of every vCPU under the direct boot: `rdi` = vCPU index, `rsi` = boot
+/// parameters. (PVH boot enters at `pvh_start32`, see `pvh`, and ends up in [`run`] too.)
 #[no_mangle]
 pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
-    // SAFETY: the VMM put the boot parameters at this address before starting any vCPU, and
-    // nothing writes them while the guest runs except `report` below (the last vCPU only).
+    run(vcpu as u32, params)
+}
+
+/// Ends the run with `code`: the exit port under the direct boot, a power-off under PVH.
+pub fn exit(code: u32) -> ! {
+    if pvh::PVH_BOOT.load(Ordering::Relaxed) {
+        pvh::exit(code)
+    }
+    outl(EXIT_PORT, code);
+    halt_forever()
+}
+
+/// vCPU `vcpu` runs the workload the boot parameters at `params` describe.
+pub fn run(vcpu: u32, params: *mut BootParams) -> ! {
+    // SAFETY: the VMM (direct boot) or the boot vCPU (PVH) put the boot parameters at this
+    // address before starting any other vCPU, and nothing writes them while the guest runs
+    // except `report` below (the last vCPU only).
     let boot = unsafe { params.read_volatile() };
-    let vcpu = vcpu as u32;
     if boot.magic != BOOT_MAGIC || boot.version != BOOT_VERSION || vcpu >= boot.vcpus {
-        outl(EXIT_PORT, status::BAD_PARAMS);
-        halt_forever();
+        exit(status::BAD_PARAMS);
     }
     match Workload::from_u32(boot.workload) {
         Some(Workload::Hello) => {
@@ -87,8 +103,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                     lock_workload(vcpu, &boot, params, &STOCK_QUEUED_COUNTER)
                 }
                 (_, PV_KICK | PV_KICK_YIELD) if stock => {
-                    outl(EXIT_PORT, status::BAD_PARAMS);
-                    halt_forever()
+                    exit(status::BAD_PARAMS)
                 }
                 (Some(LockKind::Ticket), PV_OFF) => {
                     lock_workload(vcpu, &boot, params, &TICKET_COUNTER)
@@ -108,8 +123,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
                     lock_workload(vcpu, &boot, params, &PV_QUEUED_COUNTER)
                 }
                 _ => {
-                    outl(EXIT_PORT, status::BAD_PARAMS);
-                    halt_forever()
+                    exit(status::BAD_PARAMS)
                 }
             }
         }
@@ -137,8 +151,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
         }
         Some(Workload::PingPong) => {
             if boot.pv != PV_KICK {
-                outl(EXIT_PORT, status::BAD_PARAMS);
-                halt_forever();
+                exit(status::BAD_PARAMS);
             }
             prepare(vcpu, &boot, true);
             start_barrier(&boot);
@@ -171,8 +184,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
             halt_forever()
         }
         None => {
-            outl(EXIT_PORT, status::BAD_PARAMS);
-            halt_forever()
+            exit(status::BAD_PARAMS)
         }
     }
 }
@@ -182,8 +194,7 @@ pub extern "C" fn _start(vcpu: u64, params: *mut BootParams) -> ! {
 fn prepare(vcpu: u32, boot: &BootParams, pv: bool) {
     if pv {
         if let Err(code) = setup_pv(vcpu, boot) {
-            outl(EXIT_PORT, code);
-            halt_forever();
+            exit(code);
         }
     }
     // A stock kernel registers its steal-time area whenever KVM offers steal time (here, at
@@ -409,6 +420,11 @@ fn finish(
             code = status::COUNTER_MISMATCH;
         }
     }
-    outl(EXIT_PORT, code);
-    halt_forever()
+    if pvh::PVH_BOOT.load(Ordering::Relaxed) {
+        // SAFETY: as at the start of `run`; every other vCPU has finished, and this one wrote
+        // the result above.
+        let done = unsafe { params.read_volatile() };
+        result_line::print(&done);
+    }
+    exit(code)
 }

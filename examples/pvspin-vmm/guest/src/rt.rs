@@ -3,9 +3,7 @@
 
 use core::arch::asm;
 
-use pvspin_vmm_proto::{status, EXIT_PORT};
-
-use crate::arch::{halt_forever, outl};
+use pvspin_vmm_proto::status;
 
 /// `rep movsb` cannot call back into `memcpy`, unlike a Rust loop the compiler may turn into one.
 #[no_mangle]
@@ -75,6 +73,5 @@ pub extern "C" fn rust_eh_personality() {}
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
     // No formatting: core::fmt uses SSE. Report a distinct status and stop.
-    outl(EXIT_PORT, status::PANIC);
-    halt_forever()
+    crate::exit(status::PANIC)
 }

@@ -23,6 +23,10 @@
 
 use core::mem::size_of;
 
+pub mod cmdline;
+pub mod firmware;
+pub mod pvh;
+
 /// GPA of the GDT.
 pub const GDT_ADDR: u64 = 0x1000;
 /// GPA of the PML4; the PDPT and the page directories follow it page by page.
@@ -179,6 +183,29 @@ pub mod status {
     pub const PANIC: u32 = 3;
     /// PV locks were asked for, but the host advertises no usable pvspin kick device.
     pub const NO_PVSPIN: u32 = 4;
+    /// PVH boot: the guest took a CPU exception (its IDT reported it on the console).
+    pub const EXCEPTION: u32 = 5;
+    /// PVH boot: the guest could not boot (bad command line, no CPU list, too few CPUs,
+    /// memory it needs not RAM, an AP that did not start); the console says which.
+    pub const BOOT_FAILED: u32 = 6;
+    /// `pvspin-vmm --boot pvh`: the guest powered off (or reset) without writing a status to
+    /// the status register first.
+    pub const NOT_REPORTED: u32 = u32::MAX;
+
+    /// What a status means, for people.
+    pub const fn meaning(status: u32) -> &'static str {
+        match status {
+            OK => "success",
+            COUNTER_MISMATCH => "the shared counter is wrong: mutual exclusion failed",
+            BAD_PARAMS => "the guest refused its boot parameters",
+            PANIC => "the guest panicked",
+            NO_PVSPIN => "PV locks asked for, but no usable pvspin device",
+            EXCEPTION => "the guest took a CPU exception",
+            BOOT_FAILED => "the guest could not boot (see its console)",
+            NOT_REPORTED => "the guest powered off without reporting a status",
+            _ => "unknown status",
+        }
+    }
 }
 
 /// [`BootParams::pv`]: plain spinning locks.
