@@ -75,8 +75,9 @@ fi
 tool=${GUEST_CMDLINE_TOOL:-}
 if [ -z "$tool" ]; then
     echo "== building pvspin-vmm (for the guest image and its command line)"
+    # CARGO_TARGET_DIR is CH's (exported above): the binary lands there.
     (cd "$pvspin_root" && nice -n 19 cargo build $jobs --release -p pvspin-vmm)
-    tool="$pvspin_root/target/release/pvspin-vmm"
+    tool="$target/release/pvspin-vmm"
 fi
 if ! "$tool" guest-cmdline --help >/dev/null 2>&1; then
     echo "$tool has no guest-cmdline: it needs the PVH guest (pvspin-vmm guest-image)" >&2
