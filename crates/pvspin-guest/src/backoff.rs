@@ -631,7 +631,6 @@ mod tests {
                 lock: 0,
                 waiting_for: None,
                 next_owner: false,
-                waking: false,
                 spun,
             }
         };
@@ -700,7 +699,6 @@ mod tests {
                 lock: 0,
                 waiting_for: Some(1),
                 next_owner: false,
-                waking: false,
                 spun,
             }
         };

@@ -131,11 +131,6 @@ pub struct SpinWait {
     /// `waiting_for` is the CPU that gets the lock next (the queued lock's predecessor when it
     /// is not the holder), not the holder.
     pub next_owner: bool,
-    /// `waiting_for` was woken by an unlocker (kicked) and has not run since: it is on its
-    /// way to the lock, so "not running" says nothing about how long the wait lasts. The
-    /// waiter then spins its whole budget instead of waiting early, so that a waiter that
-    /// halted once does not make every later waiter halt behind it (a wake-up convoy).
-    pub waking: bool,
     /// Spins since the previous notification of this wait (or since it started).
     pub spun: u32,
 }
@@ -557,8 +552,7 @@ impl<O: PvOps> Pv<'_, O> {
     /// [`SpinBudget::notify_after`] (both re-read after each notification). Without a clock
     /// (spin counts), also once more at the end if the phase did not notify and the wait will
     /// not tell the host itself (the waiter is about to halt). The phase also ends early when the CPU the waiter waits for
-    /// is known not to run ([`PvOps::is_not_running`]): spinning cannot end before it runs;
-    /// not when that CPU was just kicked ([`SpinWait::waking`]), since it is about to run.
+    /// is known not to run ([`PvOps::is_not_running`]): spinning cannot end before it runs.
     /// `wait(spun)` describes the wait. Returns whether `done()` became true.
     #[inline]
     pub(crate) fn spin_phase(
@@ -596,9 +590,8 @@ impl<O: PvOps> Pv<'_, O> {
                 break;
             }
             if spins % RUNNING_CHECK_EVERY == RUNNING_CHECK_EVERY - 1 {
-                let now_waiting = wait(since);
-                if let Some(cpu) = now_waiting.waiting_for {
-                    if !now_waiting.waking && self.ops.is_not_running(cpu) {
+                if let Some(cpu) = wait(since).waiting_for {
+                    if self.ops.is_not_running(cpu) {
                         break;
                     }
                 }

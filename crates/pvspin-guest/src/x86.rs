@@ -140,7 +140,6 @@ impl<P: PvPlatform> HaltPvOps<P> {
             lock: 0,
             waiting_for: None,
             next_owner: false,
-            waking: false,
             spun: 0,
         };
         if !self
