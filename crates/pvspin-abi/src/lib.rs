@@ -14,7 +14,8 @@
 //!
 //! Versions: discovery and KICK since 0.1; SPIN and the window read since 0.2 (when
 //! [`cpuid::FEATURE_SPIN_NOTIFY`] is set); WAIT ([`doorbell::WAIT_OFFSET`]) and the hint page
-//! ([`doorbell::SHARED_PAGE_OFFSET`]) since 0.3, each behind its feature bit. This crate's
+//! ([`doorbell::SHARED_PAGE_OFFSET`]) since 0.3, each behind its feature bit; the hint page's
+//! [`hint::VCPUS_FIT`] flag since 0.4. This crate's
 //! version is [`ABI_VERSION`]; [`version_compatible`] says whether a guest may use a host's.
 #![no_std]
 #![deny(missing_docs)]
@@ -22,7 +23,7 @@
 /// Version of the guest-host contract. A guest refuses a host whose major version differs.
 pub const ABI_VERSION_MAJOR: u16 = 0;
 /// Minor version: additions that old guests may ignore.
-pub const ABI_VERSION_MINOR: u16 = 3;
+pub const ABI_VERSION_MINOR: u16 = 4;
 
 /// The ABI version as one 32-bit word, as CPUID reports it: major in bits 31..16, minor in
 /// bits 15..0.
@@ -385,7 +386,7 @@ pub mod hint {
     //! | offset | size | writer | field |
     //! |---|---|---|---|
     //! | 0 | 4 | host | [`LAYOUT`]: [`LAYOUT_VERSION`], stored at registration (a guest may poll it to see the registration took) |
-    //! | 4 | 4 | host | [`HOST_FLAGS`]: bit 0 [`NOT_RUNNING`]: the host does not run this vCPU now (it waits in WAIT or in a userspace halt, or the VMM parked it) |
+    //! | 4 | 4 | host | [`HOST_FLAGS`]: bit 0 [`NOT_RUNNING`]: the host does not run this vCPU now (it waits in WAIT or in a userspace halt, or the VMM parked it); bit 1 [`VCPUS_FIT`] (0.4): the VM's vCPUs fit the CPUs the host gives it |
     //! | 8 | 8 | host | [`SPIN_WINDOW_TSC`]: TSC cycles a waiter spins before a SPIN notification; `u64::MAX`: do not notify |
     //! | 16 | 8 | host | [`WAIT_AFTER_TSC`]: TSC cycles a waiter spins before it waits (`HLT` or WAIT) |
     //! | 24 | 4 | host | [`HOST_SEQ`]: incremented after every host update of the fields above |
@@ -422,7 +423,7 @@ pub mod hint {
 
     /// u32, host: layout version.
     pub const LAYOUT: usize = 0;
-    /// u32, host: flags ([`NOT_RUNNING`]).
+    /// u32, host: flags ([`NOT_RUNNING`], [`VCPUS_FIT`]).
     pub const HOST_FLAGS: usize = 4;
     /// u64, host: TSC cycles of spinning before a SPIN notification (`u64::MAX`: never).
     pub const SPIN_WINDOW_TSC: usize = 8;
@@ -456,6 +457,15 @@ pub mod hint {
 
     /// [`HOST_FLAGS`] bit: the host does not run this vCPU now.
     pub const NOT_RUNNING: u32 = 1 << 0;
+    /// [`HOST_FLAGS`] bit (0.4): the VM has no more vCPUs than CPUs the host gives it (its
+    /// affinity, CPU quota and run slots), so a vCPU that an unlocker kicked awake gets a CPU
+    /// without queueing behind this VM's other vCPUs. A waiter whose next owner was just kicked
+    /// may then keep spinning its budget instead of waiting early: the owner is about to run,
+    /// and waiting would make the next hand-over a wake-up too (a wake-up convoy). Without the
+    /// flag (more vCPUs than CPUs, or a host that does not say) the spinners would take the CPU
+    /// the kicked owner needs, so waiting early is right. The same in every page of a VM; a
+    /// hint, changed by the host at any time.
+    pub const VCPUS_FIT: u32 = 1 << 1;
 
     /// [`SPIN_STATE`]: not spinning on a lock.
     pub const SPIN_IDLE: u32 = 0;
@@ -767,7 +777,7 @@ mod tests {
         };
         let regs = info.info_leaf();
         assert_eq!(regs.ebx, 0x0010_0A40);
-        assert_eq!(regs.eax, 0x0000_0003);
+        assert_eq!(regs.eax, 0x0000_0004);
         assert_eq!(PvspinInfo::from_info_leaf(regs), info);
     }
 

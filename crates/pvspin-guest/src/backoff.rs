@@ -631,6 +631,7 @@ mod tests {
                 lock: 0,
                 waiting_for: None,
                 next_owner: false,
+                waking: false,
                 spun,
             }
         };
@@ -699,6 +700,7 @@ mod tests {
                 lock: 0,
                 waiting_for: Some(1),
                 next_owner: false,
+                waking: false,
                 spun,
             }
         };

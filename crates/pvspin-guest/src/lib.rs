@@ -154,6 +154,7 @@ mod tests_common {
         clock: std::sync::atomic::AtomicU64,
         budget: crate::SpinBudget,
         not_running: std::sync::atomic::AtomicU32,
+        vcpus_fit: std::sync::atomic::AtomicBool,
         pub(crate) notes: std::sync::Mutex<Vec<SpinWait>>,
         pub(crate) waits: std::sync::Mutex<Vec<SpinWait>>,
         notifies_in_wait: bool,
@@ -166,6 +167,7 @@ mod tests_common {
                 clock: std::sync::atomic::AtomicU64::new(0),
                 budget,
                 not_running: std::sync::atomic::AtomicU32::new(0),
+                vcpus_fit: std::sync::atomic::AtomicBool::new(false),
                 notes: std::sync::Mutex::new(Vec::new()),
                 waits: std::sync::Mutex::new(Vec::new()),
                 notifies_in_wait,
@@ -175,6 +177,12 @@ mod tests_common {
         /// Clock reads so far (one per spin).
         pub(crate) fn ticks(&self) -> u64 {
             self.clock.load(std::sync::atomic::Ordering::Relaxed)
+        }
+
+        /// What [`PvOps::vcpus_fit`] answers (the host's `VCPUS_FIT`).
+        pub(crate) fn set_vcpus_fit(&self, fit: bool) {
+            self.vcpus_fit
+                .store(fit, std::sync::atomic::Ordering::Relaxed);
         }
 
         /// Marks `cpu` (below 32) not running.
@@ -214,6 +222,9 @@ mod tests_common {
         fn is_not_running(&self, cpu: u32) -> bool {
             cpu < 32
                 && self.not_running.load(std::sync::atomic::Ordering::Relaxed) & (1 << cpu) != 0
+        }
+        fn vcpus_fit(&self) -> bool {
+            self.vcpus_fit.load(std::sync::atomic::Ordering::Relaxed)
         }
     }
 

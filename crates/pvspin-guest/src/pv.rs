@@ -92,6 +92,14 @@ pub trait PvOps: Sync {
         false
     }
 
+    /// Whether the host says this VM's vCPUs fit the CPUs it gets (pvspin's hint page
+    /// `VCPUS_FIT`, ABI 0.4): a vCPU kicked awake then gets a CPU without queueing behind this
+    /// VM's other vCPUs, so a waiter behind a just-kicked next owner ([`SpinWait::waking`])
+    /// keeps spinning instead of waiting early. Default: not known (wait early).
+    fn vcpus_fit(&self) -> bool {
+        false
+    }
+
     /// Whether KVM says `cpu`'s vCPU is preempted: Linux's `vcpu_is_preempted`, which a stock
     /// KVM guest reads from bit 0 of the `preempted` byte of `cpu`'s steal-time area (offset 16
     /// of `struct kvm_steal_time`, registered with `MSR_KVM_STEAL_TIME`). Only the
@@ -131,6 +139,13 @@ pub struct SpinWait {
     /// `waiting_for` is the CPU that gets the lock next (the queued lock's predecessor when it
     /// is not the holder), not the holder.
     pub next_owner: bool,
+    /// `waiting_for` was woken by an unlocker (kicked) and has not run since: it is on its
+    /// way to the lock, so "not running" says nothing about how long the wait lasts. When the
+    /// host says the VM's vCPUs fit its CPUs ([`PvOps::vcpus_fit`]), the waiter then spins its
+    /// whole budget instead of waiting early, so that a waiter that halted once does not make
+    /// every later waiter halt behind it (a wake-up convoy). With more vCPUs than CPUs it
+    /// waits early as before: spinning would take the CPU the kicked owner needs.
+    pub waking: bool,
     /// Spins since the previous notification of this wait (or since it started).
     pub spun: u32,
 }
@@ -552,7 +567,9 @@ impl<O: PvOps> Pv<'_, O> {
     /// [`SpinBudget::notify_after`] (both re-read after each notification). Without a clock
     /// (spin counts), also once more at the end if the phase did not notify and the wait will
     /// not tell the host itself (the waiter is about to halt). The phase also ends early when the CPU the waiter waits for
-    /// is known not to run ([`PvOps::is_not_running`]): spinning cannot end before it runs.
+    /// is known not to run ([`PvOps::is_not_running`]): spinning cannot end before it runs;
+    /// not when that CPU was just kicked ([`SpinWait::waking`]) and the VM's vCPUs fit its
+    /// CPUs ([`PvOps::vcpus_fit`]), since it is about to run.
     /// `wait(spun)` describes the wait. Returns whether `done()` became true.
     #[inline]
     pub(crate) fn spin_phase(
@@ -590,8 +607,10 @@ impl<O: PvOps> Pv<'_, O> {
                 break;
             }
             if spins % RUNNING_CHECK_EVERY == RUNNING_CHECK_EVERY - 1 {
-                if let Some(cpu) = wait(since).waiting_for {
-                    if self.ops.is_not_running(cpu) {
+                let now_waiting = wait(since);
+                if let Some(cpu) = now_waiting.waiting_for {
+                    let about_to_run = now_waiting.waking && self.ops.vcpus_fit();
+                    if !about_to_run && self.ops.is_not_running(cpu) {
                         break;
                     }
                 }

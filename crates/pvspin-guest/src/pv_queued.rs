@@ -294,13 +294,15 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
     /// the holder or, when the holder's node is another, the next owner before it. Also what
     /// its WAIT names: `prev` is the vCPU that gets the lock next, often just kicked and not
     /// running yet, where a boost helps; the `holder` word may still name the waiter itself
-    /// then (the new holder has not recorded itself), so it is no target.
-    fn spin_wait(&self, prev: u32, spun: u32) -> SpinWait {
+    /// then (the new holder has not recorded itself), so it is no target. When `prev` was
+    /// handed the lock (`locked`) it is the owner on its way, kicked if it had halted.
+    fn spin_wait<O>(&self, pv: &Pv<'_, O>, prev: u32, spun: u32) -> SpinWait {
         SpinWait {
             lock: self as *const Self as usize,
             waiting_for: Some(decode(prev).0),
             // `holder` is the holder's own word; a racy read is fine for a hint.
             next_owner: self.holder.load(Ordering::Relaxed) != prev,
+            waking: Self::node(pv, prev).locked.load(Ordering::Relaxed) != 0,
             spun,
         }
     }
@@ -310,7 +312,7 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
         loop {
             if pv.spin_phase(
                 || node.locked.load(Ordering::Acquire) != 0,
-                |spun| self.spin_wait(prev, spun),
+                |spun| self.spin_wait(&pv, prev, spun),
             ) {
                 return;
             }
@@ -326,7 +328,7 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
             }
             cpu.stats.halt();
             pv.ops
-                .wait_for(&node.state, HALTED, &self.spin_wait(prev, 0));
+                .wait_for(&node.state, HALTED, &self.spin_wait(&pv, prev, 0));
             node.state.store(RUNNING, Ordering::Relaxed);
             if node.locked.load(Ordering::Acquire) != 0 {
                 return;

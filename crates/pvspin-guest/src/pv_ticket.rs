@@ -186,10 +186,18 @@ impl PvTicketLock {
                 Some(holder) => (Some(holder), false),
                 None => (self.next_owner_hint(pv, my_id), true),
             };
+            // The next owner an unlocker kicked runs soon: not a reason to halt behind it.
+            let waking = next_owner
+                && waiting_for.is_some_and(|cpu| {
+                    pv.cpus
+                        .get(cpu as usize)
+                        .is_some_and(|c| c.ticket.state.load(Ordering::Relaxed) == KICKED)
+                });
             SpinWait {
                 lock: self.id(),
                 waiting_for,
                 next_owner: next_owner && waiting_for.is_some(),
+                waking,
                 spun,
             }
         };
@@ -624,6 +632,75 @@ mod tests {
             "{} spins",
             domain.ops().ticks()
         );
+    }
+
+    /// The lock was released to ticket 1, drawn by CPU 1, whose slot is in `state`; CPU 1 does
+    /// not run. CPU 2 draws ticket 2 and waits (budget: 4,000 ticks), the host saying whether
+    /// the VM's vCPUs fit its CPUs. Returns the ticks spent before it halted.
+    fn ticks_behind_a_next_owner_in(state: u8, vcpus_fit: bool) -> u64 {
+        use crate::tests_common::Timed;
+        let ops = Timed::new(
+            crate::SpinBudget {
+                notify_after: u64::MAX,
+                wait_after: 4_000,
+            },
+            true,
+        );
+        ops.set_not_running(1);
+        ops.set_vcpus_fit(vcpus_fit);
+        let domain: Arc<PvDomain<Timed<3>, 3>> = Arc::new(PvDomain::new(
+            ops,
+            SpinConfig {
+                spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+                halt: true,
+            },
+        ));
+        let lock = Arc::new(PvTicketLock::new());
+        lock.next.store(2, Ordering::Relaxed);
+        lock.owner.store(1, Ordering::Relaxed);
+        let slot = &domain.pv().cpus[1].ticket;
+        slot.lock.store(lock.id(), Ordering::Relaxed);
+        slot.ticket.store(1, Ordering::Relaxed);
+        slot.state.store(state, Ordering::Relaxed);
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(2);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let mut tries = 0;
+        while domain.ops().inner.parked(2) == 0 {
+            tries += 1;
+            assert!(tries < 50_000, "the waiter never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        let ticks = domain.ops().ticks();
+        // CPU 1 takes its ticket and releases it, which kicks the waiter.
+        bind_current_thread(1);
+        slot.state.store(RUNNING, Ordering::Relaxed);
+        // SAFETY: ticket 1, which `owner` serves, is CPU 1's, and this thread is CPU 1 now.
+        unsafe { lock.unlock(domain.pv()) };
+        waiter.join().unwrap();
+        ticks
+    }
+
+    #[test]
+    fn a_waiter_halts_early_behind_a_kicked_next_owner_only_when_crowded() {
+        // A next owner that is not running because it was preempted: waiting early is right.
+        let preempted = ticks_behind_a_next_owner_in(RUNNING, true);
+        assert!(preempted < 1_000, "{preempted} ticks");
+        // One that is not running because an unlocker just kicked it is about to run when the
+        // VM's vCPUs fit its CPUs: the waiter spins its budget (no wake-up convoy behind one
+        // halt).
+        let kicked = ticks_behind_a_next_owner_in(KICKED, true);
+        assert!(kicked >= 4_000, "{kicked} ticks");
+        // With more vCPUs than CPUs (or a host that does not say) the spinner would take the
+        // CPU the kicked owner needs: it waits early.
+        let crowded = ticks_behind_a_next_owner_in(KICKED, false);
+        assert!(crowded < 1_000, "{crowded} ticks");
     }
 
     #[test]

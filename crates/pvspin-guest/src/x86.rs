@@ -58,6 +58,11 @@ pub trait PvPlatform: Sync {
         false
     }
 
+    /// [`PvOps::vcpus_fit`] (pvspin's hint page `VCPUS_FIT`). Default: not known.
+    fn vcpus_fit(&self) -> bool {
+        false
+    }
+
     /// [`PvOps::vcpu_is_preempted`] (a stock guest: the `preempted` byte of `cpu`'s KVM
     /// steal-time area). Default: never preempted.
     fn vcpu_is_preempted(&self, _cpu: u32) -> bool {
@@ -140,6 +145,7 @@ impl<P: PvPlatform> HaltPvOps<P> {
             lock: 0,
             waiting_for: None,
             next_owner: false,
+            waking: false,
             spun: 0,
         };
         if !self
@@ -178,6 +184,10 @@ impl<P: PvPlatform> PvOps for HaltPvOps<P> {
 
     fn is_not_running(&self, cpu: u32) -> bool {
         self.platform.is_not_running(cpu)
+    }
+
+    fn vcpus_fit(&self) -> bool {
+        self.platform.vcpus_fit()
     }
 
     fn vcpu_is_preempted(&self, cpu: u32) -> bool {

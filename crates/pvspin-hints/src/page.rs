@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use pvspin_abi::doorbell::SHARED_PAGE_SIZE;
@@ -118,6 +118,22 @@ impl HintPage {
         }
     }
 
+    /// Sets or clears `VCPUS_FIT` (the VM's vCPUs fit its CPUs; a hint the guest reads
+    /// relaxed).
+    pub fn set_vcpus_fit(&self, fit: bool) {
+        let flags = self.u32_at(hint::HOST_FLAGS);
+        if fit {
+            flags.fetch_or(hint::VCPUS_FIT, Ordering::Relaxed);
+        } else {
+            flags.fetch_and(!hint::VCPUS_FIT, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `VCPUS_FIT` is set.
+    pub fn vcpus_fit(&self) -> bool {
+        self.u32_at(hint::HOST_FLAGS).load(Ordering::Relaxed) & hint::VCPUS_FIT != 0
+    }
+
     /// Whether `NOT_RUNNING` is set.
     pub fn not_running(&self) -> bool {
         self.u32_at(hint::HOST_FLAGS).load(Ordering::SeqCst) & hint::NOT_RUNNING != 0
@@ -164,6 +180,8 @@ pub enum RegisterError {
 pub struct HintPages {
     map: Arc<dyn GuestPageMap>,
     pages: Box<[AtomicPtr<u8>]>,
+    /// `VCPUS_FIT` for every page, at registration and on change.
+    vcpus_fit: AtomicBool,
 }
 
 impl fmt::Debug for HintPages {
@@ -176,19 +194,38 @@ impl fmt::Debug for HintPages {
         f.debug_struct("HintPages")
             .field("vcpus", &self.pages.len())
             .field("registered", &registered)
+            .field("vcpus_fit", &self.vcpus_fit())
             .finish()
     }
 }
 
 impl HintPages {
-    /// No pages registered yet, for `n` vCPUs.
+    /// No pages registered yet, for `n` vCPUs; `VCPUS_FIT` clear (see
+    /// [`set_vcpus_fit`](Self::set_vcpus_fit)).
     pub fn new(map: Arc<dyn GuestPageMap>, n: usize) -> Self {
         Self {
             map,
             pages: (0..n)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
+            vcpus_fit: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the VM's vCPUs fit the CPUs the host gives it (`VCPUS_FIT`): stored in every
+    /// page registered now and later. Clear by default: a host that does not know says nothing.
+    pub fn set_vcpus_fit(&self, fit: bool) {
+        self.vcpus_fit.store(fit, Ordering::Relaxed);
+        for v in 0..self.pages.len() {
+            if let Some(page) = self.get(v) {
+                page.set_vcpus_fit(fit);
+            }
+        }
+    }
+
+    /// What [`set_vcpus_fit`](Self::set_vcpus_fit) last stored.
+    pub fn vcpus_fit(&self) -> bool {
+        self.vcpus_fit.load(Ordering::Relaxed)
     }
 
     /// vCPU `v` registers the page at frame `pfn` (0 unregisters). On success the host has
@@ -215,9 +252,16 @@ impl HintPages {
             return Err(RegisterError::Misaligned(gpa));
         }
         let page = HintPage { base };
+        // The guest owns the page: host flags start from what the host says now.
+        page.u32_at(hint::HOST_FLAGS).store(
+            if self.vcpus_fit() { hint::VCPUS_FIT } else { 0 },
+            Ordering::Relaxed,
+        );
         page.u32_at(hint::LAYOUT)
             .store(hint::LAYOUT_VERSION, Ordering::Release);
         slot.store(base.as_ptr(), Ordering::Release);
+        // A `set_vcpus_fit` that ran meanwhile did not see this page yet.
+        page.set_vcpus_fit(self.vcpus_fit());
         Ok(Some(page))
     }
 
@@ -333,6 +377,27 @@ mod tests {
         assert!(!page.not_running());
         assert!(pages.register(0, 0).unwrap().is_none());
         assert!(pages.get(0).is_none(), "0 unregisters");
+    }
+
+    #[test]
+    fn vcpus_fit_reaches_pages_registered_before_and_after() {
+        let map = Arc::new(BufferPageMap::new(3));
+        let pages = HintPages::new(map.clone(), 2);
+        // HOST_FLAGS is the upper half of the word at offset 0 (little-endian).
+        let flags = |gpa: usize| (read_u64(&map, gpa, LAYOUT) >> 32) as u32;
+        // Whatever the guest left in the host line is overwritten at registration.
+        map.word(0x1000 + HOST_FLAGS)
+            .store(u64::MAX, Ordering::Relaxed);
+        let first = pages.register(0, 1).unwrap().unwrap();
+        assert_eq!(flags(0x1000), 0, "clear until the host says");
+        pages.set_vcpus_fit(true);
+        assert!(first.vcpus_fit());
+        pages.register(1, 2).unwrap().unwrap();
+        assert_eq!(flags(0x2000), VCPUS_FIT);
+        first.set_not_running(true);
+        pages.set_vcpus_fit(false);
+        assert_eq!(flags(0x1000), NOT_RUNNING, "NOT_RUNNING is kept");
+        assert_eq!(flags(0x2000), 0);
     }
 
     #[test]

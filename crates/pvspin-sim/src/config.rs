@@ -262,9 +262,9 @@ pub struct SimConfig {
     pub slots: usize,
     /// The seed.
     pub seed: u64,
-    /// The pvspin guest as it was before issue 19's convoy fix (pvspin-guest "no early wait
-    /// behind a kicked next owner"): it also waits at once behind a next owner that was handed
-    /// the lock and is still waking. The validation's measurements ran that guest.
+    /// The pvspin guest before ABI 0.4's `VCPUS_FIT` (or a host that never sets it): it also
+    /// waits at once behind a next owner that was handed the lock and is still waking, even
+    /// when the VM's vCPUs fit its CPUs. The validation's measurements ran that guest.
     pub early_wait_behind_waking: bool,
     /// Costs.
     pub cost: CostModel,
@@ -334,6 +334,22 @@ impl SimConfig {
             None => self.host_cpus,
         };
         entitled.clamp(1, self.vcpus)
+    }
+
+    /// What the host says in `VCPUS_FIT`, as pvspin-vmm's default: the VM's vCPUs are no more
+    /// than its entitlement (the quota rounded up, else the host's CPUs) and, with run slots,
+    /// than its slots.
+    pub fn vcpus_fit(&self) -> bool {
+        let entitled = match self.cpu_limit {
+            Some(l) => l.ceil() as usize,
+            None => self.host_cpus,
+        };
+        let cpus = if self.variant.slots {
+            entitled.min(self.slot_count())
+        } else {
+            entitled
+        };
+        self.vcpus <= cpus
     }
 }
 

@@ -76,9 +76,9 @@ enum Cmd {
         /// of host CPUs / VMs), which sizes the run slots to it.
         #[arg(long)]
         fair_share: bool,
-        /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind
-        /// a kicked next owner): the validated one. The model does not reproduce today's rule
-        /// with more vCPUs than CPUs yet (docs/simulator.md).
+        /// Simulate a pvspin guest that is never told `VCPUS_FIT` (ABI 0.3 hosts; it always
+        /// waits early behind a kicked next owner): the validated one. By default the guest
+        /// keeps spinning there when its VM's vCPUs fit its CPUs (docs/simulator.md).
         #[arg(long)]
         early_wait_behind_waking: bool,
     },
@@ -128,9 +128,9 @@ struct RunArgs {
     /// Stop unfinished runs here, simulated ms.
     #[arg(long, default_value_t = 60_000)]
     bound_ms: u64,
-    /// Simulate the pvspin guest before issue 19's convoy fix (it also waits early behind a
-    /// kicked next owner): the validated one. The model does not reproduce today's rule with
-    /// more vCPUs than CPUs yet (docs/simulator.md).
+    /// Simulate a pvspin guest that is never told `VCPUS_FIT` (ABI 0.3 hosts; it always waits
+    /// early behind a kicked next owner): the validated one. By default the guest keeps
+    /// spinning there when its VM's vCPUs fit its CPUs (docs/simulator.md).
     #[arg(long)]
     early_wait_behind_waking: bool,
 }

@@ -79,6 +79,7 @@ pub struct PvSpinBuilder<K: KickChoice = NoKick> {
     doorbell_port: Option<u16>,
     cpuid_base: Option<u32>,
     run_slots: Option<SlotConfig>,
+    vm_cpus: Option<usize>,
     helper_thread_filter: Option<Arc<seccompiler::BpfProgram>>,
 }
 
@@ -219,11 +220,21 @@ impl<K: KickChoice> PvSpinBuilder<K> {
             None => None,
         };
         let hints = match &self.hints {
-            Some(options) => Some(Arc::new(hints::HintState::new(
-                options,
-                vcpus,
-                directed_yield.is_some(),
-            )?)),
+            Some(options) => {
+                let state = hints::HintState::new(options, vcpus, directed_yield.is_some())?;
+                // Run slots cap the vCPUs that run at once, whatever the entitlement.
+                if self.vm_cpus == Some(0) {
+                    return Err(ConfigError::NoVmCpus);
+                }
+                let cpus = match (self.vm_cpus, &self.run_slots) {
+                    (Some(cpus), Some(slots)) => Some(cpus.min(slots.slots)),
+                    (cpus, slots) => cpus.or(slots.as_ref().map(|s| s.slots)),
+                };
+                if let Some(cpus) = cpus {
+                    state.pages.set_vcpus_fit(vcpus <= cpus);
+                }
+                Some(Arc::new(state))
+            }
             None => None,
         };
         let run_slots = match (self.run_slots, kick_options) {
@@ -294,6 +305,7 @@ impl PvSpinBuilder<NoKick> {
             doorbell_port: self.doorbell_port,
             cpuid_base: self.cpuid_base,
             run_slots: None,
+            vm_cpus: None,
             helper_thread_filter: self.helper_thread_filter,
         }
     }
@@ -366,6 +378,19 @@ impl PvSpinBuilder<WithKick> {
     /// requested meanwhile) when the vCPU next enters the guest.
     pub fn run_slots(mut self, config: SlotConfig) -> Self {
         self.run_slots = Some(config);
+        self
+    }
+
+    /// The CPUs this VM gets: its entitlement, the fewer of its affinity's CPUs and its CPU
+    /// quota ([`entitled_cpus`](crate::entitled_cpus) reads both for this process; call it
+    /// before the thread is confined by seccomp). With hint pages, pvspin tells the guest
+    /// whether its vCPUs fit them (`VCPUS_FIT`, ABI 0.4): a waiter whose lock's next owner was
+    /// just kicked then keeps spinning instead of waiting early, which stops wake-up convoys at
+    /// 2x/3x host overcommit. Default: the run slots' count when run slots are on; otherwise
+    /// pvspin says nothing, and waiters wait early behind a kicked owner (right when the VM has
+    /// more vCPUs than CPUs). [`PvSpin::set_vm_cpus`] changes it later (a new quota).
+    pub fn vm_cpus(mut self, cpus: usize) -> Self {
+        self.vm_cpus = Some(cpus);
         self
     }
 }

@@ -176,6 +176,8 @@ pub enum ConfigError {
         /// The name asked for.
         name: String,
     },
+    /// rule: a VM gets at least one CPU (PvSpinBuilder::vm_cpus, PvSpin::set_vm_cpus), got 0
+    NoVmCpus,
 }
 
 /// What is wrong with a vCPU's CPUID in KVM ([`ConfigError::Cpuid`]).

@@ -324,6 +324,23 @@ impl PvSpin {
         self.directed_yield.as_ref().map(|dy| dy.actuator.name())
     }
 
+    /// The CPUs this VM gets changed (a new quota or affinity): tells the guest again whether
+    /// its vCPUs fit them (see [`PvSpinBuilder::vm_cpus`]); run slots, when on, still cap the
+    /// count. Any time, any thread; a no-op without hint pages.
+    pub fn set_vm_cpus(&self, cpus: usize) -> Result<(), ConfigError> {
+        if cpus == 0 {
+            return Err(ConfigError::NoVmCpus);
+        }
+        if let Some(hints) = &self.hints {
+            let cpus = match &self.run_slots {
+                Some(slots) => cpus.min(slots.slots.config().slots),
+                None => cpus,
+            };
+            hints.pages.set_vcpus_fit(self.vcpus() <= cpus);
+        }
+        Ok(())
+    }
+
     /// Where vCPU `index`'s steal-time area is (`None`: it has none), for directed yield with
     /// [`PvSpinBuilder::steal_time_memory`]. Any time, any thread; a no-op without directed
     /// yield or for an index out of range.
@@ -691,6 +708,50 @@ mod tests {
         let trial = stats.trial.expect("boost trial with boost_running_hint");
         assert!(trial.boosting && trial.epochs_on == 0 && trial.epochs_off == 0);
         ok.shutdown();
+    }
+
+    #[test]
+    fn vcpus_fit_follows_the_vm_cpus_and_the_run_slots() {
+        let interrupter = Arc::new(CountingInterrupter::default());
+        let map = Arc::new(pvspin_hints::BufferPageMap::new(4));
+        let base = |vcpus: usize| {
+            PvSpin::builder()
+                .vcpus(vcpus)
+                .interrupter(interrupter.clone())
+                .kick(KickOptions::new(KickPath::Userspace))
+                .hint_pages(crate::HintOptions {
+                    memory: map.clone(),
+                    budgets: pvspin_yield::BudgetConfig::default(),
+                })
+        };
+        let fit = |pvspin: &PvSpin| pvspin.hints.as_ref().unwrap().pages.vcpus_fit();
+        // Not told: says nothing (waiters wait early behind a kicked owner).
+        assert!(!fit(&base(2).build().unwrap()));
+        assert!(fit(&base(2).vm_cpus(2).build().unwrap()));
+        let crowded = base(4).vm_cpus(2).build().unwrap();
+        assert!(!fit(&crowded));
+        // A new quota says it again.
+        crowded.set_vm_cpus(4).unwrap();
+        assert!(fit(&crowded));
+        assert!(matches!(
+            crowded.set_vm_cpus(0).unwrap_err(),
+            ConfigError::NoVmCpus
+        ));
+        // Run slots cap the vCPUs that run at once, and count by default.
+        let slotted = base(4).vm_cpus(8).run_slots(crate::SlotConfig::new(2));
+        let slotted = slotted.build().unwrap();
+        assert!(!fit(&slotted));
+        slotted.set_vm_cpus(16).unwrap();
+        assert!(!fit(&slotted), "the slots still cap it");
+        slotted.shutdown();
+        let all_slots = base(2)
+            .run_slots(crate::SlotConfig::new(2))
+            .build()
+            .unwrap();
+        assert!(fit(&all_slots));
+        all_slots.shutdown();
+        let err = base(2).vm_cpus(0).build().unwrap_err();
+        assert!(err.to_string().contains("at least one CPU"), "{err}");
     }
 
     #[test]

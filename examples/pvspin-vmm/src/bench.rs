@@ -46,6 +46,9 @@ pub struct Variant {
     /// Spin on the userspace path's latch before sleeping, in us (`/park=N`; `None`: the
     /// run's `--park-spin-us`).
     pub park_spin_us: Option<u64>,
+    /// The CPUs pvspin tells the guest the VM gets (`/cpus=N`, `VCPUS_FIT`; `None`: the run's
+    /// `--vm-cpus`), so guests told their vCPUs fit and guests told nothing sit side by side.
+    pub vm_cpus: Option<usize>,
 }
 
 /// A bench variant that does not parse: the whole text, and what is wrong in it.
@@ -74,9 +77,11 @@ pub enum VariantFault {
     #[error("unknown guest {0:?} (stock, pvspin)")]
     UnknownGuest(String),
     /// An unknown `/option`.
-    #[error("unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US)")]
+    #[error(
+        "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US, cpus=N)"
+    )]
     UnknownOption(String),
-    /// `/poll=` or `/park=` without a number.
+    /// `/poll=`, `/park=` or `/cpus=` without a number.
     #[error("{0} needs a number, not {1:?}")]
     NotANumber(&'static str, String),
     /// An unknown lock (or none).
@@ -98,7 +103,7 @@ pub enum VariantFault {
     #[error("unexpected {0:?}")]
     Unexpected(String),
     /// Options on a variant without PV.
-    #[error("wait, budget, slot, vhost, poll and park options need a PV mode")]
+    #[error("wait, budget, slot, vhost, poll, park and cpus options need a PV mode")]
     OptionsNeedPv,
 }
 
@@ -141,7 +146,7 @@ impl Variant {
             None => (variant.to_string(), None),
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
-        let (mut halt_poll_ns, mut park_spin_us) = (None, None);
+        let (mut halt_poll_ns, mut park_spin_us, mut vm_cpus) = (None, None, None);
         let number = |opt: &'static str, value: &str| {
             value
                 .parse::<u32>()
@@ -154,6 +159,10 @@ impl Variant {
             }
             if let Some(value) = opt.strip_prefix("park=") {
                 park_spin_us = Some(u64::from(number("park=", value)?));
+                continue;
+            }
+            if let Some(value) = opt.strip_prefix("cpus=") {
+                vm_cpus = Some(number("cpus=", value)? as usize);
                 continue;
             }
             match opt {
@@ -199,7 +208,7 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(fault(VariantFault::Unexpected(extra.to_owned())));
         }
-        let wake_options = halt_poll_ns.is_some() || park_spin_us.is_some();
+        let wake_options = halt_poll_ns.is_some() || park_spin_us.is_some() || vm_cpus.is_some();
         if pv == PvMode::Off
             && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost || wake_options)
         {
@@ -217,6 +226,7 @@ impl Variant {
             guest: None,
             halt_poll_ns,
             park_spin_us,
+            vm_cpus,
         })
     }
 
@@ -243,6 +253,9 @@ impl Variant {
         }
         if let Some(us) = self.park_spin_us {
             s.push_str(&format!("/park={us}"));
+        }
+        if let Some(cpus) = self.vm_cpus {
+            s.push_str(&format!("/cpus={cpus}"));
         }
         s
     }
@@ -301,6 +314,7 @@ impl Variant {
             guest: self.guest.unwrap_or(base.guest),
             halt_poll_ns: self.halt_poll_ns.or(base.halt_poll_ns),
             park_spin_us: self.park_spin_us.unwrap_or(base.park_spin_us),
+            vm_cpus: self.vm_cpus.or(base.vm_cpus),
             hogs,
             ..base.clone()
         }
@@ -764,6 +778,7 @@ where
             guest: None,
             halt_poll_ns: None,
             park_spin_us: None,
+            vm_cpus: None,
         }]
     } else {
         options.variants.clone()

@@ -471,6 +471,10 @@ pub struct VmArgs {
     /// reads whether vCPUs block in KVM, in us (default: pvspin's, 100).
     #[arg(long)]
     pub halt_watch_us: Option<u64>,
+    /// The CPUs pvspin tells the guest this VM gets (`VCPUS_FIT` in its hint pages: whether
+    /// its vCPUs fit them). Default: what this process may use (affinity and CPU limit).
+    #[arg(long, value_name = "N")]
+    pub vm_cpus: Option<usize>,
     /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
     /// end; needs write access to the cgroup filesystem). `bench`, or `run --seccomp off`.
     #[arg(long)]
@@ -750,6 +754,7 @@ impl VmArgs {
             run_slots: (self.sched == SchedArg::Slots).then_some(self.slots),
             slot_quantum_us: self.slot_quantum_us,
             halt_watch_us: self.halt_watch_us,
+            vm_cpus: self.vm_cpus,
             vhost_user: match &self.pv_backend {
                 PvBackendArg::InProcess => None,
                 PvBackendArg::VhostUser(path) => Some(path.clone()),

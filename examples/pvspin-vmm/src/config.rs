@@ -79,6 +79,9 @@ pub struct RunConfig {
     /// Run slots on the in-kernel and signal-msi paths: the halt watcher's interval in us
     /// (`None`: pvspin's default).
     pub halt_watch_us: Option<u64>,
+    /// The CPUs pvspin tells the guest the VM gets (`PvSpinBuilder::vm_cpus`); `None`: what the
+    /// process may use (`pvspin::entitled_cpus`).
+    pub vm_cpus: Option<usize>,
     /// PV kicks through the pvspin virtio device served by the vhost-user backend at this
     /// socket (`--pv-backend vhost-user:PATH`), instead of pvspin in this process.
     pub vhost_user: Option<std::path::PathBuf>,
@@ -234,6 +237,7 @@ impl Default for RunConfig {
             run_slots: None,
             slot_quantum_us: None,
             halt_watch_us: None,
+            vm_cpus: None,
             vhost_user: None,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,

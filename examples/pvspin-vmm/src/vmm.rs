@@ -478,6 +478,7 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     let in_process = config.vhost_user.is_none();
     // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
     let slot_count = config_slots(config);
+    let vm_cpus = config.vm_cpus.unwrap_or_else(pvspin::entitled_cpus);
     let built = if config.pv.kicks() && in_process {
         let mut kicked = builder
             .kick(pvspin::KickOptions {
@@ -488,7 +489,8 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
                 memory: Arc::new(memory.clone()),
                 budgets: config.budget_config(),
             })
-            .pv_wait(pvspin::WaitOptions::default());
+            .pv_wait(pvspin::WaitOptions::default())
+            .vm_cpus(vm_cpus);
         if config.pv == PvMode::KickYield {
             let mut options = pvspin::DirectedYieldOptions {
                 actuator: config.actuator.to_string(),

@@ -281,6 +281,10 @@ impl PvPlatform for Platform {
         steal_time_preempted(cpu)
     }
 
+    fn vcpus_fit(&self) -> bool {
+        page(self.cpu_id()).is_some_and(|p| p.load32(hint::HOST_FLAGS) & hint::VCPUS_FIT != 0)
+    }
+
     fn is_not_running(&self, cpu: u32) -> bool {
         page(cpu).is_some_and(|p| {
             p.load32(hint::HOST_FLAGS) & hint::NOT_RUNNING != 0
