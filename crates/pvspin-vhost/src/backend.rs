@@ -923,6 +923,7 @@ impl PvspinBackend {
         lock(&self.inner.state).memory = Some(memory);
         let mut h = lock(&self.inner.hints);
         let pages = HintPages::new(map, h.gpas.len());
+        pages.set_vcpus_fit(self.inner.config.vcpus_fit());
         for v in 0..h.gpas.len() {
             let Some(gpa) = h.gpas[v] else { continue };
             if let Err(err) = pages.register_gpa(v, gpa) {
@@ -1049,9 +1050,14 @@ mod tests {
 
     impl Rig {
         fn new(mode: YieldMode, confined: bool, acked: u64) -> Self {
+            Self::with_vm_cpus(mode, confined, acked, None)
+        }
+
+        fn with_vm_cpus(mode: YieldMode, confined: bool, acked: u64, vm_cpus: Option<u32>) -> Self {
             let config = BackendConfig {
                 max_vcpus: 4,
                 yield_mode: mode,
+                vm_cpus,
                 ..BackendConfig::default()
             };
             let tel = Arc::new(DaemonVmTelemetry::new("t", "/t", 4));
@@ -1189,6 +1195,23 @@ mod tests {
             (s.hint_page_registrations, s.hint_page_unregistrations),
             (2, 1)
         );
+    }
+
+    #[test]
+    fn registration_says_whether_the_vcpus_fit() {
+        // (vm_cpus, VCPUS_FIT) for a 4-vCPU device.
+        for (vm_cpus, fit) in [(None, false), (Some(2), false), (Some(4), true)] {
+            let mut rig = Rig::with_vm_cpus(YieldMode::Deboost, false, ALL_FEATURES, vm_cpus);
+            let mut ring = rig.set_up(0, 0x1000, 8);
+            rig.guest_store(PAGE, hint::HOST_FLAGS, u32::MAX);
+            assert_eq!(
+                rig.request(&mut ring, register(1, PAGE, 2_000_000)),
+                STATUS_OK
+            );
+            let flags = rig.host::<u32>(hint::HOST_FLAGS);
+            assert_eq!(flags & hint::VCPUS_FIT != 0, fit, "{vm_cpus:?}");
+            assert_eq!(flags & !hint::VCPUS_FIT, 0, "nothing the guest left");
+        }
     }
 
     #[test]

@@ -72,6 +72,11 @@ struct Args {
     /// notification); 0: never.
     #[arg(long, default_value_t = crate::config::DEFAULT_SCHED_SAMPLE.as_micros() as u64)]
     sched_sample_us: u64,
+    /// The CPUs each VM gets (its affinity and CPU quota): with it, guests whose --max-vcpus
+    /// fit them are told so (VCPUS_FIT), and stop waiting early behind a just-kicked lock
+    /// owner. Default: not said.
+    #[arg(long, value_name = "N")]
+    vm_cpus: Option<u32>,
     /// Priority of each VM's queue worker thread, which forwards kicks: inherit, nice:N or
     /// fifo:P (without the privilege the thread keeps its priority; logged).
     #[arg(long, default_value = "inherit")]
@@ -152,6 +157,7 @@ where
         worker_priority: args.worker_priority,
         sched_sample: (args.sched_sample_us > 0)
             .then(|| Duration::from_micros(args.sched_sample_us)),
+        vm_cpus: args.vm_cpus,
         ..BackendConfig::default()
     };
     let mut shutdown = match install_shutdown_handlers() {

@@ -49,6 +49,8 @@ pub enum DaemonConfigError {
     WorkerPriority(String),
     /// vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index
     PatternWithoutIndex(String),
+    /// rule: a VM gets at least one CPU (vm_cpus), got 0
+    NoVmCpus,
 }
 
 /// The time budgets, in microseconds: where they start and their bounds. The daemon adapts
@@ -198,6 +200,12 @@ pub struct BackendConfig {
     pub sched_sample: Option<Duration>,
     /// The VM's queue worker thread's priority, set when it handles its first event.
     pub worker_priority: WorkerPriority,
+    /// The CPUs the VM gets (its affinity and CPU quota), if the operator says: the daemon then
+    /// sets `VCPUS_FIT` (ABI 0.4) in the hint pages when the device's `max_vcpus` fit them, so
+    /// pvspin guests keep spinning behind a just-kicked next owner instead of waiting early
+    /// (no wake-up convoy at 2x/3x). `None`: never set, the safe side with more vCPUs than
+    /// CPUs. The daemon counts the device's vCPUs, not the VM's: set `max_vcpus` to the VM's.
+    pub vm_cpus: Option<u32>,
 }
 
 impl Default for BackendConfig {
@@ -215,6 +223,7 @@ impl Default for BackendConfig {
             max_events_per_sec: DEFAULT_MAX_EVENTS_PER_SEC,
             sched_sample: Some(DEFAULT_SCHED_SAMPLE),
             worker_priority: WorkerPriority::default(),
+            vm_cpus: None,
         }
     }
 }
@@ -241,7 +250,15 @@ impl BackendConfig {
         if let Some(p) = self.thread_patterns.iter().find(|p| !p.contains("{N}")) {
             return Err(DaemonConfigError::PatternWithoutIndex(p.clone()));
         }
+        if self.vm_cpus == Some(0) {
+            return Err(DaemonConfigError::NoVmCpus);
+        }
         Ok(())
+    }
+
+    /// What the hint pages' `VCPUS_FIT` says: the device's vCPUs fit [`vm_cpus`](Self::vm_cpus).
+    pub fn vcpus_fit(&self) -> bool {
+        self.vm_cpus.is_some_and(|cpus| self.max_vcpus <= cpus)
     }
 
     /// Number of virtqueues of the device.
@@ -295,6 +312,15 @@ mod tests {
             c.validate(),
             Err(DaemonConfigError::PatternWithoutIndex(_))
         ));
+        c.thread_patterns.pop();
+        c.vm_cpus = Some(0);
+        assert!(c.validate().unwrap_err().to_string().contains("rule"));
+        c.max_vcpus = 16;
+        c.vm_cpus = Some(16);
+        assert_eq!(c.validate(), Ok(()));
+        assert!(c.vcpus_fit());
+        c.vm_cpus = Some(15);
+        assert!(!c.vcpus_fit());
     }
 
     #[test]
