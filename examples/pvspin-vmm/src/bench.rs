@@ -49,6 +49,8 @@ pub struct Variant {
     /// The CPUs pvspin tells the guest the VM gets (`/cpus=N`, `VCPUS_FIT`; `None`: the run's
     /// `--vm-cpus`), so guests told their vCPUs fit and guests told nothing sit side by side.
     pub vm_cpus: Option<usize>,
+    /// The run slots' quantum in us (`/quantum=US`; `None`: the run's `--slot-quantum-us`).
+    pub slot_quantum_us: Option<u64>,
 }
 
 /// A bench variant that does not parse: the whole text, and what is wrong in it.
@@ -78,10 +80,11 @@ pub enum VariantFault {
     UnknownGuest(String),
     /// An unknown `/option`.
     #[error(
-        "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US, cpus=N)"
+        "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US, cpus=N, \
+         quantum=US)"
     )]
     UnknownOption(String),
-    /// `/poll=`, `/park=` or `/cpus=` without a number.
+    /// `/poll=`, `/park=`, `/cpus=` or `/quantum=` without a number.
     #[error("{0} needs a number, not {1:?}")]
     NotANumber(&'static str, String),
     /// An unknown lock (or none).
@@ -103,7 +106,7 @@ pub enum VariantFault {
     #[error("unexpected {0:?}")]
     Unexpected(String),
     /// Options on a variant without PV.
-    #[error("wait, budget, slot, vhost, poll, park and cpus options need a PV mode")]
+    #[error("wait, budget, slot, vhost, poll, park, cpus and quantum options need a PV mode")]
     OptionsNeedPv,
 }
 
@@ -147,6 +150,7 @@ impl Variant {
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
         let (mut halt_poll_ns, mut park_spin_us, mut vm_cpus) = (None, None, None);
+        let mut slot_quantum_us = None;
         let number = |opt: &'static str, value: &str| {
             value
                 .parse::<u32>()
@@ -163,6 +167,10 @@ impl Variant {
             }
             if let Some(value) = opt.strip_prefix("cpus=") {
                 vm_cpus = Some(number("cpus=", value)? as usize);
+                continue;
+            }
+            if let Some(value) = opt.strip_prefix("quantum=") {
+                slot_quantum_us = Some(u64::from(number("quantum=", value)?));
                 continue;
             }
             match opt {
@@ -208,7 +216,10 @@ impl Variant {
         if let Some(extra) = parts.next() {
             return Err(fault(VariantFault::Unexpected(extra.to_owned())));
         }
-        let wake_options = halt_poll_ns.is_some() || park_spin_us.is_some() || vm_cpus.is_some();
+        let wake_options = halt_poll_ns.is_some()
+            || park_spin_us.is_some()
+            || vm_cpus.is_some()
+            || slot_quantum_us.is_some();
         if pv == PvMode::Off
             && (wait.is_some() || budgets.is_some() || slots.is_some() || vhost || wake_options)
         {
@@ -227,6 +238,7 @@ impl Variant {
             halt_poll_ns,
             park_spin_us,
             vm_cpus,
+            slot_quantum_us,
         })
     }
 
@@ -256,6 +268,9 @@ impl Variant {
         }
         if let Some(cpus) = self.vm_cpus {
             s.push_str(&format!("/cpus={cpus}"));
+        }
+        if let Some(us) = self.slot_quantum_us {
+            s.push_str(&format!("/quantum={us}"));
         }
         s
     }
@@ -315,6 +330,7 @@ impl Variant {
             halt_poll_ns: self.halt_poll_ns.or(base.halt_poll_ns),
             park_spin_us: self.park_spin_us.unwrap_or(base.park_spin_us),
             vm_cpus: self.vm_cpus.or(base.vm_cpus),
+            slot_quantum_us: self.slot_quantum_us.or(base.slot_quantum_us),
             hogs,
             ..base.clone()
         }
@@ -779,6 +795,7 @@ where
             halt_poll_ns: None,
             park_spin_us: None,
             vm_cpus: None,
+            slot_quantum_us: None,
         }]
     } else {
         options.variants.clone()
