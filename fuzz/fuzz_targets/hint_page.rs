@@ -4,11 +4,13 @@
 //! and the host's reactions through `pvspin_hints::PageBudgets`, the code the in-process host
 //! and `pvspind` share: wait reports taken into the budgets (at exits in process; at kicks,
 //! notifications and samples in the daemon), spin notifications useful or not, budgets and
-//! bounds published, `NOT_RUNNING` set and cleared (the daemon's sampler), reading the
-//! guest's hints. Invariants: nothing panics; a page registers only inside guest RAM; the
+//! bounds published, `NOT_RUNNING` set and cleared (the daemon's sampler), `VCPUS_FIT` said
+//! for the VM (ABI 0.4), reading the guest's hints. Invariants: nothing panics; a page registers only inside guest RAM; the
 //! budgets stay within their configured bounds whatever the guest reports; what the host
 //! publishes (spin window, wait budget, TSC frequency, bounds) is what its budgets say for
-//! that frequency, `HOST_SEQ` moves by one per publication; a wait report is taken once.
+//! that frequency, `HOST_SEQ` moves by one per publication; a wait report is taken once; a
+//! page registered or told since the last `VCPUS_FIT` change shows it, whatever the guest
+//! wrote, and setting one host flag leaves the other.
 #![no_main]
 
 use std::sync::atomic::Ordering;
@@ -84,6 +86,7 @@ fuzz_target!(|data: &[u8]| {
                         );
                         let gpa = gpa as usize;
                         assert_eq!(host_u32(&map, gpa, hint::LAYOUT), hint::LAYOUT_VERSION);
+                        assert_eq!(page.vcpus_fit(), pages.vcpus_fit());
                         let seq = host_u32(&map, gpa, hint::HOST_SEQ);
                         page.set_not_running(false);
                         budgets.on_register(v, page, khz);
@@ -162,9 +165,20 @@ fuzz_target!(|data: &[u8]| {
             // the guest reads its hints meanwhile.
             4 => {
                 let Some(page) = pages.get(v) else { continue };
+                let fit = page.vcpus_fit();
                 page.set_not_running(word & 1 == 1);
                 assert_eq!(page.not_running(), word & 1 == 1);
+                assert_eq!(page.vcpus_fit(), fit, "NOT_RUNNING leaves VCPUS_FIT");
                 let _ = page.guest_hints();
+            }
+            // The VM's CPUs changed (a new quota): every registered page says it.
+            5 if op[0] & 0x80 != 0 => {
+                pages.set_vcpus_fit(word & 1 == 1);
+                for u in 0..VCPUS {
+                    if let Some(page) = pages.get(u) {
+                        assert_eq!(page.vcpus_fit(), word & 1 == 1);
+                    }
+                }
             }
             // A publication (the daemon republishes after a memory change; in process after
             // an adaptation).

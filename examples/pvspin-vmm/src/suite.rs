@@ -287,6 +287,11 @@ pub const SUITES: &[Suite] = &[
         plan: short_cs,
     },
     Suite {
+        name: "convoy",
+        reproduces: "§14: the wake-up convoy at 2x/3x, guests told VCPUS_FIT beside guests told nothing (/cpus=1), 11 runs, tails; and the same rule with more vCPUs than CPUs",
+        plan: convoy,
+    },
+    Suite {
         name: "kick-latency",
         reproduces: "§2: kick-to-wake per wake path with and without halt polling (with --probes DIR: beside the C probe e2b_doorbell), and §7.4: per path at native speed",
         plan: kick_latency,
@@ -413,6 +418,36 @@ fn overcommit(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
         &steps,
     ));
     Ok(steps)
+}
+
+fn convoy(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
+    Ok(vec![
+        table(
+            "convoy-2x-3x",
+            "2 vCPUs at 1x, 2x, 3x, user mode, told VCPUS_FIT or not (/cpus=1) (§14)",
+            o.runs(11),
+            bench(&format!(
+                "--cs-mode user --vcpus 2 --iterations {} --cs-work 15000 --ncs-work 15000 \
+                 --hogs 0,2,4 --timeout-ms {} --variants ticket:kick/cpus=1,ticket:kick,\
+                 ticket:kick+yield/cpus=1,ticket:kick+yield,ticket:kick/slots/cpus=1,\
+                 ticket:kick/slots,queued:kick/cpus=1,queued:kick,queued:kick:in-kernel@stock",
+                o.n(50_000, 2000),
+                o.n(60_000, 10_000)
+            )),
+        ),
+        table(
+            "convoy-vcpus-6",
+            "6 vCPUs on 2 CPUs, user mode: not told (the default) against forced /cpus=6 (§14)",
+            o.runs(5),
+            bench(&format!(
+                "--cs-mode user --vcpus 6 --iterations {} --cs-work 15000 --ncs-work 15000 \
+                 --hogs 0 --timeout-ms {} --variants ticket:kick,ticket:kick/cpus=6,queued:kick,\
+                 queued:kick/cpus=6",
+                o.n(13_333, 500),
+                o.n(60_000, 10_000)
+            )),
+        ),
+    ])
 }
 
 fn combine(name: &str, what: &str, tables: &[Step]) -> Step {
