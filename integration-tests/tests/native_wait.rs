@@ -151,3 +151,41 @@ fn user_mode_cannot_use_hlt() {
         Err(RunError::Config(RunConfigError::UserModeCannotHalt))
     ));
 }
+
+/// ABI 0.4's `VCPUS_FIT`: a waiter keeps spinning behind a just-kicked next owner only when
+/// the host says the VM's vCPUs fit its CPUs (`--vm-cpus`). Told they do not, the guest never
+/// does; told they do (4 vCPUs, which halt on the development hosts' 2 CPUs), it does.
+#[test]
+fn waiters_spin_behind_a_kicked_owner_only_when_told_the_vcpus_fit() {
+    if kvm_or_skip("waiters_spin_behind_a_kicked_owner_only_when_told_the_vcpus_fit").is_none() {
+        return;
+    }
+    let with = |cpus: usize| {
+        let config = RunConfig {
+            vm_cpus: Some(cpus),
+            ..user_lock(LockKind::Ticket, PvMode::Kick, KickPath::InKernel, 4)
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("--vm-cpus {cpus}: {e}"));
+        assert_eq!(report.counter, 4 * config.iterations, "--vm-cpus {cpus}");
+        report
+    };
+    let crowded = with(2);
+    assert_eq!(crowded.pv_behind_waking, 0, "not told: never");
+    // Whether a waiter meets a kicked owner is timing; three tries make a miss very unlikely.
+    let told: Vec<u64> = (0..3)
+        .map(|_| with(4))
+        .map(|r| r.pv_behind_waking)
+        .take_while(|&n| n == 0)
+        .collect();
+    assert!(
+        told.len() < 3,
+        "told the vCPUs fit, no waiter ever kept spinning"
+    );
+    assert!(matches!(
+        run(&RunConfig {
+            vm_cpus: Some(0),
+            ..user_lock(LockKind::Ticket, PvMode::Kick, KickPath::InKernel, 2)
+        }),
+        Err(RunError::Refused(text)) if text.contains("at least one CPU")
+    ));
+}

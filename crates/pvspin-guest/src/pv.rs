@@ -246,6 +246,7 @@ pub struct PvStats {
     no_kick: AtomicU64,
     wait_early: AtomicU64,
     preempted: AtomicU64,
+    behind_waking: AtomicU64,
 }
 
 impl PvStats {
@@ -258,6 +259,7 @@ impl PvStats {
             no_kick: AtomicU64::new(0),
             wait_early: AtomicU64::new(0),
             preempted: AtomicU64::new(0),
+            behind_waking: AtomicU64::new(0),
         }
     }
 
@@ -287,6 +289,9 @@ impl PvStats {
     pub(crate) fn preempted(&self) {
         Self::bump(&self.preempted);
     }
+    pub(crate) fn behind_waking(&self) {
+        Self::bump(&self.behind_waking);
+    }
 
     /// A snapshot of the counters.
     pub fn snapshot(&self) -> PvStatsSnapshot {
@@ -299,6 +304,7 @@ impl PvStats {
             no_kick: load(&self.no_kick),
             wait_early: load(&self.wait_early),
             preempted: load(&self.preempted),
+            behind_waking: load(&self.behind_waking),
         }
     }
 }
@@ -325,6 +331,10 @@ pub struct PvStatsSnapshot {
     /// queue head (the holder, unless the lock was stolen) was preempted
     /// ([`PvOps::vcpu_is_preempted`]).
     pub preempted: u64,
+    /// pvspin locks: spin phases that found the vCPU waited for not running but just kicked
+    /// ([`SpinWait::waking`]) while the host said the VM's vCPUs fit its CPUs
+    /// ([`PvOps::vcpus_fit`]), and so kept spinning instead of waiting early.
+    pub behind_waking: u64,
 }
 
 impl PvStatsSnapshot {
@@ -338,6 +348,7 @@ impl PvStatsSnapshot {
             no_kick: self.no_kick.saturating_add(other.no_kick),
             wait_early: self.wait_early.saturating_add(other.wait_early),
             preempted: self.preempted.saturating_add(other.preempted),
+            behind_waking: self.behind_waking.saturating_add(other.behind_waking),
         }
     }
 }
@@ -589,6 +600,7 @@ impl<O: PvOps> Pv<'_, O> {
         let start = self.ops.now();
         let mut last_notify = start;
         let mut since = 0u32;
+        let mut counted_behind_waking = false;
         for spins in 0..self.config.spin_threshold {
             if done() {
                 return true;
@@ -610,8 +622,16 @@ impl<O: PvOps> Pv<'_, O> {
                 let now_waiting = wait(since);
                 if let Some(cpu) = now_waiting.waiting_for {
                     let about_to_run = now_waiting.waking && self.ops.vcpus_fit();
-                    if !about_to_run && self.ops.is_not_running(cpu) {
-                        break;
+                    if self.ops.is_not_running(cpu) {
+                        if !about_to_run {
+                            break;
+                        }
+                        if !counted_behind_waking {
+                            counted_behind_waking = true;
+                            if let Some((_, me)) = self.this_cpu() {
+                                me.stats.behind_waking();
+                            }
+                        }
                     }
                 }
             }

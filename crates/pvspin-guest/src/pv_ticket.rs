@@ -684,6 +684,12 @@ mod tests {
         // SAFETY: ticket 1, which `owner` serves, is CPU 1's, and this thread is CPU 1 now.
         unsafe { lock.unlock(domain.pv()) };
         waiter.join().unwrap();
+        let behind_waking = domain.total_stats().behind_waking;
+        assert_eq!(
+            behind_waking,
+            u64::from(state == KICKED && vcpus_fit),
+            "spin phases counted as kept spinning behind a waking owner"
+        );
         ticks
     }
 

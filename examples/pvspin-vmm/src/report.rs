@@ -126,6 +126,9 @@ pub struct RunReport {
     /// Stock guest's pv qspinlock: queue-head spins cut short because the predecessor's vCPU
     /// was preempted (its KVM steal-time `preempted` byte).
     pub pv_preempted: u64,
+    /// pvspin guest: spin phases that kept spinning behind a just-kicked next owner because
+    /// the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`, `--vm-cpus`); 0 when not said.
+    pub pv_behind_waking: u64,
     /// Stock guest: vCPUs whose KVM steal-time area KVM kept (version non-zero at the end),
     /// i.e. that registered it; `None` for a pvspin-aware guest.
     pub steal_time_registered: Option<u32>,
@@ -219,6 +222,7 @@ impl RunReport {
             pv_spurious_wakeups: result.pv_spurious_wakeups,
             pv_wait_early: result.pv_wait_early,
             pv_preempted: result.pv_preempted,
+            pv_behind_waking: result.pv_behind_waking,
             steal_time_registered: None,
             host_kicks_in_userspace: None,
             kvm_halt_wakeups: None,

@@ -83,6 +83,8 @@ pub fn print(params: &BootParams) {
         .num(result.pv_wait_early)
         .text(",\"pv_preempted\":")
         .num(result.pv_preempted)
+        .text(",\"pv_behind_waking\":")
+        .num(result.pv_behind_waking)
         .text(",\"steal_time_registered\":");
     if stock {
         // KVM bumps an area's version at each update: non-zero means it was registered.
