@@ -430,7 +430,8 @@ fn convoy(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
                 "--cs-mode user --vcpus 2 --iterations {} --cs-work 15000 --ncs-work 15000 \
                  --hogs 0,2,4 --timeout-ms {} --variants ticket:kick/cpus=1,ticket:kick,\
                  ticket:kick+yield/cpus=1,ticket:kick+yield,ticket:kick/slots/cpus=1,\
-                 ticket:kick/slots,queued:kick/cpus=1,queued:kick,queued:kick:in-kernel@stock",
+                 ticket:kick/slots,queued:kick/cpus=1,queued:kick,queued:kick:in-kernel@stock,\
+                 queued:kick/slots:in-kernel@stock",
                 o.n(50_000, 2000),
                 o.n(60_000, 10_000)
             )),
