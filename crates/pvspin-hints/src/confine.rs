@@ -11,10 +11,12 @@
 //! ([`Confinement::Unconfined`]). `SCHED_FIFO` preempts every fair-class task on its CPU
 //! whatever the cgroup, so it is never confined.
 //!
-//! The checks read `/proc/self/cgroup` and the cgroup filesystem; the parsing is pure and
-//! unit-tested, the reading takes a root directory so tests use a fake tree.
+//! The checks read `/proc/self/cgroup` and the cgroup filesystem; the parsing is
+//! [`proc`]'s, the reading takes a root directory so tests use a fake tree.
 
 use std::path::{Path, PathBuf};
+
+use crate::proc::{self, CgroupVersion};
 
 /// What the VMM says about its CPU confinement.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -70,42 +72,6 @@ impl Verdict {
     }
 }
 
-/// The cpu-controller cgroup of a process, from the text of its `/proc/<pid>/cgroup`: the
-/// v1 hierarchy that has `cpu` among its controllers, else the v2 (`0::`) entry. Returns
-/// the path and whether it is a v1 hierarchy.
-pub fn cpu_cgroup(proc_cgroup: &str) -> Option<(String, bool)> {
-    let mut v2 = None;
-    for line in proc_cgroup.lines() {
-        let mut fields = line.splitn(3, ':');
-        let (Some(_id), Some(controllers), Some(path)) =
-            (fields.next(), fields.next(), fields.next())
-        else {
-            continue;
-        };
-        if controllers.is_empty() {
-            v2 = Some(path.to_string());
-        } else if controllers.split(',').any(|c| c == "cpu") {
-            return Some((path.to_string(), true));
-        }
-    }
-    v2.map(|p| (p, false))
-}
-
-/// The directory of cpu cgroup `path` (as [`cpu_cgroup`] gives it) under the cgroup
-/// filesystem at `root` (normally `/sys/fs/cgroup`): v1 hierarchies are mounted at `cpu` or
-/// `cpu,cpuacct`; `None` when no v1 cpu hierarchy is mounted.
-pub fn cpu_cgroup_dir(root: &Path, path: &str, v1: bool) -> Option<PathBuf> {
-    let rel = path.trim_start_matches('/');
-    if !v1 {
-        return Some(root.join(rel));
-    }
-    ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
-        .iter()
-        .map(|m| root.join(m))
-        .find(|m| m.is_dir())
-        .map(|m| m.join(rel))
-}
-
 /// Checks `confinement` for process `pid`, whose `/proc/<pid>/cgroup` reads `proc_cgroup`,
 /// against the cgroup filesystem at `root`.
 pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &Path) -> Verdict {
@@ -113,9 +79,10 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
     if *confinement == Confinement::Unconfined {
         return Verdict::Unconfined;
     }
-    let Some((path, v1)) = cpu_cgroup(proc_cgroup) else {
+    let Ok(cgroup) = proc::parse_cpu_cgroup(proc_cgroup) else {
         return not("the process is in no cpu cgroup".into());
     };
+    let path = cgroup.path.as_str();
     if path == "/" {
         return not("the process is in the root cpu cgroup, shared with every other task".into());
     }
@@ -127,10 +94,13 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
             ));
         }
     }
-    let Some(dir) = cpu_cgroup_dir(root, &path, v1) else {
+    let Some(dir) = proc::cpu_cgroup_dir(root, &cgroup) else {
         return not("no cgroup v1 cpu hierarchy is mounted".into());
     };
-    let weight = if v1 { "cpu.shares" } else { "cpu.weight" };
+    let weight = match cgroup.version {
+        CgroupVersion::V1 => "cpu.shares",
+        CgroupVersion::V2 => "cpu.weight",
+    };
     if !dir.join(weight).exists() {
         return not(format!(
             "{} has no {weight}: the cpu controller is not enabled for it",
@@ -168,13 +138,6 @@ pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &P
     Verdict::Confined { cgroup: dir }
 }
 
-/// This process's cpu cgroup directory on this machine, and whether it is a v1 hierarchy.
-pub fn own_cpu_cgroup_dir() -> Option<(PathBuf, bool)> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (path, v1) = cpu_cgroup(&text)?;
-    Some((cpu_cgroup_dir(Path::new("/sys/fs/cgroup"), &path, v1)?, v1))
-}
-
 /// [`check_at`] for this process on this machine.
 pub fn check(confinement: &Confinement) -> Verdict {
     match std::fs::read_to_string("/proc/self/cgroup") {
@@ -182,7 +145,7 @@ pub fn check(confinement: &Confinement) -> Verdict {
             confinement,
             &text,
             std::process::id(),
-            Path::new("/sys/fs/cgroup"),
+            Path::new(proc::CGROUP_ROOT),
         ),
         Err(err) if *confinement != Confinement::Unconfined => Verdict::NotConfined {
             reason: format!("reading /proc/self/cgroup: {err}"),
@@ -195,17 +158,10 @@ pub fn check(confinement: &Confinement) -> Verdict {
 mod tests {
     use super::*;
 
+    use crate::proc::tests::tempdir;
+
     const V1: &str = "9:name=systemd:/\n4:memory:/x\n2:cpuacct:/\n1:cpu:/vms/vm1\n0::/\n";
     const V2: &str = "0::/vms/vm1\n";
-
-    #[test]
-    fn finds_the_cpu_hierarchy() {
-        assert_eq!(cpu_cgroup(V1), Some(("/vms/vm1".into(), true)));
-        assert_eq!(cpu_cgroup(V2), Some(("/vms/vm1".into(), false)));
-        assert_eq!(cpu_cgroup("3:cpu,cpuacct:/a\n"), Some(("/a".into(), true)));
-        assert_eq!(cpu_cgroup("4:memory:/x\n"), None);
-        assert_eq!(cpu_cgroup("garbage"), None);
-    }
 
     fn tree(v1: bool, procs: &str, weight: bool) -> tempdir::Dir {
         let root = tempdir::Dir::new();
@@ -256,31 +212,5 @@ mod tests {
         assert!(matches!(&v, Verdict::NotConfined { reason } if reason.contains("root")));
         assert!(!v.allows_fifo());
         assert!(check_at(&Confinement::Unconfined, "", 42, root.path()).allows_fifo());
-    }
-
-    /// A temporary directory removed on drop (no dependency for one test helper).
-    mod tempdir {
-        pub struct Dir(std::path::PathBuf);
-
-        impl Dir {
-            pub fn new() -> Self {
-                static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let p =
-                    std::env::temp_dir().join(format!("pvspin-confine-{}-{n}", std::process::id()));
-                std::fs::create_dir_all(&p).unwrap();
-                Self(p)
-            }
-
-            pub fn path(&self) -> &std::path::Path {
-                &self.0
-            }
-        }
-
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
     }
 }

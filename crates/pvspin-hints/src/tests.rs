@@ -535,10 +535,6 @@ fn failing_start_hook_fails_the_constructor_without_stepping_down() {
 fn capget_reports_this_process() {
     // The effective set is what the kernel checks; /proc says the same.
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
-        .unwrap();
+    let eff = crate::proc::parse_status_cap_eff(&status).unwrap();
     assert_eq!(has_cap_sys_nice(), eff & (1 << CAP_SYS_NICE) != 0);
 }
