@@ -56,7 +56,7 @@ pub use actuator::{
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
 #[cfg(not(loom))]
 pub use budgets::{PageBudgets, TscBudgets};
-pub use confine::{Confinement, Verdict};
+pub use confine::{Confinement, NotConfinedReason, Verdict};
 #[cfg(all(not(loom), any(test, feature = "test-utils")))]
 pub use page::BufferPageMap;
 #[cfg(not(loom))]

@@ -30,7 +30,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pvspin_hints::confine::{check_at, Confinement, Verdict};
+use pvspin_hints::confine::{
+    check_at, Confinement, IoCause, NotConfinedReason, ReadAction, Verdict,
+};
 use pvspin_hints::proc;
 
 use crate::config::YieldMode;
@@ -484,7 +486,11 @@ impl ThreadActions for ProcThreads {
         match read_small(&path) {
             Ok(text) => check_at(&Confinement::Auto, &text, pid, &self.cgroup_root),
             Err(err) => Verdict::NotConfined {
-                reason: format!("reading {}: {err}", path.display()),
+                reason: NotConfinedReason::Unreadable {
+                    action: ReadAction::Reading,
+                    cause: IoCause::from(&err),
+                    path,
+                },
             },
         }
     }
@@ -551,7 +557,7 @@ pub(crate) mod tests {
                 }
             } else {
                 Verdict::NotConfined {
-                    reason: "shared".into(),
+                    reason: NotConfinedReason::RootCgroup,
                 }
             }
         }
