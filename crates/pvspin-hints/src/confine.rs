@@ -71,12 +71,16 @@ pub enum NotConfinedReason {
     #[error("no cgroup v1 cpu hierarchy is mounted")]
     NoV1CpuMount,
     /// The cgroup has no cpu controller.
-    #[error("{} has no {weight_file}: the cpu controller is not enabled for it", .dir.display())]
+    #[error(
+        "{} has no {}: the cpu controller is not enabled for it",
+        .dir.display(),
+        .version.weight_file()
+    )]
     NoCpuController {
         /// The cgroup's directory.
         dir: PathBuf,
-        /// The weight file it lacks (`cpu.weight` on v2, `cpu.shares` on v1).
-        weight_file: &'static str,
+        /// Its hierarchy, which says the weight file it lacks.
+        version: CgroupVersion,
     },
     /// Other processes share the cgroup.
     #[error("cpu cgroup {path} also holds processes {others:?}: boosts would take CPU from them")]
@@ -202,12 +206,11 @@ fn confined_cgroup_dir(
         }
     }
     let dir = proc::cpu_cgroup_dir(root, &cgroup).ok_or(NotConfinedReason::NoV1CpuMount)?;
-    let weight_file = match cgroup.version {
-        CgroupVersion::V1 => "cpu.shares",
-        CgroupVersion::V2 => "cpu.weight",
-    };
-    if !dir.join(weight_file).exists() {
-        return Err(NotConfinedReason::NoCpuController { dir, weight_file });
+    if !dir.join(cgroup.version.weight_file()).exists() {
+        return Err(NotConfinedReason::NoCpuController {
+            dir,
+            version: cgroup.version,
+        });
     }
     let unreadable = |action, path: PathBuf| {
         move |err: std::io::Error| NotConfinedReason::Unreadable {
@@ -282,7 +285,12 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
         if weight {
-            let file = if v1 { "cpu.shares" } else { "cpu.weight" };
+            let version = if v1 {
+                CgroupVersion::V1
+            } else {
+                CgroupVersion::V2
+            };
+            let file = version.weight_file();
             std::fs::write(dir.join(file), "100\n").unwrap();
         }
         root
@@ -368,9 +376,12 @@ mod tests {
             reason,
             NotConfinedReason::NoCpuController {
                 dir: no_controller.path().join("vms/vm1"),
-                weight_file: "cpu.weight"
+                version: CgroupVersion::V2
             }
         );
+        assert!(reason
+            .to_string()
+            .ends_with("vms/vm1 has no cpu.weight: the cpu controller is not enabled for it"));
         std::fs::remove_file(alone.path().join("vms/vm1/cgroup.procs")).unwrap();
         let reason = not(check_at(&Confinement::Auto, V2, 42, alone.path()));
         assert!(

@@ -249,6 +249,17 @@ pub enum CgroupVersion {
     V2,
 }
 
+impl CgroupVersion {
+    /// The cpu weight file, which a cgroup has when the cpu controller is enabled for it:
+    /// `cpu.shares` (v1) or `cpu.weight` (v2).
+    pub fn weight_file(self) -> &'static str {
+        match self {
+            CgroupVersion::V1 => "cpu.shares",
+            CgroupVersion::V2 => "cpu.weight",
+        }
+    }
+}
+
 /// A process's cpu-controller cgroup, as `/proc/<pid>/cgroup` names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuCgroup {
