@@ -18,9 +18,11 @@ fuzz_target!(|input: &[u8]| {
         assert_eq!(parse_schedstat(&again), Ok(stat));
     }
     let _ = parse_stat_state(&text);
-    if let Ok(nice) = parse_stat_nice(&text) {
-        assert!(parse_stat_state(&text).is_ok(), "a nice value without a state");
-        let _ = nice;
+    if parse_stat_nice(&text).is_ok() {
+        assert!(
+            parse_stat_state(&text).is_ok(),
+            "a nice value without a state"
+        );
     }
     let _ = parse_status_switches(&text);
     let _ = parse_status_cap_eff(&text);
@@ -35,7 +37,11 @@ fuzz_target!(|input: &[u8]| {
         }
     }
     let (quota, period) = text.split_once('\n').unwrap_or((&text, ""));
-    if let Ok(CpuQuota::Limited { quota_us, period_us }) = parse_cfs_quota(quota, period) {
+    if let Ok(CpuQuota::Limited {
+        quota_us,
+        period_us,
+    }) = parse_cfs_quota(quota, period)
+    {
         assert!(quota_us > 0 && period_us > 0);
     }
 });
