@@ -59,7 +59,10 @@ pub struct YieldReport {
 #[ignore_extra_doc_attributes]
 pub enum ActuatorError {
     /// rule: actuator name must be one of yield, nice, fifo; got {0:?}
-    UnknownName(String),
+    UnknownName(
+        /// The name as the user typed it: it matched no known name, so no type holds it.
+        String,
+    ),
     /// {0}
     ///
     /// The boost tracker refused (permission, configuration).

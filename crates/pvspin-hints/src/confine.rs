@@ -11,10 +11,12 @@
 //! ([`Confinement::Unconfined`]). `SCHED_FIFO` preempts every fair-class task on its CPU
 //! whatever the cgroup, so it is never confined.
 //!
-//! The checks read `/proc/self/cgroup` and the cgroup filesystem; the parsing is pure and
-//! unit-tested, the reading takes a root directory so tests use a fake tree.
+//! The checks read `/proc/self/cgroup` and the cgroup filesystem; the parsing is
+//! [`proc`]'s, the reading takes a root directory so tests use a fake tree.
 
 use std::path::{Path, PathBuf};
+
+use crate::proc::{self, CgroupVersion};
 
 /// What the VMM says about its CPU confinement.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -43,8 +45,109 @@ pub enum Verdict {
     /// Boosts would not be confined: they are off.
     NotConfined {
         /// Why.
-        reason: String,
+        reason: NotConfinedReason,
     },
+}
+
+/// Why boosts would not stay inside the VM's CPU share. The messages are the `#[error]`
+/// texts (they format paths, which `displaydoc` cannot).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotConfinedReason {
+    /// `/proc/<pid>/cgroup` names no cpu cgroup.
+    #[error("the process is in no cpu cgroup ({0})")]
+    NoCpuCgroup(#[source] proc::ParseError),
+    /// The process is in the root cpu cgroup.
+    #[error("the process is in the root cpu cgroup, shared with every other task")]
+    RootCgroup,
+    /// The process is not in the cgroup the VMM named ([`Confinement::Cgroup`]).
+    #[error("the process is in cpu cgroup {path}, not in {}", .asked.display())]
+    NotTheNamedCgroup {
+        /// The process's cpu cgroup.
+        path: String,
+        /// The one the VMM named.
+        asked: PathBuf,
+    },
+    /// The process's cgroup is in a v1 hierarchy, and no v1 cpu hierarchy is mounted.
+    #[error("no cgroup v1 cpu hierarchy is mounted")]
+    NoV1CpuMount,
+    /// The cgroup has no cpu controller.
+    #[error(
+        "{} has no {}: the cpu controller is not enabled for it",
+        .dir.display(),
+        .version.weight_file()
+    )]
+    NoCpuController {
+        /// The cgroup's directory.
+        dir: PathBuf,
+        /// Its hierarchy, which says the weight file it lacks.
+        version: CgroupVersion,
+    },
+    /// Other processes share the cgroup.
+    #[error("cpu cgroup {path} also holds processes {others:?}: boosts would take CPU from them")]
+    SharedCgroup {
+        /// The process's cpu cgroup.
+        path: String,
+        /// The other entries of its `cgroup.procs`.
+        others: Vec<String>,
+    },
+    /// The cgroup has a child cgroup, whose processes compete with the VMM's threads.
+    #[error(
+        "cpu cgroup {path} has a child cgroup ({child}): boosts would take CPU from its processes"
+    )]
+    ChildCgroup {
+        /// The process's cpu cgroup.
+        path: String,
+        /// The first child's name.
+        child: String,
+    },
+    /// A file or directory of the check could not be read.
+    #[error("{} {}: {cause}", .action, .path.display())]
+    Unreadable {
+        /// What was done: `reading` or `listing`.
+        action: ReadAction,
+        /// The file or directory.
+        path: PathBuf,
+        /// The filesystem's answer.
+        cause: IoCause,
+    },
+}
+
+/// What [`NotConfinedReason::Unreadable`] was doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, displaydoc::Display)]
+pub enum ReadAction {
+    /// reading
+    Reading,
+    /// listing
+    Listing,
+}
+
+/// An I/O error kept comparable and cloneable, for a [`Verdict`]: its OS error number, else
+/// its kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoCause {
+    /// The error's kind.
+    pub kind: std::io::ErrorKind,
+    /// The OS error number, when the OS gave one.
+    pub os_error: Option<i32>,
+}
+
+impl From<&std::io::Error> for IoCause {
+    fn from(err: &std::io::Error) -> Self {
+        Self {
+            kind: err.kind(),
+            os_error: err.raw_os_error(),
+        }
+    }
+}
+
+/// As the `io::Error` it came from showed it (for OS errors) or its kind.
+impl std::fmt::Display for IoCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.os_error {
+            Some(code) => std::io::Error::from_raw_os_error(code).fmt(f),
+            None => self.kind.fmt(f),
+        }
+    }
 }
 
 /// The reason for `NotConfined`; a short description otherwise.
@@ -53,7 +156,7 @@ impl std::fmt::Display for Verdict {
         match self {
             Verdict::Confined { cgroup } => write!(f, "confined to {}", cgroup.display()),
             Verdict::Unconfined => f.write_str("unconfined boosts accepted"),
-            Verdict::NotConfined { reason } => f.write_str(reason),
+            Verdict::NotConfined { reason } => reason.fmt(f),
         }
     }
 }
@@ -70,109 +173,77 @@ impl Verdict {
     }
 }
 
-/// The cpu-controller cgroup of a process, from the text of its `/proc/<pid>/cgroup`: the
-/// v1 hierarchy that has `cpu` among its controllers, else the v2 (`0::`) entry. Returns
-/// the path and whether it is a v1 hierarchy.
-pub fn cpu_cgroup(proc_cgroup: &str) -> Option<(String, bool)> {
-    let mut v2 = None;
-    for line in proc_cgroup.lines() {
-        let mut fields = line.splitn(3, ':');
-        let (Some(_id), Some(controllers), Some(path)) =
-            (fields.next(), fields.next(), fields.next())
-        else {
-            continue;
-        };
-        if controllers.is_empty() {
-            v2 = Some(path.to_string());
-        } else if controllers.split(',').any(|c| c == "cpu") {
-            return Some((path.to_string(), true));
-        }
-    }
-    v2.map(|p| (p, false))
-}
-
-/// The directory of cpu cgroup `path` (as [`cpu_cgroup`] gives it) under the cgroup
-/// filesystem at `root` (normally `/sys/fs/cgroup`): v1 hierarchies are mounted at `cpu` or
-/// `cpu,cpuacct`; `None` when no v1 cpu hierarchy is mounted.
-pub fn cpu_cgroup_dir(root: &Path, path: &str, v1: bool) -> Option<PathBuf> {
-    let rel = path.trim_start_matches('/');
-    if !v1 {
-        return Some(root.join(rel));
-    }
-    ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
-        .iter()
-        .map(|m| root.join(m))
-        .find(|m| m.is_dir())
-        .map(|m| m.join(rel))
-}
-
 /// Checks `confinement` for process `pid`, whose `/proc/<pid>/cgroup` reads `proc_cgroup`,
 /// against the cgroup filesystem at `root`.
 pub fn check_at(confinement: &Confinement, proc_cgroup: &str, pid: u32, root: &Path) -> Verdict {
-    let not = |reason: String| Verdict::NotConfined { reason };
     if *confinement == Confinement::Unconfined {
         return Verdict::Unconfined;
     }
-    let Some((path, v1)) = cpu_cgroup(proc_cgroup) else {
-        return not("the process is in no cpu cgroup".into());
-    };
+    match confined_cgroup_dir(confinement, proc_cgroup, pid, root) {
+        Ok(cgroup) => Verdict::Confined { cgroup },
+        Err(reason) => Verdict::NotConfined { reason },
+    }
+}
+
+/// The directory of `pid`'s cpu cgroup if boosts stay inside it, else why not.
+fn confined_cgroup_dir(
+    confinement: &Confinement,
+    proc_cgroup: &str,
+    pid: u32,
+    root: &Path,
+) -> Result<PathBuf, NotConfinedReason> {
+    let cgroup = proc::parse_cpu_cgroup(proc_cgroup).map_err(NotConfinedReason::NoCpuCgroup)?;
+    let path = cgroup.path.as_str();
     if path == "/" {
-        return not("the process is in the root cpu cgroup, shared with every other task".into());
+        return Err(NotConfinedReason::RootCgroup);
     }
     if let Confinement::Cgroup(asked) = confinement {
         if Path::new(&path) != asked.as_path() {
-            return not(format!(
-                "the process is in cpu cgroup {path}, not in {}",
-                asked.display()
-            ));
+            return Err(NotConfinedReason::NotTheNamedCgroup {
+                path: path.to_string(),
+                asked: asked.clone(),
+            });
         }
     }
-    let Some(dir) = cpu_cgroup_dir(root, &path, v1) else {
-        return not("no cgroup v1 cpu hierarchy is mounted".into());
+    let dir = proc::cpu_cgroup_dir(root, &cgroup).ok_or(NotConfinedReason::NoV1CpuMount)?;
+    if !dir.join(cgroup.version.weight_file()).exists() {
+        return Err(NotConfinedReason::NoCpuController {
+            dir,
+            version: cgroup.version,
+        });
+    }
+    let unreadable = |action, path: PathBuf| {
+        move |err: std::io::Error| NotConfinedReason::Unreadable {
+            action,
+            path,
+            cause: IoCause::from(&err),
+        }
     };
-    let weight = if v1 { "cpu.shares" } else { "cpu.weight" };
-    if !dir.join(weight).exists() {
-        return not(format!(
-            "{} has no {weight}: the cpu controller is not enabled for it",
-            dir.display()
-        ));
-    }
-    match std::fs::read_to_string(dir.join("cgroup.procs")) {
-        Ok(procs) => {
-            let others: Vec<&str> = procs
-                .split_whitespace()
-                .filter(|p| p.parse() != Ok(pid))
-                .collect();
-            if !others.is_empty() {
-                return not(format!(
-                    "cpu cgroup {path} also holds processes {others:?}: boosts would take CPU from them"
-                ));
-            }
-        }
-        Err(err) => return not(format!("reading {}/cgroup.procs: {err}", dir.display())),
+    let procs_file = dir.join("cgroup.procs");
+    let procs = std::fs::read_to_string(&procs_file)
+        .map_err(unreadable(ReadAction::Reading, procs_file))?;
+    let others: Vec<String> = procs
+        .split_whitespace()
+        .filter(|p| p.parse() != Ok(pid))
+        .map(str::to_string)
+        .collect();
+    if !others.is_empty() {
+        return Err(NotConfinedReason::SharedCgroup {
+            path: path.to_string(),
+            others,
+        });
     }
     // Processes of a child cgroup compete with this one's threads too (in its cpu group when
     // the child has no cpu controller, by weight against them in v1): boosting the VMM's
     // threads would take CPU from them.
-    match std::fs::read_dir(&dir) {
-        Ok(entries) => {
-            if let Some(child) = entries.flatten().find(|e| e.path().is_dir()) {
-                return not(format!(
-                    "cpu cgroup {path} has a child cgroup ({}): boosts would take CPU from its processes",
-                    child.file_name().to_string_lossy()
-                ));
-            }
-        }
-        Err(err) => return not(format!("listing {}: {err}", dir.display())),
+    let entries = std::fs::read_dir(&dir).map_err(unreadable(ReadAction::Listing, dir.clone()))?;
+    if let Some(child) = entries.flatten().find(|e| e.path().is_dir()) {
+        return Err(NotConfinedReason::ChildCgroup {
+            path: path.to_string(),
+            child: child.file_name().to_string_lossy().into_owned(),
+        });
     }
-    Verdict::Confined { cgroup: dir }
-}
-
-/// This process's cpu cgroup directory on this machine, and whether it is a v1 hierarchy.
-pub fn own_cpu_cgroup_dir() -> Option<(PathBuf, bool)> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (path, v1) = cpu_cgroup(&text)?;
-    Some((cpu_cgroup_dir(Path::new("/sys/fs/cgroup"), &path, v1)?, v1))
+    Ok(dir)
 }
 
 /// [`check_at`] for this process on this machine.
@@ -182,10 +253,14 @@ pub fn check(confinement: &Confinement) -> Verdict {
             confinement,
             &text,
             std::process::id(),
-            Path::new("/sys/fs/cgroup"),
+            Path::new(proc::CGROUP_ROOT),
         ),
         Err(err) if *confinement != Confinement::Unconfined => Verdict::NotConfined {
-            reason: format!("reading /proc/self/cgroup: {err}"),
+            reason: NotConfinedReason::Unreadable {
+                action: ReadAction::Reading,
+                path: "/proc/self/cgroup".into(),
+                cause: IoCause::from(&err),
+            },
         },
         Err(_) => Verdict::Unconfined,
     }
@@ -195,17 +270,10 @@ pub fn check(confinement: &Confinement) -> Verdict {
 mod tests {
     use super::*;
 
+    use crate::proc::tests::tempdir;
+
     const V1: &str = "9:name=systemd:/\n4:memory:/x\n2:cpuacct:/\n1:cpu:/vms/vm1\n0::/\n";
     const V2: &str = "0::/vms/vm1\n";
-
-    #[test]
-    fn finds_the_cpu_hierarchy() {
-        assert_eq!(cpu_cgroup(V1), Some(("/vms/vm1".into(), true)));
-        assert_eq!(cpu_cgroup(V2), Some(("/vms/vm1".into(), false)));
-        assert_eq!(cpu_cgroup("3:cpu,cpuacct:/a\n"), Some(("/a".into(), true)));
-        assert_eq!(cpu_cgroup("4:memory:/x\n"), None);
-        assert_eq!(cpu_cgroup("garbage"), None);
-    }
 
     fn tree(v1: bool, procs: &str, weight: bool) -> tempdir::Dir {
         let root = tempdir::Dir::new();
@@ -217,7 +285,12 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("cgroup.procs"), procs).unwrap();
         if weight {
-            let file = if v1 { "cpu.shares" } else { "cpu.weight" };
+            let version = if v1 {
+                CgroupVersion::V1
+            } else {
+                CgroupVersion::V2
+            };
+            let file = version.weight_file();
             std::fs::write(dir.join(file), "100\n").unwrap();
         }
         root
@@ -249,38 +322,87 @@ mod tests {
             };
             std::fs::create_dir_all(with_child.path().join(sub)).unwrap();
             let v = check_at(&Confinement::Auto, text, 42, with_child.path());
-            assert!(matches!(&v, Verdict::NotConfined { reason } if reason.contains("child")));
+            assert!(matches!(
+                &v,
+                Verdict::NotConfined {
+                    reason: NotConfinedReason::ChildCgroup { .. }
+                }
+            ));
+            assert!(v.to_string().contains("has a child cgroup (child)"), "{v}");
         }
         let root = tree(false, "42\n", true);
         let v = check_at(&Confinement::Auto, "0::/\n", 42, root.path());
-        assert!(matches!(&v, Verdict::NotConfined { reason } if reason.contains("root")));
+        assert_eq!(
+            v,
+            Verdict::NotConfined {
+                reason: NotConfinedReason::RootCgroup
+            }
+        );
         assert!(!v.allows_fifo());
         assert!(check_at(&Confinement::Unconfined, "", 42, root.path()).allows_fifo());
     }
 
-    /// A temporary directory removed on drop (no dependency for one test helper).
-    mod tempdir {
-        pub struct Dir(std::path::PathBuf);
-
-        impl Dir {
-            pub fn new() -> Self {
-                static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let p =
-                    std::env::temp_dir().join(format!("pvspin-confine-{}-{n}", std::process::id()));
-                std::fs::create_dir_all(&p).unwrap();
-                Self(p)
+    /// The reasons keep their types, and their messages are the ones the checks always gave.
+    #[test]
+    fn reasons_are_typed_and_say_why() {
+        let not = |v: Verdict| match v {
+            Verdict::NotConfined { reason } => reason,
+            other => panic!("confined: {other:?}"),
+        };
+        let shared = tree(false, "42\n43\n", true);
+        assert_eq!(
+            not(check_at(&Confinement::Auto, V2, 42, shared.path())).to_string(),
+            "cpu cgroup /vms/vm1 also holds processes [\"43\"]: boosts would take CPU from them"
+        );
+        let alone = tree(false, "42\n", true);
+        let elsewhere = Confinement::Cgroup("/vms/vm2".into());
+        assert_eq!(
+            not(check_at(&elsewhere, V2, 42, alone.path())).to_string(),
+            "the process is in cpu cgroup /vms/vm1, not in /vms/vm2"
+        );
+        let reason = not(check_at(
+            &Confinement::Auto,
+            "4:memory:/x\n",
+            42,
+            alone.path(),
+        ));
+        assert!(
+            matches!(reason, NotConfinedReason::NoCpuCgroup(_)),
+            "{reason}"
+        );
+        let no_controller = tree(false, "42\n", false);
+        let reason = not(check_at(&Confinement::Auto, V2, 42, no_controller.path()));
+        assert_eq!(
+            reason,
+            NotConfinedReason::NoCpuController {
+                dir: no_controller.path().join("vms/vm1"),
+                version: CgroupVersion::V2
             }
-
-            pub fn path(&self) -> &std::path::Path {
-                &self.0
-            }
-        }
-
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
+        );
+        assert!(reason
+            .to_string()
+            .ends_with("vms/vm1 has no cpu.weight: the cpu controller is not enabled for it"));
+        std::fs::remove_file(alone.path().join("vms/vm1/cgroup.procs")).unwrap();
+        let reason = not(check_at(&Confinement::Auto, V2, 42, alone.path()));
+        assert!(
+            matches!(
+                &reason,
+                NotConfinedReason::Unreadable {
+                    action: ReadAction::Reading,
+                    cause: IoCause {
+                        kind: std::io::ErrorKind::NotFound,
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{reason:?}"
+        );
+        assert!(
+            reason
+                .to_string()
+                .ends_with("vms/vm1/cgroup.procs: No such file or directory (os error 2)"),
+            "{reason}"
+        );
     }
 }

@@ -10,6 +10,7 @@
 //! | [`sched`] | the Linux calls on thread ids (nice, `SCHED_FIFO`, `sched_yield`, [`sched::current_tid`]) |
 //! | [`page`] | the guest's hint pages (ABI 0.3): mapped once through the VMM's guest memory ([`GuestPageMap`]), read and written without exits |
 //! | [`confine`] | whether priority boosts stay inside the VM's CPU share (its own cpu cgroup) |
+//! | [`proc`] | the one parser of `/proc` and cgroup files (thread `schedstat`/`stat`/`status`, cpu cgroup, CFS quota) |
 //!
 //! What the embedding VMM calls: each vCPU thread registers its [`sched::current_tid`]
 //! (pvspin-track's board keeps it); on a `YieldTo(x)` decision the spinner's thread calls
@@ -42,6 +43,7 @@ pub mod budgets;
 pub mod confine;
 #[cfg(not(loom))]
 pub mod page;
+pub mod proc;
 #[cfg(not(loom))]
 pub mod sched;
 
@@ -54,7 +56,7 @@ pub use actuator::{
 pub use boost::{BoostError, BoostKind, BoostResult, BoostTracker, ThreadStartHook};
 #[cfg(not(loom))]
 pub use budgets::{PageBudgets, TscBudgets};
-pub use confine::{Confinement, Verdict};
+pub use confine::{Confinement, NotConfinedReason, Verdict};
 #[cfg(all(not(loom), any(test, feature = "test-utils")))]
 pub use page::BufferPageMap;
 #[cfg(not(loom))]

@@ -356,11 +356,13 @@ fn restore_all_and_errors_leave_nothing_boosted() {
     assert!(!t.is_boosted(0));
     let a = Target::spawn(Arc::new(|_| false));
     let b = Target::spawn(Arc::new(|_| false));
+    // The process's own nice (a test run under `nice` starts above 0).
+    let before = get_nice(a.tid).unwrap();
     t.boost(0, a.tid).unwrap();
     t.boost(1, b.tid).unwrap();
     t.restore_all();
-    assert_eq!(get_nice(a.tid).unwrap(), 0);
-    assert_eq!(get_nice(b.tid).unwrap(), 0);
+    assert_eq!(get_nice(a.tid).unwrap(), before);
+    assert_eq!(get_nice(b.tid).unwrap(), before);
     assert!(!t.is_boosted(0) && !t.is_boosted(1));
 }
 
@@ -375,9 +377,10 @@ fn new_thread_for_a_vcpu_restores_the_old_one() {
     };
     let a = Target::spawn(Arc::new(|_| false));
     let b = Target::spawn(Arc::new(|_| false));
+    let before = get_nice(a.tid).unwrap();
     t.boost(0, a.tid).unwrap();
     assert_eq!(t.boost(0, b.tid).unwrap(), BoostResult::Applied);
-    assert_eq!(get_nice(a.tid).unwrap(), 0);
+    assert_eq!(get_nice(a.tid).unwrap(), before);
     assert_eq!(get_nice(b.tid).unwrap(), -5);
 }
 
@@ -420,10 +423,11 @@ fn actuators_by_name_boost_and_restore() {
             a2.on_target_exit(v);
             true
         }));
+        let before = get_nice(target.tid).unwrap();
         let r = act.yield_to(1, target.tid);
         assert_eq!(r.boosted, name != "yield", "{name}");
         target.restore_on_target(1);
-        assert_eq!(get_nice(target.tid).unwrap(), 0, "{name}");
+        assert_eq!(get_nice(target.tid).unwrap(), before, "{name}");
         assert_eq!(
             get_policy(target.tid).unwrap().policy,
             libc::SCHED_OTHER,
@@ -535,10 +539,6 @@ fn failing_start_hook_fails_the_constructor_without_stepping_down() {
 fn capget_reports_this_process() {
     // The effective set is what the kernel checks; /proc says the same.
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
-        .unwrap();
+    let eff = crate::proc::parse_status_cap_eff(&status).unwrap();
     assert_eq!(has_cap_sys_nice(), eff & (1 << CAP_SYS_NICE) != 0);
 }

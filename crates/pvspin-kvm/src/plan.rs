@@ -497,7 +497,10 @@ pub struct Plan {
 #[ignore_extra_doc_attributes]
 pub enum PlanError {
     /// unknown placement {0:?} (expected dedicated, shared or overcommitted)
-    UnknownPlacement(String),
+    UnknownPlacement(
+        /// The placement as the user typed it: it matched no known name, so no type holds it.
+        String,
+    ),
     /// rule: a VM needs at least one vCPU
     NoVcpus,
     /// rule: {placement} placement needs at most one vCPU per host CPU ({vcpus} vCPUs, {host_cpus}

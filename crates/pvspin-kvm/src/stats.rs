@@ -79,12 +79,12 @@ pub enum StatsError {
     DuplicateName {
         /// Descriptor index.
         index: usize,
-        /// The name.
+        /// The stat's name, as KVM's descriptor spells it.
         name: String,
     },
     /// stats descriptor {name:?}: size {size} out of range 1..={MAX_STAT_SIZE:}
     BadSize {
-        /// Stat name.
+        /// The stat's name, as KVM's descriptor spells it.
         name: String,
         /// The size.
         size: u16,
@@ -92,21 +92,21 @@ pub enum StatsError {
     /// stats descriptor {name:?}: offset {offset} invalid (unaligned or beyond {MAX_DATA_BYTES:}
     /// bytes)
     BadOffset {
-        /// Stat name.
+        /// The stat's name, as KVM's descriptor spells it.
         name: String,
         /// The offset.
         offset: u32,
     },
     /// stats descriptor {name:?}: linear histogram with bucket_size 0
     ZeroBucketSize {
-        /// Stat name.
+        /// The stat's name, as KVM's descriptor spells it.
         name: String,
     },
     /// stats delta: the snapshots come from different stats layouts
     LayoutMismatch,
     /// stats delta: cumulative {name:?} went backwards ({earlier} -> {later})
     WentBackwards {
-        /// Stat name.
+        /// The stat's name, as KVM's descriptor spells it.
         name: String,
         /// Earlier value.
         earlier: u64,

@@ -13,13 +13,19 @@ use crate::cost::CostModel;
 pub enum ConfigError {
     /// Rule: a variant is `LOCK:PV[/slots][:PATH][@GUEST]`.
     #[error("rule: a variant is LOCK:PV[/slots][:PATH][@GUEST] (e.g. queued:kick/slots:in-kernel@stock), got {0:?}")]
-    Variant(String),
+    Variant(
+        /// The variant as the user typed it.
+        String,
+    ),
     /// Rule: slots, paths and guests other than pvspin need `--pv kick` or `kick+yield`.
     #[error("rule: {0} needs pv kick or kick+yield")]
     NeedsPv(&'static str),
     /// Rule: the stock guest runs the queued lock with `kick`, on in-kernel or signal-msi.
     #[error("rule: the stock guest runs queued:kick on the in-kernel or signal-msi path, got {0}")]
-    Stock(String),
+    Stock(
+        /// The variant as the user typed it.
+        String,
+    ),
     /// Rule: the TAS lock has no PV version.
     #[error("rule: the tas lock has no PV version (tas:off only)")]
     TasPv,

@@ -32,7 +32,7 @@ pub use policy::{
     SlotStats, SlotWaker, DEFAULT_HALT_WATCH_INTERVAL,
 };
 #[cfg(not(loom))]
-pub use quota::{entitled_cpus, parse_cfs_quota, parse_cpu_max};
+pub use quota::entitled_cpus;
 #[cfg(not(loom))]
 pub use steal::StealTimeMarks;
 pub use sync::LockStats;

@@ -46,9 +46,15 @@ pub enum DaemonConfigError {
     /// /proc for every vCPU thread), got {0:?}
     SchedSample(Duration),
     /// rule: a worker priority is inherit, nice:N (-20 to 19) or fifo:P (1 to 99), got {0:?}
-    WorkerPriority(String),
+    WorkerPriority(
+        /// The priority as the user typed it (`--worker-priority`).
+        String,
+    ),
     /// vCPU thread pattern {0:?} has no {{N}} placeholder for the vCPU index
-    PatternWithoutIndex(String),
+    PatternWithoutIndex(
+        /// The pattern as the user typed it (`--vcpu-thread-pattern`).
+        String,
+    ),
     /// rule: a VM gets at least one CPU (vm_cpus), got 0
     NoVmCpus,
 }

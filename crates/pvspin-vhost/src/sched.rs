@@ -27,7 +27,7 @@
 //! previous sample (no switch, no tick) is still where it was, except that a blocked one may
 //! have been woken (`stat` says whether it is runnable now); a thread whose `schedstat` moved
 //! gets `stat`, and `status` only if it is runnable. The backend counts the reads and their
-//! CPU time (`sched` in its telemetry).
+//! CPU time (`sched` in its telemetry). The files are parsed by [`pvspin_hints::proc`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -35,40 +35,11 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
+use pvspin_hints::proc;
+
 use crate::yield_policy::{ProcThreads, ThreadActions};
 
-/// One read of `/proc/<pid>/task/<tid>/schedstat`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SchedStat {
-    /// Time on a CPU, ns (advances at ticks and switches).
-    pub run_ns: u64,
-    /// Time runnable on a run queue, ns (charged at switch-in).
-    pub wait_ns: u64,
-    /// Times switched in.
-    pub switches_in: u64,
-}
-
-/// A thread's state as procfs shows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TaskState {
-    /// `R`: on a CPU or runnable.
-    Runnable,
-    /// Sleeping, stopped, in disk wait, idle: not runnable.
-    Blocked,
-    /// Exiting or dead (`Z`, `X`).
-    Gone,
-}
-
-impl TaskState {
-    /// The state letter's meaning.
-    pub fn from_letter(letter: u8) -> Self {
-        match letter {
-            b'R' => TaskState::Runnable,
-            b'Z' | b'X' | b'x' => TaskState::Gone,
-            _ => TaskState::Blocked,
-        }
-    }
-}
+pub use pvspin_hints::proc::{SchedStat, TaskState};
 
 /// Where a vCPU thread is, as last sampled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -266,6 +237,11 @@ impl ProcSched {
     }
 }
 
+/// A file whose text did not parse, as the sampler's I/O error.
+fn invalid_data(err: proc::ParseError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, err)
+}
+
 /// Reads a whole small procfs file from offset 0 into `buf`; the text.
 fn pread_text<'a>(file: &File, buf: &'a mut [u8]) -> io::Result<&'a str> {
     let n = file.read_at(buf, 0)?;
@@ -274,38 +250,6 @@ fn pread_text<'a>(file: &File, buf: &'a mut [u8]) -> io::Result<&'a str> {
         return Err(io::ErrorKind::NotFound.into());
     }
     std::str::from_utf8(&buf[..n]).map_err(|_| io::ErrorKind::InvalidData.into())
-}
-
-/// Parses `schedstat`: three decimal numbers.
-pub fn parse_schedstat(text: &str) -> Option<SchedStat> {
-    let mut it = text.split_ascii_whitespace().map(|f| f.parse::<u64>().ok());
-    Some(SchedStat {
-        run_ns: it.next()??,
-        wait_ns: it.next()??,
-        switches_in: it.next()??,
-    })
-}
-
-/// The state letter of a `stat` line (the first field after the name's last `)`).
-pub fn parse_stat_state(text: &str) -> Option<TaskState> {
-    let rest = &text[text.rfind(')')? + 1..];
-    let letter = rest.trim_start().bytes().next()?;
-    Some(TaskState::from_letter(letter))
-}
-
-/// The state and switch-outs of a `status` file.
-pub fn parse_status(text: &str) -> Option<(TaskState, u64)> {
-    let (mut state, mut voluntary, mut involuntary) = (None, None, None);
-    for line in text.lines() {
-        if let Some(v) = line.strip_prefix("State:") {
-            state = v.trim_start().bytes().next().map(TaskState::from_letter);
-        } else if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:") {
-            voluntary = v.trim().parse::<u64>().ok();
-        } else if let Some(v) = line.strip_prefix("nonvoluntary_ctxt_switches:") {
-            involuntary = v.trim().parse::<u64>().ok();
-        }
-    }
-    Some((state?, voluntary?.wrapping_add(involuntary?)))
 }
 
 impl SchedSource for ProcSched {
@@ -340,19 +284,19 @@ impl SchedSource for ProcSched {
     fn schedstat(&mut self, tid: u32) -> io::Result<SchedStat> {
         let mut buf = [0u8; 128];
         let text = pread_text(&self.files(tid)?.schedstat, &mut buf)?;
-        parse_schedstat(text).ok_or_else(|| io::ErrorKind::InvalidData.into())
+        proc::parse_schedstat(text).map_err(invalid_data)
     }
 
     fn state(&mut self, tid: u32) -> io::Result<TaskState> {
         let mut buf = [0u8; 1024];
         let text = pread_text(&self.files(tid)?.stat, &mut buf)?;
-        parse_stat_state(text).ok_or_else(|| io::ErrorKind::InvalidData.into())
+        proc::parse_stat_state(text).map_err(invalid_data)
     }
 
     fn switches(&mut self, tid: u32) -> io::Result<(TaskState, u64)> {
         let mut buf = [0u8; 4096];
         let text = pread_text(&self.files(tid)?.status, &mut buf)?;
-        parse_status(text).ok_or_else(|| io::ErrorKind::InvalidData.into())
+        proc::parse_status_switches(text).map_err(invalid_data)
     }
 
     fn forget(&mut self, tid: u32) {
@@ -364,31 +308,6 @@ impl SchedSource for ProcSched {
 mod tests {
     use super::*;
     use crate::testing::FakeSched;
-
-    #[test]
-    fn parses_procfs_files() {
-        assert_eq!(
-            parse_schedstat("123 45 6\n"),
-            Some(SchedStat {
-                run_ns: 123,
-                wait_ns: 45,
-                switches_in: 6
-            })
-        );
-        assert_eq!(parse_schedstat("1 2"), None);
-        assert_eq!(parse_schedstat("1 x 3"), None);
-        assert_eq!(
-            parse_stat_state("42 (vcpu 1) (x)) S 1 2 3"),
-            Some(TaskState::Blocked)
-        );
-        assert_eq!(parse_stat_state("42 (a) R 1"), Some(TaskState::Runnable));
-        assert_eq!(parse_stat_state("no paren"), None);
-        let status = "Name:\tvcpu0\nState:\tR (running)\nvoluntary_ctxt_switches:\t7\nnonvoluntary_ctxt_switches:\t3\n";
-        assert_eq!(parse_status(status), Some((TaskState::Runnable, 10)));
-        assert_eq!(parse_status("State:\tZ (zombie)\n"), None);
-        assert_eq!(TaskState::from_letter(b'Z'), TaskState::Gone);
-        assert_eq!(TaskState::from_letter(b'D'), TaskState::Blocked);
-    }
 
     #[test]
     fn switch_counts_tell_on_cpu_from_descheduled() {

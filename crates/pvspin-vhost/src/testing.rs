@@ -253,7 +253,10 @@ impl crate::yield_policy::ThreadActions for FakeThreads {
             }
         } else {
             pvspin_hints::confine::Verdict::NotConfined {
-                reason: "fake: shared cgroup".into(),
+                reason: pvspin_hints::confine::NotConfinedReason::SharedCgroup {
+                    path: "/fake".into(),
+                    others: vec!["1".into()],
+                },
             }
         }
     }

@@ -30,7 +30,10 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pvspin_hints::confine::{check_at, Confinement, Verdict};
+use pvspin_hints::confine::{
+    check_at, Confinement, IoCause, NotConfinedReason, ReadAction, Verdict,
+};
+use pvspin_hints::proc;
 
 use crate::config::YieldMode;
 use crate::telemetry::{DaemonVmTelemetry, YieldSkip};
@@ -379,7 +382,7 @@ impl ProcThreads {
         Self {
             patterns,
             proc_root: PathBuf::from("/proc"),
-            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            cgroup_root: PathBuf::from(proc::CGROUP_ROOT),
         }
     }
 
@@ -415,19 +418,8 @@ fn read_cap_sys_nice() -> bool {
     const CAP_SYS_NICE: u32 = 23;
     read_small(Path::new("/proc/self/status"))
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        })
+        .and_then(|status| proc::parse_status_cap_eff(&status).ok())
         .is_some_and(|caps| caps & (1 << CAP_SYS_NICE) != 0)
-}
-
-/// The nice value (field 19) of a `/proc/.../stat` line.
-fn nice_from_stat(stat: &str) -> Option<i32> {
-    // The name (field 2) may hold spaces and parentheses: fields resume after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(16)?.parse().ok()
 }
 
 impl ThreadActions for ProcThreads {
@@ -460,7 +452,7 @@ impl ThreadActions for ProcThreads {
 
     fn nice(&mut self, pid: u32, tid: u32) -> io::Result<i32> {
         let stat = read_small(&self.task_dir(pid).join(tid.to_string()).join("stat"))?;
-        nice_from_stat(&stat).ok_or_else(|| io::Error::other("unparsable stat"))
+        proc::parse_stat_nice(&stat).map_err(|err| io::Error::new(io::ErrorKind::InvalidData, err))
     }
 
     fn set_nice(&mut self, tid: u32, nice: i32) -> io::Result<()> {
@@ -494,7 +486,11 @@ impl ThreadActions for ProcThreads {
         match read_small(&path) {
             Ok(text) => check_at(&Confinement::Auto, &text, pid, &self.cgroup_root),
             Err(err) => Verdict::NotConfined {
-                reason: format!("reading {}: {err}", path.display()),
+                reason: NotConfinedReason::Unreadable {
+                    action: ReadAction::Reading,
+                    cause: IoCause::from(&err),
+                    path,
+                },
             },
         }
     }
@@ -561,7 +557,7 @@ pub(crate) mod tests {
                 }
             } else {
                 Verdict::NotConfined {
-                    reason: "shared".into(),
+                    reason: NotConfinedReason::RootCgroup,
                 }
             }
         }
@@ -685,8 +681,6 @@ pub(crate) mod tests {
         assert_eq!(match_thread_name("vcpu{N}", "vcpu-1"), None);
         assert_eq!(match_thread_name("vcpu{N}", "vcpu9999999"), None);
         assert_eq!(match_thread_name("vcpu", "vcpu1"), None);
-        let stat = "42 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 -3 1 0 0";
-        assert_eq!(nice_from_stat(stat), Some(-3));
     }
 
     #[test]

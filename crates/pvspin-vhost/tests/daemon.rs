@@ -506,8 +506,7 @@ fn refuses_bad_options_and_foreign_files() {
 
 fn thread_nice(tid: u32) -> i32 {
     let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
-    let rest = &stat[stat.rfind(')').unwrap() + 1..];
-    rest.split_whitespace().nth(16).unwrap().parse().unwrap()
+    pvspin_hints::proc::parse_stat_nice(&stat).unwrap()
 }
 
 fn tid_named(name: &str) -> Option<u32> {
@@ -519,12 +518,8 @@ fn tid_named(name: &str) -> Option<u32> {
 }
 
 fn has_cap_sys_nice() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << 23) != 0)
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    pvspin_hints::proc::parse_status_cap_eff(&status).unwrap() & (1 << 23) != 0
 }
 
 fn wait_for(what: &str, pred: impl Fn() -> bool) {

@@ -184,9 +184,10 @@ fn confined_actuator<'a>(
     if allowed {
         return Ok(name);
     }
-    let why = match verdict {
-        Verdict::NotConfined { reason } => reason.as_str(),
-        _ => "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup",
+    let fifo_reason = "SCHED_FIFO preempts every fair-class task on its CPU, whatever the cgroup";
+    let why: &dyn std::fmt::Display = match verdict {
+        Verdict::NotConfined { reason } => reason,
+        _ => &fifo_reason,
     };
     if !options.fallback {
         let name = name.to_string();

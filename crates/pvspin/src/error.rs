@@ -154,7 +154,7 @@ pub enum ConfigError {
     },
     /// directed yield actuator {name:?}: {source}
     Actuator {
-        /// The name asked for.
+        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
         name: String,
         /// Why it was refused.
         #[source]
@@ -164,7 +164,7 @@ pub enum ConfigError {
     /// boost would not be confined ({verdict}); run the VMM alone in its own cpu cgroup, or accept
     /// Confinement::Unconfined
     BoostNotConfined {
-        /// The name asked for.
+        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
         name: String,
         /// The confinement check's answer.
         verdict: Verdict,
@@ -173,7 +173,7 @@ pub enum ConfigError {
     /// boost would not be confined (SCHED_FIFO preempts every fair-class task on its CPU, whatever
     /// the cgroup); run the VMM alone in its own cpu cgroup, or accept Confinement::Unconfined
     FifoNotConfined {
-        /// The name asked for.
+        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
         name: String,
     },
     /// rule: a VM gets at least one CPU (PvSpinBuilder::vm_cpus, PvSpin::set_vm_cpus), got 0

@@ -68,6 +68,7 @@ pub use kick::{
 };
 pub use pio::DoorbellPio;
 pub use pvspin_hints::confine;
+pub use pvspin_hints::proc;
 #[cfg(feature = "test-utils")]
 pub use pvspin_hints::BufferPageMap;
 pub use pvspin_hints::GuestPageMap;

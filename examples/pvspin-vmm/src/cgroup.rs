@@ -57,8 +57,9 @@ impl VmCgroup {
     /// with the cpu controller) and moves the whole process into it. Needs write access to
     /// the cgroup filesystem.
     pub fn enter() -> Result<Self, CgroupError> {
-        let (parent, v1) = pvspin::confine::own_cpu_cgroup_dir().ok_or(CgroupError::NoCpuCgroup)?;
-        if !v1 {
+        let (parent, version) =
+            pvspin::proc::own_cpu_cgroup_dir().ok_or(CgroupError::NoCpuCgroup)?;
+        if version == pvspin::proc::CgroupVersion::V2 {
             // v2: the parent must hand the cpu controller to its children.
             let _ = std::fs::write(parent.join("cgroup.subtree_control"), "+cpu");
         }
@@ -83,8 +84,8 @@ impl VmCgroup {
         if !(0.01..=4096.0).contains(&cpus) {
             return Err(CgroupError::CpuLimit(cpus));
         }
-        let period: u64 = 100_000;
-        let quota = (cpus * period as f64).round() as u64;
+        let period_us: u64 = 100_000;
+        let quota_us = (cpus * period_us as f64).round() as u64;
         let write = |file: &str, value: String| {
             let file = self.dir.join(file);
             std::fs::write(&file, &value).map_err(|source| CgroupError::Write {
@@ -94,10 +95,14 @@ impl VmCgroup {
             })
         };
         if self.dir.join("cpu.max").exists() {
-            write("cpu.max", format!("{quota} {period}"))
+            let quota = pvspin::proc::CpuQuota::Limited {
+                quota_us,
+                period_us,
+            };
+            write("cpu.max", quota.to_string())
         } else {
-            write("cpu.cfs_period_us", period.to_string())?;
-            write("cpu.cfs_quota_us", quota.to_string())
+            write("cpu.cfs_period_us", period_us.to_string())?;
+            write("cpu.cfs_quota_us", quota_us.to_string())
         }
     }
 

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
-use kvm_ioctls::{Kvm, VcpuFd};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use pvspin::PvSpin;
 use pvspin_vmm_proto::{BootParams, LockKind, Workload, BOOT_MAGIC, BOOT_VERSION};
 use vm_memory::GuestAddress;
@@ -21,6 +21,7 @@ use crate::memory::{self, MemoryError, VmMemory};
 use crate::report::{RunReport, VcpuReport};
 use crate::seccomp::{Filters, VmmThread};
 use crate::vcpu::{VcpuEnd, VcpuKicker, VcpuRunner, VcpuShared};
+use crate::vhost::VhostPvspin;
 
 /// The guest program, built by this crate's build script.
 pub static GUEST_IMAGE: &[u8] = include_bytes!(env!("PVSPIN_GUEST_ELF"));
@@ -130,6 +131,15 @@ struct RunControl {
 }
 
 impl RunControl {
+    /// No ending yet.
+    fn new() -> Result<Self, RunError> {
+        Ok(Self {
+            ending: Mutex::new(None),
+            ended: EventFd::new(libc::EFD_NONBLOCK)
+                .map_err(|err| RunError::Setup(format!("eventfd: {err}")))?,
+        })
+    }
+
     /// Records the ending; the first one wins.
     fn end(&self, ending: Ending) {
         let mut slot = self.ending.lock().unwrap_or_else(PoisonError::into_inner);
@@ -427,13 +437,105 @@ fn run_inner(config: &RunConfig, confine_caller: bool) -> Result<RunReport, RunE
 
 /// One VM on the calling thread; with `filters`, every thread of the run is confined (the
 /// calling thread after setup).
+///
+/// Each step is a helper below, called in the order KVM and pvspin need: open KVM, load the
+/// guest into fresh memory, create the VM and build pvspin for it, configure the VM (pvspin's
+/// part before any vCPU exists), register the memory, attach the vhost-user device, create and
+/// configure the vCPUs, write the boot data; then set up the event loop, start the hog and
+/// vCPU threads, confine this thread, run to the end, stop and join, and report.
 fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, RunError> {
+    let (kvm, signal) = open_kvm(config)?;
+    // Declared before `vm`: the memory KVM maps is dropped after the VM.
+    let guest = load_guest(config)?;
+    let vm = kvm.create_vm().map_err(setup_err("KVM_CREATE_VM"))?;
+    let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
+        .map(|i| Arc::new(VcpuShared::new(i, signal.clone())))
+        .collect();
+    let pvspin = build_pvspin(config, &guest.memory, &shared, filters)?;
+    let mut plan = configure_vm(config, &kvm, &vm, &pvspin)?;
+    // SAFETY: `guest`, which owns the memory, is declared before `vm` and so outlives it.
+    unsafe { register_memory(&vm, &guest.memory, config.mem_bytes()) }?;
+    let virtio = attach_vhost_user(config, &vm, &guest.memory)?;
+    let vcpus = create_vcpus(config, &kvm, &vm, &pvspin, guest.entry, &mut plan)?;
+    prepare_aps(config, &vcpus, virtio.is_some())?;
+    let tsc_khz = vcpus
+        .first()
+        .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
+        .map_or(0, u64::from);
+    write_boot_data(config, &guest.memory, tsc_khz, virtio.is_some())?;
+
+    let console = ConsoleSink::new(config.echo_console);
+    let bus = Arc::new(
+        IoBus::new(console.clone())
+            .with_virtio(virtio.clone())
+            .with_pvh(config.boot == BootMode::Pvh),
+    );
+    let control = Arc::new(RunControl::new()?);
+    let mut events = event_loop(&control, virtio.as_ref())?;
+    let started = attach_watchdog(&mut events, config, &control, &guest.memory, &shared)?;
+    attach_console_input(&mut events, &bus);
+
+    let hogs = Hogs::start(config.hogs, filters)?;
+    let stopping = Arc::new(AtomicBool::new(false));
+    let threads = start_vcpu_threads(config, filters, vcpus, &shared, &bus, &control, &stopping);
+    // Setup is over: from here on this thread only runs the event loop, stops and joins the
+    // threads, and reports.
+    confine_vmm_thread(filters, &control);
+    run_to_end(&mut events, &control);
+    let wall = started.elapsed();
+    let vcpu_fds = stop_vcpus(&stopping, &pvspin, &shared, threads);
+    hogs.stop();
+    let (findings, reports) = collect_findings(config, pvspin, &guest.memory, &shared);
+    drop(vcpu_fds);
+
+    check_ending(config, control.ending(), &reports, &console)?;
+    let params = memory::read_boot_params(&guest.memory).unwrap_or_default();
+    let mut report = RunReport::new(
+        config,
+        &params,
+        tsc_khz,
+        wall,
+        reports,
+        console.captured(),
+        &bus,
+    );
+    report.plan = plan;
+    report.kick_to_wake =
+        crate::report::LatencySummary::from_guest(&guest.memory, &params, tsc_khz);
+    report.vhost_user = virtio.as_ref().map(|device| device.summary());
+    findings.add_to(&mut report);
+    Ok(report)
+}
+
+/// Opens `/dev/kvm`, checks the configuration against KVM's vCPU limit and installs the
+/// signal that takes a vCPU thread out of `KVM_RUN`.
+fn open_kvm(config: &RunConfig) -> Result<(Kvm, Arc<pvspin::SignalInterrupter>), RunError> {
     let kvm = Kvm::new().map_err(setup_err("opening /dev/kvm"))?;
     let kvm_max_vcpus = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX);
     config.validate(kvm_max_vcpus)?;
     let signal = pvspin::SignalInterrupter::new(config.vcpus as usize)
         .map_err(|err| RunError::Setup(format!("installing the vCPU interrupt signal: {err}")))?;
+    Ok((kvm, signal))
+}
 
+/// Where the vCPUs start.
+#[derive(Clone, Copy, Debug)]
+enum BootEntry {
+    /// The direct boot: every vCPU at the ELF entry, in long mode.
+    Direct(u64),
+    /// PVH: the boot vCPU at the image's PVH entry; the APs wait for the guest's SIPIs.
+    Pvh(u64),
+}
+
+/// Guest memory with the guest program loaded.
+struct LoadedGuest {
+    memory: VmMemory,
+    entry: BootEntry,
+}
+
+/// Owns guest memory: creates it (shared with the vhost-user backend when there is one),
+/// writes the direct boot's page tables and loads the guest program.
+fn load_guest(config: &RunConfig) -> Result<LoadedGuest, RunError> {
     let memory = if config.vhost_user.is_some() {
         memory::create_shared(config.mem_bytes())?
     } else {
@@ -444,22 +546,29 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         memory::write_tables(&memory)?;
     }
     let image = memory::load(&memory, GUEST_IMAGE)?;
-    let pvh_entry = match (pvh, image.pvh_entry) {
+    let entry = match (pvh, image.pvh_entry) {
+        (false, _) => BootEntry::Direct(image.entry),
+        (true, Some(entry)) => BootEntry::Pvh(entry),
         (true, None) => {
             return Err(RunError::Setup(
                 "the guest image has no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY)".into(),
             ))
         }
-        (_, entry) => entry,
     };
+    Ok(LoadedGuest { memory, entry })
+}
 
-    let vm = kvm.create_vm().map_err(setup_err("KVM_CREATE_VM"))?;
-    let shared: Vec<Arc<VcpuShared>> = (0..config.vcpus)
-        .map(|i| Arc::new(VcpuShared::new(i, signal.clone())))
-        .collect();
+/// Owns pvspin's configuration: builds pvspin for this VM, with the in-process kick device
+/// (and what rides on it) when the guest kicks and no vhost-user backend serves it.
+fn build_pvspin(
+    config: &RunConfig,
+    memory: &VmMemory,
+    shared: &[Arc<VcpuShared>],
+    filters: Option<&Filters>,
+) -> Result<PvSpin, RunError> {
     let mut builder = PvSpin::builder()
         .vcpus(config.vcpus as usize)
-        .interrupter(Arc::new(VcpuKicker::new(shared.clone())));
+        .interrupter(Arc::new(VcpuKicker::new(shared.to_vec())));
     if let Some(filters) = filters {
         builder = builder.helper_thread_filter(filters.program(VmmThread::BoostWatchdog));
     }
@@ -475,66 +584,89 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     // through the virtio device, and this VMM only wires its queues (crate::vhost). A stock
     // guest (`--guest stock`) gets the same host as a pvspin-aware one: it just uses none of
     // the hint pages or budgets offered.
-    let in_process = config.vhost_user.is_none();
-    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
-    let slot_count = config_slots(config);
-    let vm_cpus = config.vm_cpus.unwrap_or_else(pvspin::entitled_cpus);
-    let built = if config.pv.kicks() && in_process {
-        let mut kicked = builder
-            .kick(pvspin::KickOptions {
-                park_spin: Duration::from_micros(config.park_spin_us),
-                ..pvspin::KickOptions::new(config.kick_path)
-            })
-            .hint_pages(pvspin::HintOptions {
-                memory: Arc::new(memory.clone()),
-                budgets: config.budget_config(),
-            })
-            .pv_wait(pvspin::WaitOptions::default())
-            .vm_cpus(vm_cpus);
-        if config.pv == PvMode::KickYield {
-            let mut options = pvspin::DirectedYieldOptions {
-                actuator: config.actuator.to_string(),
-                confinement: config.confinement.clone(),
-                ..pvspin::DirectedYieldOptions::default()
-            };
-            if let Some(us) = config.boost_deadline_us {
-                options.boost_deadline = Duration::from_micros(us);
-            }
-            // Steal-time bytes are read through the hint pages' memory: one memory for pvspin.
-            kicked = kicked.directed_yield(options);
-        }
-        // `RunConfig::validate` refuses slots without pvspin's in-process kick device.
-        if config.run_slots.is_some() {
-            let mut slots = pvspin::SlotConfig::new(slot_count);
-            if let Some(us) = config.slot_quantum_us {
-                slots.quantum = Duration::from_micros(us);
-                slots.cs_extension = slots.cs_extension.min(slots.quantum);
-            }
-            if let Some(us) = config.halt_watch_us {
-                slots.halt_watch_interval = Duration::from_micros(us);
-            }
-            kicked = kicked.run_slots(slots);
-        }
-        kicked.build()
+    let built = if config.pv.kicks() && config.vhost_user.is_none() {
+        with_kick_device(builder, config, memory).build()
     } else {
         builder.build()
     };
-    let pvspin = built.map_err(|err| RunError::Refused(err.to_string()))?;
-    let vm_setup = pvspin::simple::setup_vm(&pvspin, &kvm, &vm).map_err(pvspin_error)?;
+    built.map_err(|err| RunError::Refused(err.to_string()))
+}
+
+/// pvspin's in-process kick device and what rides on it: hint pages and WAIT always,
+/// directed yield with `--pv kick-yield`, run slots with `--sched slots`.
+fn with_kick_device(
+    builder: pvspin::PvSpinBuilder,
+    config: &RunConfig,
+    memory: &VmMemory,
+) -> pvspin::PvSpinBuilder<pvspin::WithKick> {
+    let mut kicked = builder
+        .kick(pvspin::KickOptions {
+            park_spin: Duration::from_micros(config.park_spin_us),
+            ..pvspin::KickOptions::new(config.kick_path)
+        })
+        .hint_pages(pvspin::HintOptions {
+            memory: Arc::new(memory.clone()),
+            budgets: config.budget_config(),
+        })
+        .pv_wait(pvspin::WaitOptions::default())
+        // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
+        .vm_cpus(config.vm_cpus.unwrap_or_else(pvspin::entitled_cpus));
+    if config.pv == PvMode::KickYield {
+        let mut options = pvspin::DirectedYieldOptions {
+            actuator: config.actuator.to_string(),
+            confinement: config.confinement.clone(),
+            ..pvspin::DirectedYieldOptions::default()
+        };
+        if let Some(us) = config.boost_deadline_us {
+            options.boost_deadline = Duration::from_micros(us);
+        }
+        // Steal-time bytes are read through the hint pages' memory: one memory for pvspin.
+        kicked = kicked.directed_yield(options);
+    }
+    // `RunConfig::validate` refuses slots without pvspin's in-process kick device.
+    if config.run_slots.is_some() {
+        kicked = kicked.run_slots(slot_config(config));
+    }
+    kicked
+}
+
+/// The run slots `--sched slots` asks for.
+fn slot_config(config: &RunConfig) -> pvspin::SlotConfig {
+    // Before any thread is confined: the entitlement reads /proc and the cgroup tree.
+    let mut slots = pvspin::SlotConfig::new(config_slots(config));
+    if let Some(us) = config.slot_quantum_us {
+        slots.quantum = Duration::from_micros(us);
+        slots.cs_extension = slots.cs_extension.min(slots.quantum);
+    }
+    if let Some(us) = config.halt_watch_us {
+        slots.halt_watch_interval = Duration::from_micros(us);
+    }
+    slots
+}
+
+/// Owns the VM-wide setup, done before any vCPU exists: pvspin's part (its placement plan,
+/// its kick path's irqchip), the PVH boot's irqchip, where the guest's steal-time areas are,
+/// KVM's halt polling. Returns the plan's lines for the report.
+fn configure_vm(
+    config: &RunConfig,
+    kvm: &Kvm,
+    vm: &VmFd,
+    pvspin: &PvSpin,
+) -> Result<Vec<String>, RunError> {
+    let vm_setup = pvspin::simple::setup_vm(pvspin, kvm, vm).map_err(pvspin_error)?;
     // PVH: the guest starts its APs with INIT-SIPI-SIPI through KVM's in-kernel LAPIC, which
-    // the in-kernel and signal-msi kick paths (pvspin) and the vhost-user device (below)
-    // create anyway.
-    let irqchip_made_elsewhere =
-        (config.pv.kicks() && in_process && config.kick_path != pvspin::KickPath::Userspace)
-            || config.vhost_user.is_some();
-    if pvh && !irqchip_made_elsewhere {
-        pvspin_kvm::irqchip::create_irqchip(&vm)
-            .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))?;
+    // the in-kernel and signal-msi kick paths (pvspin) and the vhost-user device create anyway.
+    let irqchip_made_elsewhere = (config.pv.kicks()
+        && config.vhost_user.is_none()
+        && config.kick_path != pvspin::KickPath::Userspace)
+        || config.vhost_user.is_some();
+    if config.boot == BootMode::Pvh && !irqchip_made_elsewhere {
+        create_irqchip(vm)?;
     }
     // Where the guest registers its steal-time areas (it does when KVM offers them). With run
     // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
     // does not know its guest's layout would.
-    if config.pv == PvMode::KickYield && config.run_slots.is_none() && in_process {
+    if config.pv == PvMode::KickYield && config.run_slots.is_none() && config.vhost_user.is_none() {
         for index in 0..config.vcpus {
             pvspin.set_steal_time_gpa(
                 index as usize,
@@ -551,125 +683,174 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
         vm.enable_cap(&cap)
             .map_err(setup_err("KVM_ENABLE_CAP(HALT_POLL)"))?;
     }
-    let mut plan_lines = Vec::new();
-    if let Some((plan, applied)) = &vm_setup.plan {
-        plan_lines.push(format!("plan: {plan}"));
-        plan_lines.push(format!("applied to the VM: {applied}"));
+    let mut plan = Vec::new();
+    if let Some((placement, applied)) = &vm_setup.plan {
+        plan.push(format!("plan: {placement}"));
+        plan.push(format!("applied to the VM: {applied}"));
     }
-    let host_addr = vm_memory::GuestMemoryBackend::get_host_address(&memory, GuestAddress(0))
+    Ok(plan)
+}
+
+/// Creates KVM's in-kernel irqchip (LAPICs, IOAPIC, PIC).
+fn create_irqchip(vm: &VmFd) -> Result<(), RunError> {
+    pvspin_kvm::irqchip::create_irqchip(vm)
+        .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))
+}
+
+/// Maps all of guest memory into the VM as slot 0.
+///
+/// # Safety
+///
+/// `memory` must stay mapped for as long as `vm` exists: the caller drops `vm` first.
+unsafe fn register_memory(vm: &VmFd, memory: &VmMemory, bytes: u64) -> Result<(), RunError> {
+    let host_addr = vm_memory::GuestMemoryBackend::get_host_address(memory, GuestAddress(0))
         .map_err(|err| RunError::Setup(format!("guest memory has no host mapping: {err}")))?
         as u64;
     let mem_region = kvm_bindings::kvm_userspace_memory_region {
         slot: 0,
         guest_phys_addr: 0,
-        memory_size: config.mem_bytes(),
+        memory_size: bytes,
         userspace_addr: host_addr,
         flags: 0,
     };
-    // SAFETY: the region is our mmap of `mem_bytes` bytes, which outlives the VM (`memory` is
-    // dropped after `vm` at the end of this function).
+    // SAFETY: the region is `memory`'s mmap of `bytes` bytes, which the caller keeps mapped
+    // for as long as the VM exists (this function's contract).
     unsafe { vm.set_user_memory_region(mem_region) }
-        .map_err(setup_err("KVM_SET_USER_MEMORY_REGION"))?;
+        .map_err(setup_err("KVM_SET_USER_MEMORY_REGION"))
+}
 
-    // The virtio device: an in-kernel irqchip (its kick queues are irqfds routed to REMRD
-    // MSIs), then the backend link and the wiring.
-    let virtio = match &config.vhost_user {
-        Some(path) => {
-            pvspin_kvm::irqchip::create_irqchip(&vm)
-                .map_err(|err| RunError::Setup(format!("creating the in-kernel irqchip: {err}")))?;
-            let device = crate::vhost::VhostPvspin::connect(
-                path,
-                pvspin_vmm_proto::VIRTIO_MMIO_ADDR,
-                config.vcpus,
-                memory.clone(),
-                &vm,
-            )
-            .map_err(|err| RunError::Setup(err.to_string()))?;
-            Some(device)
-        }
-        None => None,
+/// Owns the vhost-user device (`--vhost-user PATH`): an in-kernel irqchip (its kick queues
+/// are irqfds routed to REMRD MSIs), then the link to the backend and the wiring.
+fn attach_vhost_user(
+    config: &RunConfig,
+    vm: &VmFd,
+    memory: &VmMemory,
+) -> Result<Option<Arc<VhostPvspin>>, RunError> {
+    let Some(path) = &config.vhost_user else {
+        return Ok(None);
     };
+    create_irqchip(vm)?;
+    VhostPvspin::connect(
+        path,
+        pvspin_vmm_proto::VIRTIO_MMIO_ADDR,
+        config.vcpus,
+        memory.clone(),
+        vm,
+    )
+    .map(Some)
+    .map_err(|err| RunError::Setup(err.to_string()))
+}
+
+/// Owns vCPU creation: each vCPU with pvspin's part (CPUID, MSRs, its exit hooks) and its
+/// boot registers. Adds what pvspin applied to vCPU 0 to `plan`.
+fn create_vcpus(
+    config: &RunConfig,
+    kvm: &Kvm,
+    vm: &VmFd,
+    pvspin: &PvSpin,
+    entry: BootEntry,
+    plan: &mut Vec<String>,
+) -> Result<Vec<(VcpuFd, pvspin::VcpuHooks)>, RunError> {
     let supported_cpuid = kvm
         .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(setup_err("KVM_GET_SUPPORTED_CPUID"))?;
-    let mut vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)> = Vec::new();
+    let mut vcpus = Vec::new();
     for index in 0..config.vcpus {
         let mut vcpu = vm
             .create_vcpu(u64::from(index))
             .map_err(setup_err("KVM_CREATE_VCPU"))?;
         let mut cpuid = supported_cpuid.clone();
         let (hooks, applied) =
-            pvspin::simple::configure_vcpu(&pvspin, index as usize, &mut vcpu, &mut cpuid)
+            pvspin::simple::configure_vcpu(pvspin, index as usize, &mut vcpu, &mut cpuid)
                 .map_err(pvspin_error)?;
         if let (Some(applied), 0) = (applied, index) {
-            plan_lines.push(format!(
+            plan.push(format!(
                 "applied to vCPU 0 (and likewise the others): {applied}"
             ));
         }
-        let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
-        match pvh_entry {
-            // PVH: the boot vCPU at the PVH entry; the APs stay in KVM's wait-for-SIPI.
-            Some(pvh_entry) if pvh => {
-                if index == 0 {
-                    vcpu.set_sregs(&crate::pvh::entry_sregs(sregs))
-                        .map_err(setup_err("KVM_SET_SREGS"))?;
-                    vcpu.set_regs(&crate::pvh::entry_regs(pvh_entry))
-                        .map_err(setup_err("KVM_SET_REGS"))?;
-                }
-            }
-            _ => {
-                vcpu.set_sregs(&memory::initial_sregs(sregs, index))
-                    .map_err(setup_err("KVM_SET_SREGS"))?;
-                vcpu.set_regs(&memory::initial_regs(index, image.entry))
-                    .map_err(setup_err("KVM_SET_REGS"))?;
-            }
-        }
+        set_boot_registers(&vcpu, index, entry)?;
         vcpus.push((vcpu, hooks));
     }
-    if let (true, Some((last, _))) = (virtio.is_some() || pvh, vcpus.last()) {
+    Ok(vcpus)
+}
+
+/// Sets vCPU `index`'s registers for the boot: every vCPU at the direct boot's entry, or
+/// only the boot vCPU at the PVH entry (the APs stay in KVM's wait-for-SIPI).
+fn set_boot_registers(vcpu: &VcpuFd, index: u32, entry: BootEntry) -> Result<(), RunError> {
+    let sregs = vcpu.get_sregs().map_err(setup_err("KVM_GET_SREGS"))?;
+    let (sregs, regs) = match entry {
+        BootEntry::Pvh(_) if index != 0 => return Ok(()),
+        BootEntry::Pvh(entry) => (
+            crate::pvh::entry_sregs(sregs),
+            crate::pvh::entry_regs(entry),
+        ),
+        BootEntry::Direct(entry) => (
+            memory::initial_sregs(sregs, index),
+            memory::initial_regs(index, entry),
+        ),
+    };
+    vcpu.set_sregs(&sregs).map_err(setup_err("KVM_SET_SREGS"))?;
+    vcpu.set_regs(&regs).map_err(setup_err("KVM_SET_REGS"))
+}
+
+/// Readies the APs once every vCPU exists: the LAPIC refresh that lets MSIs and SIPIs find
+/// their vCPUs, then, in the direct boot, every AP started at once (under PVH the guest
+/// starts them).
+fn prepare_aps(
+    config: &RunConfig,
+    vcpus: &[(VcpuFd, pvspin::VcpuHooks)],
+    has_virtio: bool,
+) -> Result<(), RunError> {
+    let pvh = config.boot == BootMode::Pvh;
+    if let (true, Some((last, _))) = (has_virtio || pvh, vcpus.last()) {
         // KVM maps APIC IDs to vCPUs once all exist; rewriting a LAPIC rebuilds the map, so
         // the kick queues' MSIs and the guest's INIT-SIPI-SIPI find their vCPUs.
         pvspin_kvm::irqchip::refresh_lapic(last)
             .map_err(|err| RunError::Setup(format!("refreshing the LAPIC: {err}")))?;
     }
-    // The direct boot starts every vCPU at once (no INIT/SIPI); under PVH the guest does.
     if !pvh {
         pvspin::simple::start_aps(vcpus.iter().map(|(vcpu, _)| vcpu)).map_err(pvspin_error)?;
     }
-    let tsc_khz = vcpus
-        .first()
-        .and_then(|(vcpu, _)| vcpu.get_tsc_khz().ok())
-        .map_or(0, u64::from);
-    if pvh {
-        // The guest writes the boot parameters itself, from the command line.
+    Ok(())
+}
+
+/// Owns what the guest reads at boot: under PVH the start info, its command line and the
+/// firmware tables (the guest takes its workload from the command line); in the direct boot
+/// the boot parameters and the vCPUs' progress slots.
+fn write_boot_data(
+    config: &RunConfig,
+    memory: &VmMemory,
+    tsc_khz: u64,
+    has_virtio: bool,
+) -> Result<(), RunError> {
+    if config.boot == BootMode::Pvh {
         let cmdline = config
             .pvh_cmdline
             .clone()
             .unwrap_or_else(|| crate::pvh::guest_cmdline(config, tsc_khz));
-        crate::pvh::write_boot_data(&memory, config.mem_bytes(), &cmdline, config.vcpus)
-            .map_err(|err| RunError::Setup(err.to_string()))?;
+        crate::pvh::write_boot_data(memory, config.mem_bytes(), &cmdline, config.vcpus)
+            .map_err(|err| RunError::Setup(err.to_string()))
     } else {
         let mut params = boot_params(config, tsc_khz);
-        if virtio.is_some() {
+        if has_virtio {
             params.virtio_mmio_base = pvspin_vmm_proto::VIRTIO_MMIO_ADDR;
         }
-        memory::write_boot_params(&memory, &params, config.vcpus)?;
+        Ok(memory::write_boot_params(memory, &params, config.vcpus)?)
     }
+}
 
-    let console = ConsoleSink::new(config.echo_console);
-    let bus = Arc::new(
-        IoBus::new(console.clone())
-            .with_virtio(virtio.clone())
-            .with_pvh(pvh),
-    );
-    let control = Arc::new(RunControl {
-        ending: Mutex::new(None),
-        ended: EventFd::new(libc::EFD_NONBLOCK)
-            .map_err(|err| RunError::Setup(format!("eventfd: {err}")))?,
-    });
-    let mut events: EventManager<Box<dyn MutEventSubscriber + Send>> =
+/// The run's event loop.
+type EventLoop = EventManager<Box<dyn MutEventSubscriber + Send>>;
+
+/// Creates the run's event loop, watching the end of the run and, with a vhost-user device,
+/// its backend.
+fn event_loop(
+    control: &Arc<RunControl>,
+    virtio: Option<&Arc<VhostPvspin>>,
+) -> Result<EventLoop, RunError> {
+    let mut events: EventLoop =
         EventManager::new().map_err(|err| RunError::Setup(format!("event manager: {err:?}")))?;
-    if let Some(device) = &virtio {
+    if let Some(device) = virtio {
         let watch = crate::vhost::BackendWatch::new(device.clone())
             .map_err(|err| RunError::Setup(format!("timerfd: {err}")))?;
         events.add_subscriber(Box::new(watch));
@@ -677,27 +858,57 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     events.add_subscriber(Box::new(EndWatcher {
         control: control.clone(),
     }));
+    Ok(events)
+}
+
+/// Attaches the watchdog, which ends the run when a vCPU stalls or the run outlasts its
+/// bound; returns when the run started (the watchdog's and the report's clock).
+fn attach_watchdog(
+    events: &mut EventLoop,
+    config: &RunConfig,
+    control: &Arc<RunControl>,
+    memory: &VmMemory,
+    shared: &[Arc<VcpuShared>],
+) -> Result<Instant, RunError> {
     let started = Instant::now();
     events.add_subscriber(Box::new(Watchdog {
         timer: TimerFd::new().map_err(|err| RunError::Setup(format!("timerfd: {err}")))?,
         control: control.clone(),
         memory: memory.clone(),
-        vcpus: shared.clone(),
+        vcpus: shared.to_vec(),
         last_progress: vec![(0, 0, started); shared.len()],
         limit: Duration::from_millis(config.watchdog_ms),
         started,
         timeout: Duration::from_millis(config.timeout_ms),
     }));
+    Ok(started)
+}
 
+/// Attaches the console's input (stdin to the guest's UART), when stdin is a terminal.
+fn attach_console_input(events: &mut EventLoop, bus: &Arc<IoBus>) {
     // SAFETY: isatty only inspects the descriptor.
     if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
         events.add_subscriber(Box::new(ConsoleInput { bus: bus.clone() }));
     }
+}
 
-    let hogs = Hogs::start(config.hogs, filters)?;
-    let stopping = Arc::new(AtomicBool::new(false));
+/// A vCPU thread; it hands its vCPU back when it ends (`None` if it never ran).
+type VcpuThreadHandle = JoinHandle<Option<VcpuFd>>;
+
+/// Owns the vCPU threads: starts one per vCPU, each confined by its seccomp filter before it
+/// runs. A thread that cannot start ends the run as its vCPU's fault, and no further thread
+/// is started.
+fn start_vcpu_threads(
+    config: &RunConfig,
+    filters: Option<&Filters>,
+    vcpus: Vec<(VcpuFd, pvspin::VcpuHooks)>,
+    shared: &[Arc<VcpuShared>],
+    bus: &Arc<IoBus>,
+    control: &Arc<RunControl>,
+    stopping: &Arc<AtomicBool>,
+) -> Vec<VcpuThreadHandle> {
     let mut threads = Vec::new();
-    for ((vcpu, hooks), shared) in vcpus.into_iter().zip(shared.iter()) {
+    for ((vcpu, hooks), shared) in vcpus.into_iter().zip(shared) {
         let runner = VcpuRunner {
             vcpu,
             hooks,
@@ -705,23 +916,9 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             bus: bus.clone(),
             stopping: stopping.clone(),
         };
-        let vcpu_control = control.clone();
         let filter = filters.map(|f| (f.program(VmmThread::Vcpu), VmmThread::Vcpu));
         let violation = config.seccomp_violation && shared.index == 0;
-        let thread = spawn_confined(format!("vcpu{}", shared.index), filter, move || {
-            if violation {
-                crate::seccomp::violate();
-            }
-            runner.run(|vcpu, end| match end {
-                VcpuEnd::GuestExit(status) => vcpu_control.end(Ending::GuestExit(*status)),
-                VcpuEnd::Fault(reason) => vcpu_control.end(Ending::Fault {
-                    vcpu,
-                    reason: reason.clone(),
-                }),
-                VcpuEnd::Stopped => {}
-            })
-        });
-        match thread {
+        match spawn_vcpu_thread(runner, filter, violation, control.clone()) {
             Ok(thread) => threads.push(thread),
             Err(err) => {
                 control.end(Ending::Fault {
@@ -732,8 +929,34 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             }
         }
     }
-    // Setup is over: from here on this thread only runs the event loop, stops and joins the
-    // threads, and reports.
+    threads
+}
+
+/// Starts the thread of `runner`'s vCPU, which ends the run when its guest exits or faults;
+/// with `violation` it makes a forbidden system call first (`--seccomp-violation`).
+fn spawn_vcpu_thread(
+    runner: VcpuRunner,
+    filter: Option<(Arc<seccompiler::BpfProgram>, VmmThread)>,
+    violation: bool,
+    control: Arc<RunControl>,
+) -> Result<VcpuThreadHandle, SpawnError> {
+    spawn_confined(format!("vcpu{}", runner.shared.index), filter, move || {
+        if violation {
+            crate::seccomp::violate();
+        }
+        runner.run(|vcpu, end| match end {
+            VcpuEnd::GuestExit(status) => control.end(Ending::GuestExit(*status)),
+            VcpuEnd::Fault(reason) => control.end(Ending::Fault {
+                vcpu,
+                reason: reason.clone(),
+            }),
+            VcpuEnd::Stopped => {}
+        })
+    })
+}
+
+/// Confines this thread with its own filter now that setup is over; a failure ends the run.
+fn confine_vmm_thread(filters: Option<&Filters>, control: &RunControl) {
     if let Some(filters) = filters {
         if let Err(err) = filters.apply(VmmThread::Vmm) {
             control.end(Ending::Fault {
@@ -742,7 +965,10 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             });
         }
     }
+}
 
+/// Runs the event loop until a vCPU, the watchdog or a failure of the loop ends the run.
+fn run_to_end(events: &mut EventLoop, control: &RunControl) {
     while control.ending().is_none() {
         if let Err(err) = events.run_with_timeout(200) {
             log::error!("event loop: {err:?}");
@@ -752,13 +978,20 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             });
         }
     }
-    let wall = started.elapsed();
+}
 
-    // Stop every vCPU (each leaves KVM_RUN or its halt), then join. Kicks happen only before
-    // the joins, so every kicked thread still exists.
+/// Stops every vCPU (each leaves KVM_RUN or its halt) and pvspin's threads, then joins the
+/// vCPU threads; returns the vCPUs. Kicks happen only before the joins, so every kicked
+/// thread still exists.
+fn stop_vcpus(
+    stopping: &AtomicBool,
+    pvspin: &PvSpin,
+    shared: &[Arc<VcpuShared>],
+    threads: Vec<VcpuThreadHandle>,
+) -> Vec<VcpuFd> {
     stopping.store(true, Ordering::Release);
     pvspin.shutdown();
-    for vcpu in &shared {
+    for vcpu in shared {
         vcpu.kick();
     }
     let mut vcpu_fds = Vec::new();
@@ -768,118 +1001,138 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
             Err(_) => log::error!("a vCPU thread panicked"),
         }
     }
-    hogs.stop();
+    vcpu_fds
+}
+
+/// What pvspin and guest memory tell after the run, for the report.
+struct Findings {
+    telemetry: pvspin::VmTelemetry,
+    actuator: Option<String>,
+    steal_time_registered: Option<u32>,
+}
+
+impl Findings {
+    /// Fills `report`'s pvspin fields.
+    fn add_to(self, report: &mut RunReport) {
+        let telemetry = self.telemetry;
+        report.steal_time_registered = self.steal_time_registered;
+        report.host_kicks_in_userspace = telemetry.kick.map(|kick| kick.stats.kicks);
+        report.kvm_halt_wakeups = telemetry
+            .vcpus
+            .iter()
+            .map(|v| v.pvspin.kicks.and_then(|k| k.kvm_halt_wakeups))
+            .sum();
+        report.directed_yield = telemetry
+            .directed_yield
+            .map(|stats| crate::report::YieldSummary {
+                actuator: self.actuator.unwrap_or_default(),
+                notifications: stats.notifications,
+                yield_to_hint: stats.yield_to_hint,
+                yield_to_candidate: stats.yield_to_candidate,
+                yield_self: stats.yield_self,
+                boosted: stats.boosted,
+                descheduled: stats.descheduled,
+            });
+        report.run_slots = telemetry.run_slots;
+        report.telemetry = Some(telemetry);
+    }
+}
+
+/// Owns the end of pvspin, once the vCPU threads are joined: reads its telemetry and every
+/// vCPU's report, prints the problems pvspin found with how this VMM adopted it
+/// (`PvSpin::check`) and logs directed yield's work; then drops pvspin.
+fn collect_findings(
+    config: &RunConfig,
+    pvspin: PvSpin,
+    memory: &VmMemory,
+    shared: &[Arc<VcpuShared>],
+) -> (Findings, Vec<VcpuReport>) {
     let telemetry = pvspin.telemetry();
-    // What pvspin found wrong with how this VMM adopted it (PvSpin::check), on stderr.
     for problem in &telemetry.problems {
         eprintln!("pvspin-vmm: pvspin found a problem: {problem}");
     }
-    // A stock guest registers its steal-time areas; KVM bumps an area's version at each
-    // update, so a non-zero version says KVM kept it (and its `preempted` byte) current.
-    let steal_time_registered = (config.guest == crate::config::GuestKind::Stock).then(|| {
-        (0..config.vcpus)
-            .filter(|&index| {
-                let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index) + 8);
-                vm_memory::Bytes::read_obj::<u32>(&memory, gpa).is_ok_and(|version| version != 0)
-            })
-            .count() as u32
-    });
-    let yield_stats = telemetry.directed_yield;
-    let slot_stats = telemetry.run_slots;
     let actuator = pvspin.actuator_name().map(str::to_string);
-    if let Some(stats) = yield_stats {
+    if let Some(stats) = &telemetry.directed_yield {
         for index in 0..config.vcpus {
             let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index));
-            let steal: u64 = vm_memory::Bytes::read_obj(&memory, gpa).unwrap_or(0);
+            let steal: u64 = vm_memory::Bytes::read_obj(memory, gpa).unwrap_or(0);
             let version: u32 =
-                vm_memory::Bytes::read_obj(&memory, GuestAddress(gpa.0 + 8)).unwrap_or(0);
+                vm_memory::Bytes::read_obj(memory, GuestAddress(gpa.0 + 8)).unwrap_or(0);
             log::debug!("vCPU {index} steal time: {steal} ns (version {version})");
         }
         log::info!(
             "directed yield ({} actuator): {stats:?}",
-            pvspin.actuator_name().unwrap_or("-")
+            actuator.as_deref().unwrap_or("-")
         );
     }
     let reports: Vec<VcpuReport> = shared
         .iter()
         .map(|vcpu| {
             let counters = telemetry.vcpus.get(vcpu.index as usize).map(|t| &t.pvspin);
-            VcpuReport::collect(vcpu, &memory, counters)
+            VcpuReport::collect(vcpu, memory, counters)
         })
         .collect();
+    // pvspin's threads end here, before the caller closes the vCPUs.
     drop(pvspin);
-    drop(vcpu_fds);
+    let findings = Findings {
+        telemetry,
+        actuator,
+        steal_time_registered: steal_time_registered(config, memory),
+    };
+    (findings, reports)
+}
 
-    let ending = control.ending().unwrap_or(Ending::Timeout);
-    let states = VcpuStates(reports.clone());
-    match ending {
-        Ending::GuestExit(pvspin_vmm_proto::status::OK) => {}
-        Ending::GuestExit(status) => {
-            return Err(RunError::GuestStatus {
-                status,
-                meaning: status_meaning(status),
-                states,
-                console_tail: if config.echo_console {
-                    String::new()
-                } else {
-                    console_tail(&console.captured(), 4)
-                },
+/// How many vCPUs of a stock guest registered their steal-time areas (`None` for the
+/// example guest). KVM bumps an area's version at each update, so a non-zero version says
+/// KVM kept it (and its `preempted` byte) current.
+fn steal_time_registered(config: &RunConfig, memory: &VmMemory) -> Option<u32> {
+    (config.guest == crate::config::GuestKind::Stock).then(|| {
+        (0..config.vcpus)
+            .filter(|&index| {
+                let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index) + 8);
+                vm_memory::Bytes::read_obj::<u32>(memory, gpa).is_ok_and(|version| version != 0)
             })
-        }
-        Ending::Fault { vcpu, reason } => {
-            return Err(RunError::GuestFault {
-                vcpu,
-                reason,
-                states,
-            })
-        }
-        Ending::Watchdog { vcpu, silent_ms } => {
-            return Err(RunError::Watchdog {
-                vcpu,
-                silent_ms,
-                limit_ms: config.watchdog_ms,
-                states,
-            })
-        }
-        Ending::Timeout => {
-            return Err(RunError::Timeout {
-                limit_ms: config.timeout_ms,
-                states,
-            })
-        }
-    }
-    let params = memory::read_boot_params(&memory).unwrap_or_default();
-    let mut report = RunReport::new(
-        config,
-        &params,
-        tsc_khz,
-        wall,
-        reports,
-        console.captured(),
-        &bus,
-    );
-    report.plan = plan_lines;
-    report.steal_time_registered = steal_time_registered;
-    report.host_kicks_in_userspace = telemetry.kick.map(|kick| kick.stats.kicks);
-    report.kvm_halt_wakeups = telemetry
-        .vcpus
-        .iter()
-        .map(|v| v.pvspin.kicks.and_then(|k| k.kvm_halt_wakeups))
-        .sum();
-    report.telemetry = Some(telemetry);
-    report.kick_to_wake = crate::report::LatencySummary::from_guest(&memory, &params, tsc_khz);
-    report.directed_yield = yield_stats.map(|stats| crate::report::YieldSummary {
-        actuator: actuator.unwrap_or_default(),
-        notifications: stats.notifications,
-        yield_to_hint: stats.yield_to_hint,
-        yield_to_candidate: stats.yield_to_candidate,
-        yield_self: stats.yield_self,
-        boosted: stats.boosted,
-        descheduled: stats.descheduled,
-    });
-    report.run_slots = slot_stats;
-    report.vhost_user = virtio.as_ref().map(|device| device.summary());
-    Ok(report)
+            .count() as u32
+    })
+}
+
+/// The error for how the run ended (a timeout when nothing recorded an ending); `Ok` when
+/// the guest exited with its OK status.
+fn check_ending(
+    config: &RunConfig,
+    ending: Option<Ending>,
+    reports: &[VcpuReport],
+    console: &ConsoleSink,
+) -> Result<(), RunError> {
+    let states = VcpuStates(reports.to_vec());
+    Err(match ending.unwrap_or(Ending::Timeout) {
+        Ending::GuestExit(pvspin_vmm_proto::status::OK) => return Ok(()),
+        Ending::GuestExit(status) => RunError::GuestStatus {
+            status,
+            meaning: status_meaning(status),
+            states,
+            console_tail: if config.echo_console {
+                String::new()
+            } else {
+                console_tail(&console.captured(), 4)
+            },
+        },
+        Ending::Fault { vcpu, reason } => RunError::GuestFault {
+            vcpu,
+            reason,
+            states,
+        },
+        Ending::Watchdog { vcpu, silent_ms } => RunError::Watchdog {
+            vcpu,
+            silent_ms,
+            limit_ms: config.watchdog_ms,
+            states,
+        },
+        Ending::Timeout => RunError::Timeout {
+            limit_ms: config.timeout_ms,
+            states,
+        },
+    })
 }
 
 /// The slot count `--sched slots --slots N` means (0: the CPUs this process may use).

@@ -73,7 +73,10 @@ pub use histogram::{LatencyHistogram, LATENCY_BOUNDS_NS};
 #[derive(Debug, thiserror::Error, PartialEq, Eq, displaydoc::Display)]
 pub enum TelemetryError {
     /// unknown telemetry format {0:?} (expected json or prometheus)
-    UnknownFormat(String),
+    UnknownFormat(
+        /// The format as the user typed it: it matched no known name, so no type holds it.
+        String,
+    ),
 }
 
 /// Kinds of `KVM_RUN` outcomes pvspin counts.
