@@ -1,4 +1,12 @@
 //! The fixed-bucket latency histogram of the kick-to-wake time.
+//!
+//! Hand-written rather than `hdrhistogram` (issue 20 asked): the buckets are the Prometheus
+//! `le` bounds pvspin exports, fixed so that scrapes of different VMs and versions add up, and
+//! the value is `Copy` (17 counters, 152 bytes), so every vCPU keeps one and a telemetry
+//! snapshot copies it without allocating. `hdrhistogram` 7 over the same range (1 ns to 1 s)
+//! holds 432 counts (3.4 KiB) at 1 significant figure and 3,072 (24 KiB) at 2, each one heap
+//! allocation per vCPU (6 MiB at 255 vCPUs at 2 figures, against 38 KiB here), and its
+//! log-linear buckets would still have to be folded into these bounds for export.
 
 use serde::ser::SerializeStruct;
 use serde::Serialize;
