@@ -51,6 +51,8 @@ pub struct Variant {
     pub vm_cpus: Option<usize>,
     /// The run slots' quantum in us (`/quantum=US`; `None`: the run's `--slot-quantum-us`).
     pub slot_quantum_us: Option<u64>,
+    /// How many run slots (`/slots=N`, which also turns them on; `None`: the run's `--slots`).
+    pub slot_count: Option<u32>,
 }
 
 /// A bench variant that does not parse: the whole text, and what is wrong in it.
@@ -81,10 +83,10 @@ pub enum VariantFault {
     /// An unknown `/option`.
     #[error(
         "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US, cpus=N, \
-         quantum=US)"
+         quantum=US, slots=N)"
     )]
     UnknownOption(String),
-    /// `/poll=`, `/park=`, `/cpus=` or `/quantum=` without a number.
+    /// `/poll=`, `/park=`, `/cpus=`, `/quantum=` or `/slots=` without a number.
     #[error("{0} needs a number, not {1:?}")]
     NotANumber(&'static str, String),
     /// An unknown lock (or none).
@@ -150,7 +152,7 @@ impl Variant {
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
         let (mut halt_poll_ns, mut park_spin_us, mut vm_cpus) = (None, None, None);
-        let mut slot_quantum_us = None;
+        let (mut slot_quantum_us, mut slot_count) = (None, None);
         let number = |opt: &'static str, value: &str| {
             value
                 .parse::<u32>()
@@ -171,6 +173,11 @@ impl Variant {
             }
             if let Some(value) = opt.strip_prefix("quantum=") {
                 slot_quantum_us = Some(u64::from(number("quantum=", value)?));
+                continue;
+            }
+            if let Some(value) = opt.strip_prefix("slots=") {
+                slot_count = Some(number("slots=", value)?);
+                slots = Some(true);
                 continue;
             }
             match opt {
@@ -239,6 +246,7 @@ impl Variant {
             park_spin_us,
             vm_cpus,
             slot_quantum_us,
+            slot_count,
         })
     }
 
@@ -254,8 +262,10 @@ impl Variant {
             Some(crate::config::WaitMode::Doorbell) => s.push_str("/doorbell"),
             Some(crate::config::WaitMode::Auto) | None => {}
         }
-        if self.slots == Some(true) {
-            s.push_str("/slots");
+        match (self.slots, self.slot_count) {
+            (Some(true), Some(n)) => s.push_str(&format!("/slots={n}")),
+            (Some(true), None) => s.push_str("/slots"),
+            _ => {}
         }
         if self.vhost {
             s.push_str("/vhost");
@@ -318,7 +328,7 @@ impl Variant {
             wait: self.wait.unwrap_or(base.wait),
             budgets: self.budgets.unwrap_or(base.budgets),
             run_slots: match self.slots {
-                Some(true) => Some(base.run_slots.unwrap_or(0)),
+                Some(true) => Some(self.slot_count.or(base.run_slots).unwrap_or(0)),
                 _ => base.run_slots,
             },
             vhost_user: if self.vhost {
@@ -796,6 +806,7 @@ where
             park_spin_us: None,
             vm_cpus: None,
             slot_quantum_us: None,
+            slot_count: None,
         }]
     } else {
         options.variants.clone()
