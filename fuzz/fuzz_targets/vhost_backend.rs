@@ -20,8 +20,9 @@ use pvspin_vhost::backend::{BackendMemory, PvspinBackend, Vring, MAX_QUEUE_SIZE}
 use pvspin_vhost::config::{BackendConfig, WorkerPriority, YieldMode};
 use pvspin_vhost::sched::RunState;
 use pvspin_vhost::telemetry::DaemonVmTelemetry;
-use pvspin_vhost::testing::{Desc, FakeSched, FakeThreads, SplitRing};
+use pvspin_vhost::testing::{control_chain, DriverQueue, FakeSched, FakeThreads};
 use vhost_user_backend::{VhostUserBackend, VringT};
+use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -66,6 +67,8 @@ fuzz_target!(|data: &[u8]| {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
     );
     backend.update_memory(mem.clone()).unwrap();
+    // The driver's queues borrow the guest memory: a handle on the same mappings.
+    let guest: GuestMemoryMmap = (*mem.memory()).clone();
     backend.acked_features(acked);
 
     let nq = backend.num_queues();
@@ -84,11 +87,16 @@ fuzz_target!(|data: &[u8]| {
         } else {
             0x2_0000 + q as u64 * 0x2000
         };
-        let ring = SplitRing::new(&*mem.memory(), GuestAddress(base), size).unwrap();
+        let ring = DriverQueue::new(&guest, GuestAddress(base), size);
         let v = &vrings[q];
         v.set_queue_size(size);
-        v.set_queue_info(ring.desc_table.0, ring.avail.0, ring.used.0)
-            .unwrap();
+        let mock = ring.mock();
+        v.set_queue_info(
+            mock.desc_table_addr().0,
+            mock.avail_addr().0,
+            mock.used_addr().0,
+        )
+        .unwrap();
         v.set_queue_ready(true);
         let call = EventFd::new(EFD_NONBLOCK).unwrap();
         // SAFETY: the clone's descriptor is fresh and owned by the File from here on.
@@ -127,13 +135,13 @@ fuzz_target!(|data: &[u8]| {
             }
             // A raw descriptor in the control queue, then a head made available.
             3 => {
-                if let Some(ring) = control_ring.as_mut() {
-                    let m = mem.memory();
+                if let Some(ring) = control_ring.as_ref() {
                     let addr = (word & 0xffff_ffff) % (MEM_SIZE + 0x1000);
                     let len = (word >> 32) as u32 % 64;
                     let flags = u16::from(op[1]) & 0x7;
-                    let _ = ring.write_desc(&*m, a % 8, addr, len, flags, u16::from(op[1] >> 4));
-                    let _ = ring.publish(&*m, a % 9);
+                    let desc = Descriptor::new(addr, len, flags, u16::from(op[1] >> 4));
+                    let _ = ring.write_desc(a % 8, desc);
+                    let _ = ring.publish(a % 9);
                 }
             }
             // A control request in the request buffer (an op of 1 most of the time).
@@ -151,9 +159,8 @@ fuzz_target!(|data: &[u8]| {
                 let m = mem.memory();
                 let _ = m.write_slice(&r.to_bytes(), GuestAddress(REQ_AT));
                 // Usually also post it as a well-formed chain, so registrations happen.
-                if let (Some(ring), true) = (control_ring.as_mut(), op[1] & 0x40 == 0) {
-                    let chain = Desc::control_chain(REQ_AT, STATUS_AT);
-                    let _ = ring.add_chain(&*m, &chain);
+                if let (Some(ring), true) = (control_ring.as_ref(), op[1] & 0x40 == 0) {
+                    let _ = ring.add_chain(&control_chain(REQ_AT, STATUS_AT));
                 }
             }
             // Device reset.

@@ -1031,8 +1031,9 @@ mod tests {
 
     use super::*;
     use crate::config::YieldMode;
-    use crate::testing::{Desc, FakeSched, SplitRing};
+    use crate::testing::{control_chain, DriverQueue, FakeSched, DESC_F_WRITE};
     use crate::yield_policy::tests::FakeThreads;
+    use virtio_queue::desc::split::Descriptor;
 
     const MEM_SIZE: u64 = 0x10_0000;
     const REQ_AT: u64 = 0x8000;
@@ -1088,12 +1089,28 @@ mod tests {
             }
         }
 
-        fn set_up(&mut self, q: usize, base: u64, size: u16) -> SplitRing {
-            let ring = SplitRing::new(&*self.mem.memory(), GuestAddress(base), size).unwrap();
+        /// The guest's memory: the same mappings the backend reads, for the drivers' queues.
+        fn guest(&self) -> GuestMemoryMmap {
+            (*self.mem.memory()).clone()
+        }
+
+        fn set_up<'m>(
+            &mut self,
+            mem: &'m GuestMemoryMmap,
+            q: usize,
+            base: u64,
+            size: u16,
+        ) -> DriverQueue<'m, GuestMemoryMmap> {
+            let ring = DriverQueue::new(mem, GuestAddress(base), size);
             let v = &self.vrings[q];
             v.set_queue_size(size);
-            v.set_queue_info(ring.desc_table.0, ring.avail.0, ring.used.0)
-                .unwrap();
+            let mock = ring.mock();
+            v.set_queue_info(
+                mock.desc_table_addr().0,
+                mock.avail_addr().0,
+                mock.used_addr().0,
+            )
+            .unwrap();
             v.set_queue_ready(true);
             let call = EventFd::new(EFD_NONBLOCK).unwrap();
             // SAFETY: the clone's descriptor is fresh and owned by the File from here on.
@@ -1108,21 +1125,25 @@ mod tests {
         }
 
         /// Posts `descs`, runs the control queue, returns (status word, used len).
-        fn post(&mut self, ring: &mut SplitRing, descs: &[Desc]) -> (u32, u32) {
+        fn post(
+            &mut self,
+            ring: &DriverQueue<GuestMemoryMmap>,
+            descs: &[Descriptor],
+        ) -> (u32, u32) {
             let m = self.mem.memory();
             m.write_obj(0xdead_beefu32, GuestAddress(STATUS_AT))
                 .unwrap();
-            let before = ring.used_idx(&*m).unwrap();
-            ring.add_chain(&*m, descs).unwrap();
+            let before = ring.used_idx().unwrap();
+            ring.add_chain(descs).unwrap();
             let pass = self.backend.process_control(&self.vrings[0]);
             assert_eq!(pass.chains, 1);
             assert!(pass.signalled && self.signalled(0));
-            assert_eq!(ring.used_idx(&*m).unwrap(), before.wrapping_add(1));
-            let (_, len) = ring.used_elem(&*m, before).unwrap();
+            assert_eq!(ring.used_idx().unwrap(), before.wrapping_add(1));
+            let len = ring.used_elem(before).unwrap().len();
             (m.read_obj(GuestAddress(STATUS_AT)).unwrap(), len)
         }
 
-        fn request(&mut self, ring: &mut SplitRing, r: ControlRequest) -> u32 {
+        fn request(&mut self, ring: &DriverQueue<GuestMemoryMmap>, r: ControlRequest) -> u32 {
             self.mem
                 .memory()
                 .write_slice(&r.to_bytes(), GuestAddress(REQ_AT))
@@ -1153,8 +1174,8 @@ mod tests {
         }
     }
 
-    fn good_chain() -> [Desc; 2] {
-        Desc::control_chain(REQ_AT, STATUS_AT)
+    fn good_chain() -> [Descriptor; 2] {
+        control_chain(REQ_AT, STATUS_AT)
     }
 
     fn register(vcpu: u32, gpa: u64, khz: u64) -> ControlRequest {
@@ -1169,11 +1190,9 @@ mod tests {
     #[test]
     fn registration_writes_the_host_line() {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
-        let mut ring = rig.set_up(0, 0x1000, 8);
-        assert_eq!(
-            rig.request(&mut ring, register(2, PAGE, 2_000_000)),
-            STATUS_OK
-        );
+        let mem = rig.guest();
+        let ring = rig.set_up(&mem, 0, 0x1000, 8);
+        assert_eq!(rig.request(&ring, register(2, PAGE, 2_000_000)), STATUS_OK);
         assert_eq!(rig.backend.hint_page(2), Some(PAGE));
         assert_eq!(rig.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
         // The in-process defaults at 2 GHz: 100 us, 50 us, 2 us, 1 ms.
@@ -1184,11 +1203,11 @@ mod tests {
         assert_eq!(rig.host::<u32>(hint::TSC_KHZ), 2_000_000);
         assert_eq!(rig.host::<u32>(hint::HOST_SEQ), 1);
         // Unknown frequency: no time budgets, and the sequence moves on.
-        assert_eq!(rig.request(&mut ring, register(2, PAGE, 0)), STATUS_OK);
+        assert_eq!(rig.request(&ring, register(2, PAGE, 0)), STATUS_OK);
         assert_eq!(rig.host::<u64>(hint::SPIN_WINDOW_TSC), u64::MAX);
         assert_eq!(rig.host::<u32>(hint::HOST_SEQ), 2);
         // gpa 0 unregisters.
-        assert_eq!(rig.request(&mut ring, register(2, 0, 0)), STATUS_OK);
+        assert_eq!(rig.request(&ring, register(2, 0, 0)), STATUS_OK);
         assert_eq!(rig.backend.hint_page(2), None);
         let s = rig.backend.telemetry().snapshot();
         assert_eq!(
@@ -1202,12 +1221,10 @@ mod tests {
         // (vm_cpus, VCPUS_FIT) for a 4-vCPU device.
         for (vm_cpus, fit) in [(None, false), (Some(2), false), (Some(4), true)] {
             let mut rig = Rig::with_vm_cpus(YieldMode::Deboost, false, ALL_FEATURES, vm_cpus);
-            let mut ring = rig.set_up(0, 0x1000, 8);
+            let mem = rig.guest();
+            let ring = rig.set_up(&mem, 0, 0x1000, 8);
             rig.guest_store(PAGE, hint::HOST_FLAGS, u32::MAX);
-            assert_eq!(
-                rig.request(&mut ring, register(1, PAGE, 2_000_000)),
-                STATUS_OK
-            );
+            assert_eq!(rig.request(&ring, register(1, PAGE, 2_000_000)), STATUS_OK);
             let flags = rig.host::<u32>(hint::HOST_FLAGS);
             assert_eq!(flags & hint::VCPUS_FIT != 0, fit, "{vm_cpus:?}");
             assert_eq!(flags & !hint::VCPUS_FIT, 0, "nothing the guest left");
@@ -1217,7 +1234,8 @@ mod tests {
     #[test]
     fn bad_requests_get_their_status() {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
-        let mut ring = rig.set_up(0, 0x1000, 8);
+        let mem = rig.guest();
+        let ring = rig.set_up(&mem, 0, 0x1000, 8);
         let cases = [
             (register(4, PAGE, 1), STATUS_BAD_VCPU),
             (register(u32::MAX, PAGE, 1), STATUS_BAD_VCPU),
@@ -1233,11 +1251,11 @@ mod tests {
             ),
         ];
         for (req, want) in cases {
-            assert_eq!(rig.request(&mut ring, req), want, "{req:?}");
+            assert_eq!(rig.request(&ring, req), want, "{req:?}");
         }
         // The last page of memory is fine.
         assert_eq!(
-            rig.request(&mut ring, register(0, MEM_SIZE - 4096, 1)),
+            rig.request(&ring, register(0, MEM_SIZE - 4096, 1)),
             STATUS_OK
         );
         let s = rig.backend.telemetry().snapshot();
@@ -1246,9 +1264,10 @@ mod tests {
         assert_eq!(s.bad_inputs["control_op"], 1);
 
         let mut no_pages = Rig::new(YieldMode::Deboost, false, 1 << virtio::F_VERSION_1);
-        let mut ring = no_pages.set_up(0, 0x1000, 8);
+        let mem = no_pages.guest();
+        let ring = no_pages.set_up(&mem, 0, 0x1000, 8);
         assert_eq!(
-            no_pages.request(&mut ring, register(0, PAGE, 1)),
+            no_pages.request(&ring, register(0, PAGE, 1)),
             STATUS_UNSUPPORTED
         );
         assert_eq!(no_pages.backend.hint_page(0), None);
@@ -1257,20 +1276,22 @@ mod tests {
     #[test]
     fn malformed_chains_are_rejected() {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
-        let mut ring = rig.set_up(0, 0x1000, 8);
+        let mem = rig.guest();
+        let ring = rig.set_up(&mem, 0, 0x1000, 8);
         rig.mem
             .memory()
             .write_slice(&register(0, PAGE, 1).to_bytes(), GuestAddress(REQ_AT))
             .unwrap();
         let [req, status] = good_chain();
-        let short = Desc { len: 23, ..req };
-        let long = Desc { len: 25, ..req };
-        let writable_req = Desc { write: true, ..req };
-        let tiny_status = Desc { len: 3, ..status };
-        let readable_status = Desc {
-            write: false,
-            ..status
+        let changed = |mut d: Descriptor, change: fn(&mut Descriptor)| {
+            change(&mut d);
+            d
         };
+        let short = changed(req, |d| d.set_len(23));
+        let long = changed(req, |d| d.set_len(25));
+        let writable_req = changed(req, |d| d.set_flags(DESC_F_WRITE));
+        let tiny_status = changed(status, |d| d.set_len(3));
+        let readable_status = changed(status, |d| d.set_flags(0));
         // A status can be written: BAD_REQUEST, used length 4.
         for chain in [
             vec![short, status],
@@ -1280,7 +1301,7 @@ mod tests {
             vec![status],
         ] {
             assert_eq!(
-                rig.post(&mut ring, &chain),
+                rig.post(&ring, &chain),
                 (STATUS_BAD_REQUEST, 4),
                 "{chain:?}"
             );
@@ -1291,17 +1312,11 @@ mod tests {
             vec![req, readable_status],
             vec![req],
         ] {
-            assert_eq!(rig.post(&mut ring, &chain), (0xdead_beef, 0), "{chain:?}");
+            assert_eq!(rig.post(&ring, &chain), (0xdead_beef, 0), "{chain:?}");
         }
         // A request buffer outside memory is a bad chain too.
-        let outside = Desc {
-            addr: MEM_SIZE + 0x1000,
-            ..req
-        };
-        assert_eq!(
-            rig.post(&mut ring, &[outside, status]),
-            (STATUS_BAD_REQUEST, 4)
-        );
+        let outside = changed(req, |d| d.set_addr(MEM_SIZE + 0x1000));
+        assert_eq!(rig.post(&ring, &[outside, status]), (STATUS_BAD_REQUEST, 4));
         assert_eq!(rig.backend.hint_page(0), None);
         assert_eq!(
             rig.backend.telemetry().bad_inputs(BadInput::ControlChain),
@@ -1312,16 +1327,14 @@ mod tests {
     #[test]
     fn control_work_per_event_is_bounded() {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
-        let ring = rig.set_up(0, 0x1000, 4);
+        let mem = rig.guest();
+        let ring = rig.set_up(&mem, 0, 0x1000, 4);
         // The driver claims 1000 chains are available: one pass takes at most a queue's worth.
-        let m = rig.mem.memory();
-        m.store(1000u16, GuestAddress(ring.avail.0 + 2), Ordering::Release)
-            .unwrap();
+        ring.mock().avail().idx().store(1000u16.to_le());
         for i in 0..4u16 {
-            ring.write_desc(&*m, i, STATUS_AT, 4, crate::testing::DESC_F_WRITE, 0)
+            ring.write_desc(i, Descriptor::new(STATUS_AT, 4, DESC_F_WRITE, 0))
                 .unwrap();
         }
-        drop(m);
         let pass = rig.backend.process_control(&rig.vrings[0]);
         assert!(pass.chains <= 4, "{pass:?}");
     }
@@ -1331,8 +1344,8 @@ mod tests {
         let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
         let k1 = virtio::kick_queue(4, 1).unwrap() as usize;
         let k2 = virtio::kick_queue(4, 2).unwrap() as usize;
-        rig.set_up(k1, 0x4000, 1);
-        rig.set_up(k2, 0x6000, 1);
+        rig.set_up(&rig.guest(), k1, 0x4000, 1);
+        rig.set_up(&rig.guest(), k2, 0x6000, 1);
         assert!(rig.backend.handle_queue_event(k1, &rig.vrings).unwrap());
         assert!(rig.signalled(k1));
         assert!(!rig.signalled(k2));
@@ -1348,11 +1361,9 @@ mod tests {
 
     fn spin_rig(mode: YieldMode, confined: bool, waiting_for: Option<u16>) -> Rig {
         let mut rig = Rig::new(mode, confined, ALL_FEATURES);
-        let mut ring = rig.set_up(0, 0x1000, 8);
-        assert_eq!(
-            rig.request(&mut ring, register(0, PAGE, 1_000_000)),
-            STATUS_OK
-        );
+        let mem = rig.guest();
+        let ring = rig.set_up(&mem, 0, 0x1000, 8);
+        assert_eq!(rig.request(&ring, register(0, PAGE, 1_000_000)), STATUS_OK);
         let n = SpinNotify {
             waiting_for,
             next_owner: false,
@@ -1431,22 +1442,24 @@ mod tests {
     /// A rig with pages registered (1 GHz guest TSC: cycles are ns) for vCPUs 0..=2, at
     /// PAGE, PAGE2, PAGE3, and every kick and spin queue of vCPUs 0..=2 set up.
     fn budget_rig(mode: YieldMode) -> Rig {
-        budget_rig_and_ring(mode).0
+        let mut rig = Rig::new(mode, false, ALL_FEATURES);
+        let mem = rig.guest();
+        set_up_budgets(&mut rig, &mem);
+        rig
     }
 
-    /// [`budget_rig`] and its control ring.
-    fn budget_rig_and_ring(mode: YieldMode) -> (Rig, SplitRing) {
-        let mut rig = Rig::new(mode, false, ALL_FEATURES);
-        let mut ring = rig.set_up(0, 0x1000, 8);
+    /// Sets up [`budget_rig`]'s pages and queues on `rig`; returns its control ring.
+    fn set_up_budgets<'m>(
+        rig: &mut Rig,
+        mem: &'m GuestMemoryMmap,
+    ) -> DriverQueue<'m, GuestMemoryMmap> {
+        let ring = rig.set_up(mem, 0, 0x1000, 8);
         for (v, page) in [(0, PAGE), (1, PAGE2), (2, PAGE3)] {
-            assert_eq!(
-                rig.request(&mut ring, register(v, page, 1_000_000)),
-                STATUS_OK
-            );
+            assert_eq!(rig.request(&ring, register(v, page, 1_000_000)), STATUS_OK);
             let k = virtio::kick_queue(4, v).unwrap() as usize;
-            rig.set_up(k, 0x4000 + u64::from(v) * 0x1000, 1);
+            rig.set_up(&rig.guest(), k, 0x4000 + u64::from(v) * 0x1000, 1);
         }
-        (rig, ring)
+        ring
     }
 
     fn flag(rig: &Rig, page: u64) -> bool {
@@ -1563,7 +1576,9 @@ mod tests {
 
     #[test]
     fn the_sampler_flags_descheduled_vcpus_only() {
-        let (mut rig, mut ring) = budget_rig_and_ring(YieldMode::Deboost);
+        let mut rig = Rig::new(YieldMode::Deboost, false, ALL_FEATURES);
+        let mem = rig.guest();
+        let ring = set_up_budgets(&mut rig, &mem);
         let flag = |rig: &Rig, page: u64| flag(rig, page);
         rig.sched.running(0);
         rig.sched.preempted(1);
@@ -1622,7 +1637,7 @@ mod tests {
         rig.backend.sample_once(Instant::now());
         rig.backend.sample_once(Instant::now());
         assert!(flag(&rig, PAGE) && flag(&rig, PAGE2));
-        assert_eq!(rig.request(&mut ring, register(0, 0, 0)), STATUS_OK);
+        assert_eq!(rig.request(&ring, register(0, 0, 0)), STATUS_OK);
         assert!(!flag(&rig, PAGE));
         rig.backend.forget();
         assert!(!flag(&rig, PAGE2));

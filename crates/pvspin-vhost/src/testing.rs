@@ -1,172 +1,135 @@
-//! Test support: building split virtqueues in guest memory, as a driver would. Used by the
-//! unit tests, the integration tests (which drive the daemon with vhost's own frontend) and
-//! the fuzz target; it is not needed to run the daemon.
+//! Test support: a driver's side of split virtqueues, and fake thread and scheduler sources.
+//! Used by the unit tests, the integration tests (which drive the daemon with vhost's own
+//! frontend) and the fuzz target; it is not needed to run the daemon.
+//!
+//! The rings are virtio-queue's own driver mock ([`MockSplitQueue`]): it lays a queue out in
+//! guest memory and writes its descriptors and available-ring entries. [`DriverQueue`] adds
+//! the two things the mock does not do: it makes chains available for as long as a test
+//! runs (the mock's `add_desc_chains` and `add_chain` index the available ring without
+//! wrapping, and fail or write past the ring after a queue's worth of chains), and it
+//! publishes and reads the ring indices with release/acquire atomics, because in the
+//! daemon's integration test the device is another process.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use std::sync::atomic::Ordering;
 
-/// `VRING_DESC_F_NEXT`.
+use virtio_queue::desc::split::{Descriptor, VirtqUsedElem};
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::{MockError, MockSplitQueue};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
+
+/// `VRING_DESC_F_NEXT` (virtio-bindings is not a dependency for two spec constants).
 pub const DESC_F_NEXT: u16 = 1;
 /// `VRING_DESC_F_WRITE`.
 pub const DESC_F_WRITE: u16 = 2;
 
-/// Errors of ring building.
-#[derive(Debug, thiserror::Error, displaydoc::Display)]
-pub enum RingError {
-    /// guest memory: {0}
-    Memory(#[from] vm_memory::GuestMemoryError),
-    /// the queue has {0} descriptors
-    Full(u16),
+/// The well-formed control chain: a device-readable request at `request` and a 4-byte
+/// device-writable status at `status`.
+pub fn control_chain(request: u64, status: u64) -> [Descriptor; 2] {
+    [
+        Descriptor::new(
+            request,
+            pvspin_abi::virtio::ControlRequest::SIZE as u32,
+            0,
+            0,
+        ),
+        Descriptor::new(status, 4, DESC_F_WRITE, 0),
+    ]
 }
 
-/// A split virtqueue laid out at fixed guest addresses, with the driver's view of it.
-#[derive(Clone, Copy, Debug)]
-pub struct SplitRing {
-    /// Queue size (a power of two).
-    pub size: u16,
-    /// Descriptor table address (16-byte aligned).
-    pub desc_table: GuestAddress,
-    /// Available ring address.
-    pub avail: GuestAddress,
-    /// Used ring address (4-byte aligned).
-    pub used: GuestAddress,
-    next_desc: u16,
-    avail_idx: u16,
+/// A split virtqueue of `size` descriptors as a driver sees it, in memory `M`.
+pub struct DriverQueue<'m, M: GuestMemory> {
+    mock: MockSplitQueue<'m, M>,
+    mem: &'m M,
+    size: u16,
 }
 
-/// One descriptor: address, length, device-writable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Desc {
-    /// Buffer address.
-    pub addr: u64,
-    /// Buffer length.
-    pub len: u32,
-    /// Device-writable.
-    pub write: bool,
-}
-
-impl Desc {
-    /// The well-formed control chain: a device-readable request at `request` and a 4-byte
-    /// device-writable status at `status`.
-    pub fn control_chain(request: u64, status: u64) -> [Desc; 2] {
-        [
-            Desc {
-                addr: request,
-                len: pvspin_abi::virtio::ControlRequest::SIZE as u32,
-                write: false,
-            },
-            Desc {
-                addr: status,
-                len: 4,
-                write: true,
-            },
-        ]
+// The mock is not `Debug`: show where the queue lies.
+impl<M: GuestMemory> std::fmt::Debug for DriverQueue<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverQueue")
+            .field("size", &self.size)
+            .field("desc_table", &self.mock.desc_table_addr())
+            .field("avail", &self.mock.avail_addr())
+            .field("used", &self.mock.used_addr())
+            .finish()
     }
 }
 
-impl SplitRing {
-    /// Bytes a ring of `size` takes from its base: table, avail ring, used ring (page aligned).
-    pub fn footprint(size: u16) -> u64 {
-        let n = u64::from(size);
-        let used = (16 * n + 6 + 2 * n + 4095) & !4095;
-        used + 6 + 8 * n
-    }
-
-    /// A ring of `size` descriptors at `base` (4 KiB aligned), zeroing its memory.
-    pub fn new<M: GuestMemoryBackend>(
-        mem: &M,
-        base: GuestAddress,
-        size: u16,
-    ) -> Result<Self, RingError> {
-        let n = u64::from(size);
-        let used_off = (16 * n + 6 + 2 * n + 4095) & !4095;
-        let ring = Self {
+impl<'m, M: GuestMemory> DriverQueue<'m, M> {
+    /// A queue of `size` descriptors at `base` (16-byte aligned), laid out by the mock, which
+    /// zeroes both rings' headers.
+    pub fn new(mem: &'m M, base: GuestAddress, size: u16) -> Self {
+        Self {
+            mock: MockSplitQueue::create(mem, base, size),
+            mem,
             size,
-            desc_table: base,
-            avail: GuestAddress(base.0 + 16 * n),
-            used: GuestAddress(base.0 + used_off),
-            next_desc: 0,
-            avail_idx: 0,
-        };
-        mem.write_slice(&vec![0u8; Self::footprint(size) as usize], base)?;
-        Ok(ring)
+        }
     }
 
-    /// Writes a chain of `descs` and makes it available; returns its head index.
-    pub fn add_chain<M: GuestMemoryBackend>(
-        &mut self,
-        mem: &M,
-        descs: &[Desc],
-    ) -> Result<u16, RingError> {
-        if descs.is_empty() || usize::from(self.size) < descs.len() {
-            return Err(RingError::Full(self.size));
-        }
-        let head = self.next_desc % self.size;
+    /// The mock: ring addresses, the descriptor table and the used ring.
+    pub fn mock(&self) -> &MockSplitQueue<'m, M> {
+        &self.mock
+    }
+
+    /// Writes `descs` as one chain from descriptor 0 (`NEXT` and `next` set by position, the
+    /// other flags kept) and makes it available; returns its head.
+    pub fn add_chain(&self, descs: &[Descriptor]) -> Result<u16, MockError> {
         for (i, d) in descs.iter().enumerate() {
-            let index = (head + i as u16) % self.size;
-            let mut flags = if d.write { DESC_F_WRITE } else { 0 };
-            let next = (index + 1) % self.size;
-            if i + 1 < descs.len() {
-                flags |= DESC_F_NEXT;
-            }
-            self.write_desc(mem, index, d.addr, d.len, flags, next)?;
+            let index = u16::try_from(i).map_err(|_| MockError::InvalidIndex)?;
+            let (flags, next) = if i + 1 < descs.len() {
+                (d.flags() | DESC_F_NEXT, index + 1)
+            } else {
+                (d.flags() & !DESC_F_NEXT, 0)
+            };
+            let d = Descriptor::new(d.addr().raw_value(), d.len(), flags, next);
+            self.mock
+                .desc_table()
+                .store(index, RawDescriptor::from(d))?;
         }
-        self.next_desc = self.next_desc.wrapping_add(descs.len() as u16);
-        self.publish(mem, head)?;
-        Ok(head)
+        self.publish(0)?;
+        Ok(0)
     }
 
-    /// Writes raw descriptor `index` (any flags and `next`, for malformed chains).
-    pub fn write_desc<M: GuestMemoryBackend>(
-        &self,
-        mem: &M,
-        index: u16,
-        addr: u64,
-        len: u32,
-        flags: u16,
-        next: u16,
-    ) -> Result<(), RingError> {
-        let at = GuestAddress(self.desc_table.0 + 16 * u64::from(index % self.size));
-        let mut raw = [0u8; 16];
-        raw[0..8].copy_from_slice(&addr.to_le_bytes());
-        raw[8..12].copy_from_slice(&len.to_le_bytes());
-        raw[12..14].copy_from_slice(&flags.to_le_bytes());
-        raw[14..16].copy_from_slice(&next.to_le_bytes());
-        mem.write_slice(&raw, at)?;
-        Ok(())
+    /// Writes raw descriptor `index % size` (any flags and `next`, for malformed chains).
+    pub fn write_desc(&self, index: u16, desc: Descriptor) -> Result<(), MockError> {
+        self.mock
+            .desc_table()
+            .store(index % self.size, RawDescriptor::from(desc))
     }
 
-    /// Puts `head` in the available ring and bumps its index.
-    pub fn publish<M: GuestMemoryBackend>(&mut self, mem: &M, head: u16) -> Result<(), RingError> {
-        let slot = u64::from(self.avail_idx % self.size);
-        mem.write_obj(head.to_le(), GuestAddress(self.avail.0 + 4 + 2 * slot))?;
-        self.avail_idx = self.avail_idx.wrapping_add(1);
-        mem.store(
-            self.avail_idx.to_le(),
-            GuestAddress(self.avail.0 + 2),
-            std::sync::atomic::Ordering::Release,
-        )?;
-        Ok(())
+    /// Puts `head` in the available ring, wrapping, and bumps its index.
+    pub fn publish(&self, head: u16) -> Result<(), MockError> {
+        let avail = u16::from_le(self.mock.avail().idx().load());
+        self.mock
+            .avail()
+            .ring()
+            .ref_at(usize::from(avail % self.size))?
+            .store(head.to_le());
+        self.mem
+            .store(
+                avail.wrapping_add(1).to_le(),
+                self.mock.avail_addr().unchecked_add(2),
+                Ordering::Release,
+            )
+            .map_err(MockError::GuestMem)
     }
 
     /// The used ring's index.
-    pub fn used_idx<M: GuestMemoryBackend>(&self, mem: &M) -> Result<u16, RingError> {
-        let v: u16 = mem.load(
-            GuestAddress(self.used.0 + 2),
-            std::sync::atomic::Ordering::Acquire,
-        )?;
-        Ok(u16::from_le(v))
+    pub fn used_idx(&self) -> Result<u16, MockError> {
+        self.mem
+            .load(self.mock.used_addr().unchecked_add(2), Ordering::Acquire)
+            .map(u16::from_le)
+            .map_err(MockError::GuestMem)
     }
 
-    /// Used-ring element `i`: (descriptor head, length).
-    pub fn used_elem<M: GuestMemoryBackend>(
-        &self,
-        mem: &M,
-        i: u16,
-    ) -> Result<(u32, u32), RingError> {
-        let at = GuestAddress(self.used.0 + 4 + 8 * u64::from(i % self.size));
-        let id: u32 = mem.read_obj(at)?;
-        let len: u32 = mem.read_obj(GuestAddress(at.0 + 4))?;
-        Ok((u32::from_le(id), u32::from_le(len)))
+    /// Used-ring element `i`, wrapping.
+    pub fn used_elem(&self, i: u16) -> Result<VirtqUsedElem, MockError> {
+        Ok(self
+            .mock
+            .used()
+            .ring()
+            .ref_at(usize::from(i % self.size))?
+            .load())
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use pvspin_abi::hint;
 use pvspin_abi::virtio::{self, ControlRequest, OP_REGISTER_HINT_PAGE, STATUS_OK};
 use pvspin_vhost::backend::DEVICE_FEATURES;
-use pvspin_vhost::testing::{Desc, SplitRing};
+use pvspin_vhost::testing::{control_chain, DriverQueue};
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -117,17 +117,18 @@ fn readable(fd: RawFd, timeout: Duration) -> bool {
     n > 0 && pfd.revents & libc::POLLIN != 0
 }
 
-struct Queue {
-    ring: SplitRing,
+struct Queue<'m> {
+    ring: DriverQueue<'m, GuestMemoryMmap>,
     kick: EventFd,
     call: EventFd,
 }
 
-/// One VM: guest memory in a memfd and a vhost-user frontend connection.
-struct Vm {
+/// One VM: a vhost-user frontend connection over guest memory `'m` (from [`guest_memory`];
+/// the drivers' queues borrow it).
+struct Vm<'m> {
     frontend: Frontend,
-    mem: GuestMemoryMmap,
-    queues: Vec<Option<Queue>>,
+    mem: &'m GuestMemoryMmap,
+    queues: Vec<Option<Queue<'m>>>,
     max_vcpus: u32,
 }
 
@@ -142,8 +143,18 @@ fn memfd() -> File {
     file
 }
 
-impl Vm {
-    fn connect(socket: &Path, max_vcpus: u32) -> Self {
+/// Guest memory in a memfd, which the daemon maps.
+fn guest_memory() -> GuestMemoryMmap {
+    GuestMemoryMmap::from_ranges_with_files([(
+        GuestAddress(0),
+        MEM_SIZE,
+        Some(FileOffset::new(memfd(), 0)),
+    )])
+    .unwrap()
+}
+
+impl<'m> Vm<'m> {
+    fn connect(socket: &Path, mem: &'m GuestMemoryMmap, max_vcpus: u32) -> Self {
         let nq = virtio::num_queues(max_vcpus);
         let mut frontend = Frontend::connect(socket, nq as u64).expect("connecting");
         frontend.set_owner().unwrap();
@@ -160,12 +171,6 @@ impl Vm {
             )
             .unwrap();
         assert_eq!(frontend.get_queue_num().unwrap(), nq as u64);
-        let mem = GuestMemoryMmap::from_ranges_with_files([(
-            GuestAddress(0),
-            MEM_SIZE,
-            Some(FileOffset::new(memfd(), 0)),
-        )])
-        .unwrap();
         let region = mem.iter().next().unwrap();
         let info = VhostUserMemoryRegionInfo::from_guest_region(region).unwrap();
         frontend.set_mem_table(&[info]).unwrap();
@@ -184,7 +189,8 @@ impl Vm {
     }
 
     fn set_up(&mut self, q: usize, base: u64, size: u16) {
-        let ring = SplitRing::new(&self.mem, GuestAddress(base), size).unwrap();
+        let ring = DriverQueue::new(self.mem, GuestAddress(base), size);
+        let mock = ring.mock();
         let f = &mut self.frontend;
         f.set_vring_num(q, size).unwrap();
         let config = VringConfigData {
@@ -197,9 +203,9 @@ impl Vm {
             log_addr: None,
         };
         let config = VringConfigData {
-            desc_table_addr: self.hva(ring.desc_table),
-            used_ring_addr: self.hva(ring.used),
-            avail_ring_addr: self.hva(ring.avail),
+            desc_table_addr: self.hva(mock.desc_table_addr()),
+            used_ring_addr: self.hva(mock.used_addr()),
+            avail_ring_addr: self.hva(mock.avail_addr()),
             ..config
         };
         let f = &mut self.frontend;
@@ -217,7 +223,7 @@ impl Vm {
         virtio::kick_queue(self.max_vcpus, vcpu).unwrap() as usize
     }
 
-    fn queue(&self, q: usize) -> &Queue {
+    fn queue(&self, q: usize) -> &Queue<'m> {
         self.queues[q].as_ref().expect("queue not set up")
     }
 
@@ -247,19 +253,17 @@ impl Vm {
         self.mem
             .write_obj(0xffff_ffffu32, GuestAddress(STATUS_AT))
             .unwrap();
-        let descs = Desc::control_chain(REQ_AT, STATUS_AT);
-        let mem = &self.mem;
-        let q = self.queues[0].as_mut().expect("control queue not set up");
-        let before = q.ring.used_idx(mem).unwrap();
-        q.ring.add_chain(mem, &descs).unwrap();
+        let q = self.queue(0);
+        let before = q.ring.used_idx().unwrap();
+        q.ring.add_chain(&control_chain(REQ_AT, STATUS_AT)).unwrap();
         q.kick.write(1).unwrap();
         assert!(
             self.called_within(0, WAIT),
             "no answer on the control queue"
         );
         let q = self.queue(0);
-        assert_eq!(q.ring.used_idx(&self.mem).unwrap(), before.wrapping_add(1));
-        assert_eq!(q.ring.used_elem(&self.mem, before).unwrap().1, 4);
+        assert_eq!(q.ring.used_idx().unwrap(), before.wrapping_add(1));
+        assert_eq!(q.ring.used_elem(before).unwrap().len(), 4);
         self.mem.read_obj(GuestAddress(STATUS_AT)).unwrap()
     }
 
@@ -273,8 +277,8 @@ impl Vm {
     }
 
     /// Sets up the control queue and the kick queues of vCPUs 0..n.
-    fn standard(socket: &Path, max_vcpus: u32, kick_vcpus: u32) -> Self {
-        let mut vm = Self::connect(socket, max_vcpus);
+    fn standard(socket: &Path, mem: &'m GuestMemoryMmap, max_vcpus: u32, kick_vcpus: u32) -> Self {
+        let mut vm = Self::connect(socket, mem, max_vcpus);
         vm.set_up(0, 0x1000, 8);
         for v in 0..kick_vcpus {
             let q = vm.kick_queue(v);
@@ -345,7 +349,8 @@ fn kicks_registration_config_and_telemetry() {
         ],
         &[&sock, &control],
     );
-    let mut vm = Vm::standard(&sock, 4, 3);
+    let mem = guest_memory();
+    let mut vm = Vm::standard(&sock, &mem, 4, 3);
 
     // A kick on vCPU 1's queue signals vCPU 1's queue and not vCPU 2's.
     assert!(vm.kick_ok(1));
@@ -419,8 +424,10 @@ fn two_frontends_one_dies_the_other_lives_and_the_socket_takes_a_new_one() {
         ],
         &[&a, &b, &control],
     );
-    let mut vm_a = Vm::standard(&a, 2, 2);
-    let vm_b = Vm::standard(&b, 2, 2);
+    let vm_a_mem = guest_memory();
+    let mut vm_a = Vm::standard(&a, &vm_a_mem, 2, 2);
+    let vm_b_mem = guest_memory();
+    let vm_b = Vm::standard(&b, &vm_b_mem, 2, 2);
     assert!(vm_a.kick_ok(0));
     assert!(vm_b.kick_ok(1));
     let r = ControlRequest {
@@ -439,7 +446,8 @@ fn two_frontends_one_dies_the_other_lives_and_the_socket_takes_a_new_one() {
     assert!(vm_b.kick_ok(0), "B stopped working when A went away");
 
     // The socket takes a new frontend, with a fresh state.
-    let vm_a2 = Vm::standard(&a, 2, 1);
+    let vm_a2_mem = guest_memory();
+    let vm_a2 = Vm::standard(&a, &vm_a2_mem, 2, 1);
     assert!(vm_a2.kick_ok(0));
     let doc = until(&control, "A2's connection", |d| {
         d["host"]["connections_total"] == 3
@@ -466,7 +474,8 @@ fn sigterm_exits_zero_and_removes_the_sockets() {
         ],
         &[&control],
     );
-    let vm = Vm::standard(&sock, 16, 1);
+    let mem = guest_memory();
+    let vm = Vm::standard(&sock, &mem, 16, 1);
     assert!(vm.kick_ok(0));
     d.signal(libc::SIGTERM);
     let status = d.wait_exit();
@@ -578,7 +587,8 @@ fn a_descheduled_vcpu_thread_is_flagged_not_running() {
                 .unwrap()
         })
         .collect();
-    let mut vm = Vm::connect(&sock, 2);
+    let mem = guest_memory();
+    let mut vm = Vm::connect(&sock, &mem, 2);
     vm.set_up(0, 0x1000, 8);
     // Only vCPU 0 registers a page.
     let r = ControlRequest {
@@ -652,7 +662,8 @@ fn spin_notification_deboosts_the_spinners_thread_then_restores_it() {
     let tid = tid_named("pvt-vcpu0").expect("the vCPU thread");
     let before = thread_nice(tid);
 
-    let mut vm = Vm::connect(&sock, 2);
+    let mem = guest_memory();
+    let mut vm = Vm::connect(&sock, &mem, 2);
     vm.set_up(0, 0x1000, 8);
     let spin0 = virtio::spin_queue(2, 0).unwrap() as usize;
     vm.set_up(spin0, 0x4_0000, 1);
@@ -729,7 +740,8 @@ fn reconnects_do_not_leak_descriptors() {
             .count()
     };
     let cycle = |n: u64| {
-        let vm = Vm::standard(&sock, 2, 2);
+        let mem = guest_memory();
+        let vm = Vm::standard(&sock, &mem, 2, 2);
         assert!(vm.kick_ok(1));
         drop(vm);
         until(&control, "the disconnect", |doc| {
@@ -770,7 +782,8 @@ fn garbage_on_one_socket_costs_only_that_connection() {
         ],
         &[&a, &b, &control],
     );
-    let vm_b = Vm::standard(&b, 2, 1);
+    let vm_b_mem = guest_memory();
+    let vm_b = Vm::standard(&b, &vm_b_mem, 2, 1);
     // Not vhost-user at all: a header claiming a huge payload, then junk, then gone.
     let mut junk = UnixStream::connect(&a).unwrap();
     let mut bytes = vec![0xffu8; 12];
@@ -781,6 +794,7 @@ fn garbage_on_one_socket_costs_only_that_connection() {
         d["host"]["disconnects"] == 1
     });
     assert!(vm_b.kick_ok(0), "the other VM was disturbed");
-    let vm_a = Vm::standard(&a, 2, 1);
+    let vm_a_mem = guest_memory();
+    let vm_a = Vm::standard(&a, &vm_a_mem, 2, 1);
     assert!(vm_a.kick_ok(0), "the socket did not recover");
 }
