@@ -350,6 +350,7 @@ fn every_suite_lists_and_dry_runs_its_tables() {
             "overcommit",
             "actuators",
             "short-cs",
+            "convoy",
             "kick-latency",
             "slots",
             "stock-slots",
@@ -403,6 +404,25 @@ fn every_suite_lists_and_dry_runs_its_tables() {
     assert_eq!(dry_run_variants(&slots), expected, "{slots}");
     assert!(slots.contains("--vms 2 "), "{slots}");
     assert!(slots.contains("--iterations 300 "), "quick: {slots}");
+    // The convoy table: each pvspin variant told VCPUS_FIT beside the same told nothing.
+    let convoy = stdout(&vmm(&[
+        "bench",
+        "--suite",
+        "convoy",
+        "--quick",
+        "--dry-run",
+    ]));
+    let tables = dry_run_variants(&convoy);
+    assert_eq!(tables[0].0, "convoy-2x-3x", "{convoy}");
+    for (told, not_told) in [
+        ("ticket:kick:", "ticket:kick/cpus=1:"),
+        ("ticket:kick+yield:", "ticket:kick+yield/cpus=1:"),
+        ("ticket:kick/slots:", "ticket:kick/slots/cpus=1:"),
+    ] {
+        assert!(tables[0].1[0].contains(told), "{told}: {convoy}");
+        assert!(tables[0].1[0].contains(not_told), "{not_told}: {convoy}");
+    }
+    assert!(convoy.contains("--hogs 0,2,4 "), "{convoy}");
     let ab = stdout(&vmm(&[
         "bench",
         "--suite",
