@@ -88,7 +88,7 @@ fi
 elf=${GUEST_ELF:-$work/pvspin-guest.elf}
 [ -n "${GUEST_ELF:-}" ] || "$tool" guest-image --out "$elf"
 
-# scrape SOCKET OUT: while CH runs, polls `ch-remote counters` every 0.2 s and keeps the last
+# scrape SOCKET OUT: while CH runs, polls `ch-remote counters` every 0.05 s and keeps the last
 # answer that has pvspin's counters in OUT, their count in OUT.n. Killed when the boot ends.
 scrape() {
     local sock=$1 out=$2 n=0
@@ -99,7 +99,7 @@ scrape() {
             n=$((n + 1))
             echo "$n" >"$out.n"
         fi
-        sleep 0.2
+        sleep 0.05
     done
 }
 
