@@ -3,8 +3,8 @@
 # of CH at ae44c2971c83, builds CH (release), runs CH's unit tests of the crates the series
 # touches, then boots pvspin's example guest (PVH ELF) under CH with PV off, kick, kick+yield
 # and run slots, stock and pvspin guest modes, printing each result line and pvspin's
-# telemetry, which `ch-remote counters` (CH's vm.counters API) scrapes while the guest runs.
-# Every boot runs under a timeout.
+# telemetry, which `ch-remote counters` (CH's vm.counters API) scrapes while the guest runs,
+# then pauses and resumes one boot on a single run slot. Every boot runs under a timeout.
 #
 # usage: run.sh CH_GIT_DIR [WORK_DIR]
 #   CH_GIT_DIR  a clone (bare or not) of cloud-hypervisor/cloud-hypervisor holding ae44c2971c83
@@ -17,7 +17,8 @@
 #       `guest-cmdline` prints its command line (default: built from this checkout)
 #   CH_TARGET_DIR  cargo's target dir for CH (default WORK_DIR/target; keep it out of this repo)
 #   SKIP_TESTS=1  skip CH's unit tests; BOOT_TIMEOUT (s, default 300); CH_JOBS (cargo -j);
-#   ITERATIONS  lock acquisitions per vCPU (default 2000)
+#   ITERATIONS  lock acquisitions per vCPU (default 2000); PAUSE_ITERATIONS  the same for the
+#   boot that is paused and resumed (default 6000: long enough for three pauses)
 set -euo pipefail
 
 CH_COMMIT=ae44c2971c83
@@ -177,6 +178,33 @@ for guest in pvspin stock; do
 done
 boot "pvspin-2v-kick-signal-msi" 2 "--guest pvspin $lock --pv kick --kick-path signal-msi" \
     "path=signal-msi" || failed=1
+# Pause and resume (ch-remote) three times during a boot on one run slot: a vCPU waiting for
+# the slot must not keep the pause from completing (the paused vCPU gives its slot up).
+pause_resume() {
+    local name=$1 vcpus=$2 pvspin_opt=$3 sock="$work/$1.sock" log="$work/$1.log"
+    local cmdline ch rc=0 cycles=0
+    rm -f "$sock"
+    cmdline=$("$tool" guest-cmdline --vcpus "$vcpus" --guest pvspin --workload lock \
+        --iterations "${PAUSE_ITERATIONS:-6000}" --pv kick)
+    timeout --kill-after=10 "$boot_timeout" "$chbin" --kernel "$elf" --cmdline "$cmdline" \
+        --cpus "boot=$vcpus" --memory size=64M --serial tty --console off \
+        --api-socket "path=$sock" --pvspin "$pvspin_opt" >"$log" 2>&1 &
+    ch=$!
+    sleep 1
+    for _ in 1 2 3; do
+        if "$chremote" --api-socket "$sock" pause >>"$log.remote" 2>&1 && sleep 0.3 &&
+            "$chremote" --api-socket "$sock" resume >>"$log.remote" 2>&1; then
+            cycles=$((cycles + 1))
+        fi
+        sleep 0.3
+    done
+    wait "$ch" || rc=$?
+    printf '%-28s rc=%-3s %s/3 pause+resume, %s\n' "$name" "$rc" "$cycles" \
+        "$(grep -a -o 'pvspin-guest: status [0-9]*' "$log" || echo 'NO STATUS')" | tee -a "$results"
+    [ "$rc" = 0 ] && [ "$cycles" = 3 ] && grep -aq 'pvspin-guest: status 0 ' "$log"
+}
+pause_resume "pvspin-2v-kick-slots1-pause" 2 "path=in-kernel,slots=1" || failed=1
+
 # CH's in-kernel LAPIC keeps HLT in KVM: the userspace path is refused, naming the rule.
 if timeout 60 "$chbin" --kernel "$elf" --cpus boot=2 --memory size=64M --serial tty \
     --console off --pvspin path=userspace >"$work/userspace.log" 2>&1; then
