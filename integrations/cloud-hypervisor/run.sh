@@ -90,15 +90,15 @@ elf=${GUEST_ELF:-$work/pvspin-guest.elf}
 [ -n "${GUEST_ELF:-}" ] || "$tool" guest-image --out "$elf"
 
 # scrape SOCKET OUT: while CH runs, polls `ch-remote counters` every 0.05 s and keeps the last
-# answer that has pvspin's counters in OUT, their count in OUT.n. Killed when the boot ends.
+# answer that has pvspin's counters in OUT, a line per answer in OUT.n. Killed when the boot
+# ends.
 scrape() {
-    local sock=$1 out=$2 n=0
+    local sock=$1 out=$2
     while :; do
         if [ -S "$sock" ] && "$chremote" --api-socket "$sock" counters >"$out.tmp" 2>/dev/null &&
             grep -q '"pvspin"' "$out.tmp"; then
             mv "$out.tmp" "$out"
-            n=$((n + 1))
-            echo "$n" >"$out.n"
+            echo >>"$out.n"
         fi
         sleep 0.05
     done
@@ -139,7 +139,7 @@ print("%s %s, counter %s/%s, %s acq/s, pv halts %s kicks %s" % (r["guest"], r["p
     printf '%-28s rc=%-3s %6.2fs %s\n' "$name" "$rc" "$secs" \
         "${summary:-NO RESULT (see $log)}" | tee -a "$results"
     if [ -s "$tele" ]; then
-        python3 - "$tele" "$(cat "$tele.n")" <<'EOF'
+        python3 - "$tele" "$(wc -l <"$tele.n" 2>/dev/null || echo 0)" <<'EOF'
 import json, sys
 c = json.load(open(sys.argv[1]))
 short = lambda d: json.dumps(d, separators=(",", ":"))[:400]
