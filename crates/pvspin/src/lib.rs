@@ -30,6 +30,7 @@
 //! | [`cpuid`] | pure CPUID edits: pvspin's leaves and the kick-index rule |
 //! | [`interrupt`] | [`SignalInterrupter`]: a signal that makes a vCPU thread leave `KVM_RUN` |
 //! | [`seccomp`] | pvspin's system calls per thread kind, as `seccompiler` rules to merge into the VMM's filters ([`PvSpinBuilder::helper_thread_filter`] confines pvspin's own threads) |
+//! | `embed` | for a VMM that keeps pvspin behind its own abstractions (Cloud Hypervisor): [`PvspinOptions`] (the operator's choices as a `key=value` option or a config-file field, and the builder they make), [`VcpuHooks::after_kvm_run`], [`VmTelemetry::counter_groups`] |
 //! | [`simple`] | the VMM's part of steps 2 and 3, for a VMM without irqchip, routes or CPUID of its own |
 //! | [`telemetry`] | one snapshot of pvspin's and KVM's counters per VM, as JSON or Prometheus text |
 //!
@@ -44,6 +45,7 @@ mod builder;
 mod check;
 pub mod cpuid;
 mod directed;
+mod embed;
 mod error;
 mod hints;
 mod hooks;
@@ -59,6 +61,7 @@ mod vm;
 pub use builder::{KickChoice, NoKick, PvSpinBuilder, WithKick};
 pub use check::{Problem, ProblemKind};
 pub use directed::{DirectedYieldOptions, DirectedYieldStats, StealTimeMemory};
+pub use embed::{kick_path_option, OptionsError, PvspinOptions};
 pub use error::{ConfigError, CpuidFault, Error};
 pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalCollision, SignalInterrupter, VcpuThread};

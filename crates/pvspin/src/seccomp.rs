@@ -430,6 +430,30 @@ pub fn merge_into(map: &mut RuleMap, kind: ThreadKind) -> Result<(), SeccompErro
     Ok(())
 }
 
+/// What pvspin's helper threads (`pvspin-boost-wd`, `pvspin-slot-watch`) need once
+/// [`PvSpinBuilder::helper_thread_filter`](crate::PvSpinBuilder::helper_thread_filter)
+/// confines them: [`baseline_rules`] with the rules of [`ThreadKind::BoostWatchdog`] and
+/// [`ThreadKind::SlotWatcher`], to [`compile`] with the VMM's mismatch action. A VMM whose
+/// logger does more than write to stderr merges that in too.
+pub fn helper_thread_rules() -> Result<RuleMap, SeccompError> {
+    let mut map = baseline_rules()?;
+    merge_into(&mut map, ThreadKind::BoostWatchdog)?;
+    merge_into(&mut map, ThreadKind::SlotWatcher)?;
+    Ok(map)
+}
+
+/// For a VMM that sets pvspin up on a thread it confined before (Cloud Hypervisor's `vmm`
+/// thread creates every VM under its filter): [`setup_rules`] with the rules of every
+/// [`ThreadKind`], since each thread that thread starts inherits its filter (filters stack)
+/// and so must be allowed there too. To [`merge`] into that thread's rules.
+pub fn confined_setup_rules() -> Result<RuleMap, SeccompError> {
+    let mut map = setup_rules()?;
+    for kind in ThreadKind::ALL {
+        merge_into(&mut map, kind)?;
+    }
+    Ok(map)
+}
+
 /// Merges `from` into `into` so that the result allows exactly what either allows: an empty
 /// (unconditional) rule vector on either side stays unconditional, conditional rules are
 /// joined without duplicates.
@@ -663,5 +687,43 @@ mod tests {
     fn kinds_have_names() {
         let names: Vec<String> = ThreadKind::ALL.iter().map(|k| k.to_string()).collect();
         assert_eq!(names, ["vcpu", "boost-watchdog", "slot-watcher", "control"]);
+    }
+
+    /// Every rule of every part is in the union, allowed at least as widely: a syscall a
+    /// part allows without condition stays unconditional, a conditional one keeps its rules.
+    fn assert_contains(union: &RuleMap, part: &RuleMap) {
+        for (nr, rules) in part {
+            let got = union
+                .get(nr)
+                .unwrap_or_else(|| panic!("syscall {nr} missing"));
+            if rules.is_empty() {
+                assert!(got.is_empty(), "syscall {nr} narrowed");
+            } else if !got.is_empty() {
+                assert!(rules.iter().all(|rule| got.contains(rule)), "syscall {nr}");
+            }
+        }
+    }
+
+    #[test]
+    fn helper_thread_rules_are_the_baseline_and_both_helper_kinds() {
+        let map = helper_thread_rules().unwrap();
+        assert_contains(&map, &baseline_rules().unwrap());
+        assert_contains(&map, &rules(ThreadKind::BoostWatchdog).unwrap());
+        assert_contains(&map, &rules(ThreadKind::SlotWatcher).unwrap());
+        assert!(
+            !map.contains_key(&libc::SYS_eventfd2),
+            "setup is not a helper's"
+        );
+        compile(map, SeccompAction::KillProcess).unwrap();
+    }
+
+    #[test]
+    fn confined_setup_rules_are_setup_and_every_kind() {
+        let map = confined_setup_rules().unwrap();
+        assert_contains(&map, &setup_rules().unwrap());
+        for kind in ThreadKind::ALL {
+            assert_contains(&map, &rules(kind).unwrap());
+        }
+        compile(map, SeccompAction::KillProcess).unwrap();
     }
 }
