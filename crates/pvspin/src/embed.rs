@@ -29,10 +29,12 @@ use crate::{
 
 /// The operator's pvspin choices for one VM, as a VMM's option or config file carries them.
 ///
-/// As an option ([`FromStr`]): `path=in-kernel|signal-msi|userspace,yield=on|off,slots=N`
+/// As an option ([`FromStr`]):
+/// `path=in-kernel|signal-msi|userspace,yield=on|off,slots=N,cpus=C`
 /// ([`PvspinOptions::SYNTAX`]), every key optional (the default is the in-kernel path, no
-/// directed yield, no run slots). In a config file (serde): `{"path": "in-kernel",
-/// "directed_yield": true, "slots": 2}`, with the same defaults.
+/// directed yield, no run slots, the VM's CPUs not said). In a config file (serde):
+/// `{"path": "in-kernel", "directed_yield": true, "slots": 2, "cpus": 2}`, with the same
+/// defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PvspinOptions {
     /// How a kick wakes a halted vCPU (`path=`).
@@ -45,6 +47,11 @@ pub struct PvspinOptions {
     /// [`entitled_cpus`], the CPUs the process may use.
     #[serde(default)]
     pub slots: Option<usize>,
+    /// The CPUs the VM gets (`cpus=C`, [`PvSpinBuilder::vm_cpus`]): guests whose vCPUs fit
+    /// them are told so (`VCPUS_FIT`) and stop the wake-up convoy at 2x/3x host overcommit.
+    /// Not said by default (run slots, when on, count).
+    #[serde(default)]
+    pub cpus: Option<usize>,
 }
 
 fn in_kernel() -> KickPath {
@@ -57,6 +64,7 @@ impl Default for PvspinOptions {
             path: KickPath::InKernel,
             directed_yield: false,
             slots: None,
+            cpus: None,
         }
     }
 }
@@ -65,7 +73,7 @@ impl Default for PvspinOptions {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum OptionsError {
     /// A key the option does not have.
-    #[error("unknown key {0:?}: the keys are path, yield and slots")]
+    #[error("unknown key {0:?}: the keys are path, yield, slots and cpus")]
     UnknownKey(String),
     /// A key given twice.
     #[error("{0} given twice")]
@@ -105,7 +113,8 @@ fn parse_path(value: &str) -> Result<KickPath, OptionsError> {
 impl PvspinOptions {
     /// The option's syntax, for a VMM's help text.
     pub const SYNTAX: &'static str = "path=in-kernel|signal-msi|userspace,yield=on|off,\
-        slots=<vCPUs in guest code at once, 0: the CPUs this process may use>";
+        slots=<vCPUs in guest code at once, 0: the CPUs this process may use>,\
+        cpus=<the CPUs the VM gets, at least 1>";
 
     /// A builder for a VM of `vcpus` vCPUs with these choices: the kick path, hint pages over
     /// `memory` (the VM's guest memory) and WAIT (what pvspin's guests use with a kick path),
@@ -126,6 +135,9 @@ impl PvspinOptions {
             .pv_wait(WaitOptions::default());
         if self.directed_yield {
             builder = builder.directed_yield(DirectedYieldOptions::default());
+        }
+        if let Some(cpus) = self.cpus {
+            builder = builder.vm_cpus(cpus);
         }
         match self.slots {
             Some(0) => builder.run_slots(SlotConfig::new(entitled_cpus())),
@@ -162,6 +174,13 @@ impl FromStr for PvspinOptions {
                     })?;
                     options.slots = Some(slots);
                 }
+                "cpus" => {
+                    let cpus =
+                        value.parse().ok().filter(|&c| c > 0).ok_or_else(|| {
+                            value_error("cpus", value, "a count of CPUs, at least 1")
+                        })?;
+                    options.cpus = Some(cpus);
+                }
                 _ => return Err(OptionsError::UnknownKey(key.into())),
             }
         }
@@ -181,8 +200,11 @@ impl fmt::Display for PvspinOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let on_off = if self.directed_yield { "on" } else { "off" };
         write!(f, "path={},yield={on_off}", kick_path_option(self.path))?;
-        match self.slots {
-            Some(slots) => write!(f, ",slots={slots}"),
+        if let Some(slots) = self.slots {
+            write!(f, ",slots={slots}")?;
+        }
+        match self.cpus {
+            Some(cpus) => write!(f, ",cpus={cpus}"),
             None => Ok(()),
         }
     }
@@ -293,14 +315,18 @@ mod tests {
 
     #[test]
     fn options_parse_every_key_and_default_the_rest() {
-        let options: PvspinOptions = "path=signal-msi,yield=on,slots=2".parse().unwrap();
+        let options: PvspinOptions = "path=signal-msi,yield=on,slots=2,cpus=3".parse().unwrap();
         let expected = PvspinOptions {
             path: KickPath::SignalMsi,
             directed_yield: true,
             slots: Some(2),
+            cpus: Some(3),
         };
         assert_eq!(options, expected);
-        assert_eq!(options.to_string(), "path=signal-msi,yield=on,slots=2");
+        assert_eq!(
+            options.to_string(),
+            "path=signal-msi,yield=on,slots=2,cpus=3"
+        );
         assert_eq!("".parse(), Ok(PvspinOptions::default()));
         assert_eq!(
             "yield=off".parse::<PvspinOptions>().unwrap().path,
@@ -331,6 +357,12 @@ mod tests {
             err("slots=-1"),
             OptionsError::Value { key: "slots", .. }
         ));
+        for bad in ["cpus=0", "cpus=x", "cpus="] {
+            assert!(
+                matches!(err(bad), OptionsError::Value { key: "cpus", .. }),
+                "{bad}"
+            );
+        }
         assert_eq!(err("bogus=1"), OptionsError::UnknownKey("bogus".into()));
         assert_eq!(
             err("slots=1,slots=2"),
@@ -342,16 +374,41 @@ mod tests {
     }
 
     #[test]
+    fn cpus_tell_the_guest_whether_its_vcpus_fit() {
+        #[derive(Debug)]
+        struct NoInterrupt;
+        impl VcpuInterrupter for NoInterrupt {
+            fn interrupt(&self, _index: usize) {}
+        }
+        let fit = |option: &str, vcpus: usize| {
+            let options: PvspinOptions = option.parse().unwrap();
+            let memory = Arc::new(pvspin_hints::BufferPageMap::new(1));
+            let pvspin = options
+                .builder(vcpus, Arc::new(NoInterrupt), memory)
+                .build()
+                .unwrap();
+            let fit = pvspin.hints.as_ref().unwrap().pages.vcpus_fit();
+            pvspin.shutdown();
+            fit
+        };
+        assert!(!fit("path=userspace", 2), "not said");
+        assert!(fit("path=userspace,cpus=2", 2));
+        assert!(!fit("path=userspace,cpus=2", 4));
+        assert!(!fit("path=userspace,cpus=8,slots=2", 4), "the slots cap it");
+    }
+
+    #[test]
     fn options_round_trip_through_a_config_file() {
         let options = PvspinOptions {
             path: KickPath::Userspace,
             directed_yield: true,
             slots: Some(0),
+            cpus: None,
         };
         let json = serde_json::to_string(&options).unwrap();
         assert_eq!(
             json,
-            r#"{"path":"userspace","directed_yield":true,"slots":0}"#
+            r#"{"path":"userspace","directed_yield":true,"slots":0,"cpus":null}"#
         );
         assert_eq!(
             serde_json::from_str::<PvspinOptions>(&json).unwrap(),
