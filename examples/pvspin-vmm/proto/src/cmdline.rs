@@ -5,7 +5,8 @@
 //! as they are) and written by `pvspin-vmm` for its own PVH boot, so both sides share one
 //! list of names. Words are separated by spaces; each is `name=value`. Words with a `.` in
 //! their name (`virtio_mmio.device=...`, which some VMMs append for a Linux kernel) are
-//! ignored; any other unknown name, or a bad value, is refused.
+//! ignored, and so are the Linux parameters of [`VMM_LINUX_PARAMS`] (Firecracker appends
+//! `pci=off` to every command line); any other unknown name, or a bad value, is refused.
 
 use crate::{
     BootParams, LockKind, Workload, BOOT_MAGIC, BOOT_VERSION, CPUID_QUERIES, MAX_VCPUS,
@@ -143,6 +144,12 @@ enum Wait {
     Doorbell,
 }
 
+/// Linux kernel parameters that VMMs add to a guest's command line on their own (Firecracker:
+/// `pci=off`, and `reboot=k panic=1` in its default line; others: `console=`, `earlyprintk=`,
+/// `acpi=`): ignored, so the same image boots under each of them. The guest's own names never
+/// collide with them.
+pub const VMM_LINUX_PARAMS: &[&str] = &["pci", "reboot", "panic", "console", "earlyprintk", "acpi"];
+
 /// Parses `text` (the whole command line).
 pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
     let mut workload = Workload::Lock;
@@ -177,7 +184,7 @@ pub fn parse(text: &str) -> Result<GuestCmdline, CmdlineError> {
                 "every word must be name=value",
             )));
         };
-        if name.contains('.') {
+        if name.contains('.') || VMM_LINUX_PARAMS.contains(&name) {
             continue;
         }
         let Some(position) = NAMES
@@ -462,6 +469,15 @@ mod tests {
     #[test]
     fn linux_module_parameters_are_ignored() {
         assert!(parse("virtio_mmio.device=4K@0xd0000000:5 vcpus=2").is_ok());
+        // What Firecracker appends, and its default line's parameters.
+        assert_eq!(
+            parse("vcpus=2 iterations=7 pci=off reboot=k panic=1")
+                .unwrap()
+                .params
+                .iterations,
+            7
+        );
+        assert_eq!(refused("vcpus=2 pcie=off").name, "word");
     }
 
     #[test]
