@@ -81,7 +81,7 @@ fn builder(n: usize, shape: Shape, mem: &VmMemory) -> Option<PvSpin> {
             })
             .pv_wait(WaitOptions::default())
             .directed_yield(DirectedYieldOptions {
-                actuator: "yield".into(),
+                actuator: pvspin::ActuatorKind::Yield,
                 ..DirectedYieldOptions::default()
             })
             .run_slots(SlotConfig::new(n))

@@ -61,7 +61,7 @@ fn pvh_boot_runs_the_lock_workload_on_every_vcpu_and_counts_exactly() {
         // Hint pages with time budgets, spin notifications and directed yield.
         RunConfig {
             pv: PvMode::KickYield,
-            actuator: "yield",
+            actuator: pvspin::ActuatorKind::Yield,
             ..pvh_config(2)
         },
     ];

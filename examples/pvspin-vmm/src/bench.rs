@@ -27,7 +27,7 @@ pub struct Variant {
     /// Kick path (with PV on).
     pub kick_path: pvspin::KickPath,
     /// Directed-yield actuator (with `kick+yield`).
-    pub actuator: &'static str,
+    pub actuator: pvspin::ActuatorKind,
     /// How waiters wait (`None`: the run's `--wait`).
     pub wait: Option<crate::config::WaitMode>,
     /// Budget unit (`None`: the run's `--budgets`).
@@ -102,8 +102,8 @@ pub enum VariantFault {
     #[error("an actuator needs kick+yield")]
     ActuatorNeedsYield,
     /// An unknown actuator.
-    #[error("unknown actuator {0:?} (yield, nice, fifo)")]
-    UnknownActuator(String),
+    #[error(transparent)]
+    UnknownActuator(pvspin::ParseActuatorError),
     /// Something after the actuator.
     #[error("unexpected {0:?}")]
     Unexpected(String),
@@ -211,14 +211,13 @@ impl Variant {
             other => return Err(fault(VariantFault::UnknownKickPath(other.to_owned()))),
         };
         let actuator = match parts.next() {
-            None => pvspin::DEFAULT_ACTUATOR,
+            None => pvspin::ActuatorKind::default(),
             Some(_) if pv != PvMode::KickYield => {
                 return Err(fault(VariantFault::ActuatorNeedsYield))
             }
-            Some("yield") => "yield",
-            Some("nice") => "nice",
-            Some("fifo") => "fifo",
-            Some(other) => return Err(fault(VariantFault::UnknownActuator(other.to_owned()))),
+            Some(name) => name
+                .parse()
+                .map_err(|e| fault(VariantFault::UnknownActuator(e)))?,
         };
         if let Some(extra) = parts.next() {
             return Err(fault(VariantFault::Unexpected(extra.to_owned())));
@@ -309,7 +308,8 @@ impl Variant {
                     "kick"
                 };
                 let pv = format!("{pv}{}", self.options_suffix());
-                if self.pv == PvMode::KickYield && self.actuator != pvspin::DEFAULT_ACTUATOR {
+                if self.pv == PvMode::KickYield && self.actuator != pvspin::ActuatorKind::default()
+                {
                     format!("{lock}:{pv}:{path}:{}", self.actuator)
                 } else {
                     format!("{lock}:{pv}:{path}")

@@ -278,26 +278,19 @@ pub enum PvArg {
     KickYield,
 }
 
-/// Directed-yield actuators (with --pv kick+yield).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ActuatorArg {
-    /// sched_yield() only.
-    Yield,
-    /// Bounded nice boost of the target's thread, then yield.
-    Nice,
-    /// Bounded SCHED_FIFO boost of the target's thread, then yield (needs privilege).
-    Fifo,
-}
-
-impl ActuatorArg {
-    /// pvspin's name for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            ActuatorArg::Yield => "yield",
-            ActuatorArg::Nice => "nice",
-            ActuatorArg::Fifo => "fifo",
+/// `--actuator`: pvspin's own names (`ActuatorKind`'s `FromStr`), listed with their help.
+fn actuator_parser() -> impl clap::builder::TypedValueParser<Value = pvspin::ActuatorKind> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    use pvspin::ActuatorKind;
+    let help = |kind| match kind {
+        ActuatorKind::Yield => "sched_yield() only",
+        ActuatorKind::Nice => "Bounded nice boost of the target's thread, then yield",
+        ActuatorKind::Fifo => {
+            "Bounded SCHED_FIFO boost of the target's thread, then yield (needs privilege)"
         }
-    }
+    };
+    let values = ActuatorKind::ALL.map(|kind| PossibleValue::new(kind.as_str()).help(help(kind)));
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<ActuatorKind>())
 }
 
 /// What the seccomp filters do with a syscall a thread does not need.
@@ -377,8 +370,8 @@ pub struct VmArgs {
     #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
     pub kick_path: KickPathArg,
     /// What directed yield does (with --pv kick+yield).
-    #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
-    pub actuator: ActuatorArg,
+    #[arg(long, value_parser = actuator_parser(), default_value_t = pvspin::ActuatorKind::Nice)]
+    pub actuator: pvspin::ActuatorKind,
     /// PV locks: spins before a waiter halts (about 0.5 us each in emulated kernel mode). A
     /// pvspin-aware guest with `--budgets spins` (default 128; with time budgets only a cap);
     /// a stock guest (default 32768, Linux's SPIN_THRESHOLD).
@@ -733,7 +726,7 @@ impl VmArgs {
             guest: self.guest.into(),
             spin_threshold: self.spin_threshold.unwrap_or(128),
             stock_spin_threshold: self.spin_threshold.unwrap_or(STOCK_SPIN_THRESHOLD),
-            actuator: self.actuator.name(),
+            actuator: self.actuator,
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
             user_mode: self.cs_mode == CsModeArg::User,

@@ -613,7 +613,7 @@ fn with_kick_device(
         .vm_cpus(config.vm_cpus.unwrap_or_else(pvspin::entitled_cpus));
     if config.pv == PvMode::KickYield {
         let mut options = pvspin::DirectedYieldOptions {
-            actuator: config.actuator.to_string(),
+            actuator: config.actuator,
             confinement: config.confinement.clone(),
             ..pvspin::DirectedYieldOptions::default()
         };
