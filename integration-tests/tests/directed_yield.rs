@@ -4,7 +4,7 @@
 //! timeout; the workloads are small because every guest instruction may be emulated.
 
 use pvspin_integration_tests::kvm_or_skip;
-use pvspin_vmm::{run, PvMode, RunConfig, RunReport};
+use pvspin_test_vm::{run, PvMode, RunConfig, RunReport};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 fn config(lock: LockKind, vcpus: u32, iterations: u64) -> RunConfig {

@@ -101,7 +101,7 @@ pub struct RunConfig {
 /// How the guest image boots (`--boot`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BootMode {
-    /// The example's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
+    /// The test VM's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
     /// the boot parameters the VMM wrote (`pvspin_vmm_proto`).
     #[default]
     Direct,
