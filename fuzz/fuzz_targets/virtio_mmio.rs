@@ -1,4 +1,4 @@
-//! Fuzzes the example VMM's virtio-mmio transport registers (`pvspin_vmm::virtio_mmio`), the
+//! Fuzzes the example VMM's virtio-mmio transport registers (`pvspin_test_vm::virtio_mmio`), the
 //! MMIO exit handler of the pvspin virtio device: arbitrary reads and writes of any width at
 //! any offset. Invariants: nothing panics; a read that no register takes returns zeros; the
 //! device starts (`MmioEffect::Start`) only once per `DRIVER_OK`, only after the driver
@@ -7,7 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_vmm::virtio_mmio::{MmioEffect, MmioRegisters, STATUS_DRIVER_OK, STATUS_FEATURES_OK};
+use pvspin_test_vm::virtio_mmio::{MmioEffect, MmioRegisters, STATUS_DRIVER_OK, STATUS_FEATURES_OK};
 
 const VERSION_1: u64 = 1 << 32;
 const OFFERED: u64 = VERSION_1 | 0b11;

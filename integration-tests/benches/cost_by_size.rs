@@ -40,7 +40,7 @@ use pvspin::{
 use pvspin_abi::doorbell::{SpinNotify, DEFAULT_PORT, KICK_OFFSET, SHARED_PAGE_OFFSET};
 use pvspin_abi::doorbell::{SPIN_OFFSET, WAIT_OFFSET};
 use pvspin_integration_tests::{kvm_required, with_watchdog};
-use pvspin_vmm::memory::VmMemory;
+use pvspin_test_vm::memory::VmMemory;
 
 const SIZES: [usize; 4] = [2, 16, 64, 255];
 
@@ -81,7 +81,7 @@ fn builder(n: usize, shape: Shape, mem: &VmMemory) -> Option<PvSpin> {
             })
             .pv_wait(WaitOptions::default())
             .directed_yield(DirectedYieldOptions {
-                actuator: "yield".into(),
+                actuator: pvspin::ActuatorKind::Yield,
                 ..DirectedYieldOptions::default()
             })
             .run_slots(SlotConfig::new(n))
@@ -92,7 +92,7 @@ fn builder(n: usize, shape: Shape, mem: &VmMemory) -> Option<PvSpin> {
 
 /// A VM of `n` vCPUs with pvspin as `shape`; returns it and the time pvspin's setup took.
 fn make_vm(kvm: &Kvm, n: usize, shape: Shape) -> (BenchVm, Duration) {
-    let mem = pvspin_vmm::memory::create(MEM_BYTES).expect("guest memory");
+    let mem = pvspin_test_vm::memory::create(MEM_BYTES).expect("guest memory");
     let vm = kvm.create_vm().expect("KVM_CREATE_VM");
     let mut timed = Duration::ZERO;
     let start = Instant::now();

@@ -4,7 +4,7 @@
 //! timeout; the workloads are small because every guest instruction may be emulated.
 
 use pvspin_integration_tests::kvm_or_skip;
-use pvspin_vmm::{run, PvMode, RunConfig, RunReport};
+use pvspin_test_vm::{run, PvMode, RunConfig, RunReport};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 fn config(lock: LockKind, vcpus: u32, iterations: u64) -> RunConfig {
@@ -87,7 +87,7 @@ fn kick_yield_counts_exactly_on_every_kick_path_and_actuator() {
         pvspin::KickPath::Userspace,
     ] {
         // fifo needs real-time privilege: the run is refused without it, never half-applied.
-        for actuator in ["yield", "nice", "fifo"] {
+        for actuator in pvspin::ActuatorKind::ALL {
             let what = format!("ticket x3 {path:?} {actuator}");
             let config = RunConfig {
                 kick_path: path,
@@ -96,7 +96,10 @@ fn kick_yield_counts_exactly_on_every_kick_path_and_actuator() {
             };
             match run(&config) {
                 Ok(report) => assert_exact(&report, &what),
-                Err(err) if actuator != "yield" && err.to_string().contains("actuator") => {
+                Err(err)
+                    if actuator != pvspin::ActuatorKind::Yield
+                        && err.to_string().contains("actuator") =>
+                {
                     println!("{what}: refused: {err}");
                 }
                 Err(err) => panic!("{what}: {err}"),

@@ -6,8 +6,8 @@
 
 use pvspin::KickPath;
 use pvspin_integration_tests::kvm_or_skip;
-use pvspin_vmm::config::{BudgetMode, PvMode, WaitMode};
-use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
+use pvspin_test_vm::config::{BudgetMode, PvMode, WaitMode};
+use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];

@@ -13,8 +13,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pvspin_integration_tests::{kvm_or_skip, record};
-use pvspin_vmm::config::PvMode;
-use pvspin_vmm::RunConfig;
+use pvspin_test_vm::config::PvMode;
+use pvspin_test_vm::RunConfig;
 use pvspin_vmm_proto::pvh::RESULT_PREFIX;
 use pvspin_vmm_proto::{LockKind, Workload};
 
@@ -73,7 +73,7 @@ fn qemu_boots_the_pvh_guest_and_it_counts_exactly() {
     let dir = std::env::temp_dir().join(format!("pvspin-qemu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let image = dir.join("guest.elf");
-    std::fs::write(&image, pvspin_vmm::vmm::GUEST_IMAGE).unwrap();
+    std::fs::write(&image, pvspin_test_vm::vmm::GUEST_IMAGE).unwrap();
     for (vcpus, lock) in [
         (1, LockKind::Ticket),
         (2, LockKind::Ticket),
@@ -88,7 +88,7 @@ fn qemu_boots_the_pvh_guest_and_it_counts_exactly() {
             user_mode: true,
             ..RunConfig::default()
         };
-        let cmdline = pvspin_vmm::pvh::guest_cmdline(&config, 0);
+        let cmdline = pvspin_test_vm::pvh::guest_cmdline(&config, 0);
         let smp = vcpus.to_string();
         // The default CPU model, with the TSC frequency in CPUID 0x40000010 for the guest's
         // timing (`-cpu host` trips on an MSR this nested host refuses, a QEMU matter).

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
-use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, RunConfig, RunConfigError};
+use pvspin_test_vm::config::PvMode;
+use pvspin_test_vm::{run, RunConfig, RunConfigError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 fn slots_config(vcpus: u32, slots: u32, lock: LockKind, user_mode: bool) -> RunConfig {

@@ -457,7 +457,7 @@ fn pvspin_confines_its_boost_watchdog_with_the_vmms_filter() {
             .interrupter(Arc::new(NoInterrupter))
             .kick(pvspin::KickOptions::new(pvspin::KickPath::Userspace))
             .directed_yield(pvspin::DirectedYieldOptions {
-                actuator: "nice".into(),
+                actuator: pvspin::ActuatorKind::Nice,
                 fallback: false,
                 // The watchdog exists only with a boost; confinement is tested elsewhere.
                 confinement: pvspin::Confinement::Unconfined,

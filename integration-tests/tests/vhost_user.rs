@@ -14,8 +14,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
-use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
+use pvspin_test_vm::config::PvMode;
+use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// The environment variable that turns this binary into `pvspind`: its arguments, separated by

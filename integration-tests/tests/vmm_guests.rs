@@ -2,9 +2,9 @@
 //! the watchdog, faults and bad options. Each run is bounded by its own watchdog and timeout.
 
 use pvspin_integration_tests::kvm_or_skip;
+use pvspin_test_vm::config::PvMode;
+use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm::cli::main_with_args;
-use pvspin_vmm::config::PvMode;
-use pvspin_vmm::{run, RunConfig, RunConfigError, RunError};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// A small, bounded configuration: tests must stay quick on hosts that emulate every guest
@@ -294,7 +294,7 @@ fn guest_image_has_no_sse_instructions() {
     // KVM's emulator rejects SSE; hosts without hardware virtualization emulate every guest
     // instruction, so one stray SSE instruction would kill the guest there.
     let path = std::env::temp_dir().join(format!("pvspin-guest-{}.elf", std::process::id()));
-    std::fs::write(&path, pvspin_vmm::vmm::GUEST_IMAGE).unwrap();
+    std::fs::write(&path, pvspin_test_vm::vmm::GUEST_IMAGE).unwrap();
     let output = std::process::Command::new("objdump")
         .arg("-d")
         .arg(&path)

@@ -4,8 +4,8 @@
 //! ACPI power-off that ends the run. Every run is bounded by its watchdog and timeout.
 
 use pvspin_integration_tests::kvm_or_skip;
-use pvspin_vmm::config::{BootMode, GuestKind, PvMode};
-use pvspin_vmm::{run, RunConfig, RunError};
+use pvspin_test_vm::config::{BootMode, GuestKind, PvMode};
+use pvspin_test_vm::{run, RunConfig, RunError};
 use pvspin_vmm_proto::pvh::RESULT_PREFIX;
 use pvspin_vmm_proto::{status, LockKind, Workload};
 
@@ -61,12 +61,12 @@ fn pvh_boot_runs_the_lock_workload_on_every_vcpu_and_counts_exactly() {
         // Hint pages with time budgets, spin notifications and directed yield.
         RunConfig {
             pv: PvMode::KickYield,
-            actuator: "yield",
+            actuator: pvspin::ActuatorKind::Yield,
             ..pvh_config(2)
         },
     ];
     for config in cases {
-        let what = pvspin_vmm::pvh::guest_cmdline(&config, 0);
+        let what = pvspin_test_vm::pvh::guest_cmdline(&config, 0);
         let report = run(&config).unwrap_or_else(|err| panic!("{what}: {err}"));
         let expected = u64::from(config.vcpus) * config.iterations;
         assert_eq!(

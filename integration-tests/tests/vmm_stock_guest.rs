@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_required, with_watchdog};
-use pvspin_vmm::config::{GuestKind, PvMode};
-use pvspin_vmm::{run, RunConfig, RunConfigError, RunError, RunReport};
+use pvspin_test_vm::config::{GuestKind, PvMode};
+use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError, RunReport};
 use pvspin_vmm_proto::{LockKind, Workload};
 
 /// The longest a whole test may take before its watchdog aborts the process.

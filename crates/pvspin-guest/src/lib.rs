@@ -1,6 +1,6 @@
 //! The reference guest side of pvspin, `no_std` and allocation-free: plain and paravirtual
 //! spinlocks over a small backend trait ([`PvOps`]), so the same lock code runs in bare-metal
-//! guests (`examples/pvspin-vmm/guest`) and on host threads in this crate's tests and loom
+//! guests (`crates/pvspin-test-vm/guest`) and on host threads in this crate's tests and loom
 //! models.
 //!
 //! | item | what |

@@ -3,7 +3,7 @@
 //! The guest's [`PvOps`] is [`HaltPvOps`] around a [`PvPlatform`] the embedding guest writes:
 //! `cpu_id` (its vCPU index) and `kick` (a doorbell write naming the target vCPU, encoded as
 //! `pvspin-abi` says). Not run in this crate's tests (HLT faults outside ring 0); it runs in
-//! the guest programs of `examples/pvspin-vmm`.
+//! the guest program of `crates/pvspin-test-vm`.
 
 use crate::pv::{PvOps, SpinBudget, SpinWait};
 use crate::sync::{AtomicU8, Ordering};

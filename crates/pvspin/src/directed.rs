@@ -37,15 +37,65 @@ impl GuestBytes for PageBytes {
     }
 }
 
-use crate::ConfigError;
+use crate::{ConfigError, ParseActuatorError};
+
+/// What "yield to vCPU X" does ([`DirectedYieldOptions::actuator`]); the actuators
+/// `pvspin_hints::actuator` builds. Parsed from and printed as its name (`yield`, `nice`,
+/// `fifo`), the spelling of a VMM's command line or config file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ActuatorKind {
+    /// `sched_yield` only; X is not touched.
+    Yield,
+    /// A bounded nice boost of X's thread, then yield (steps down to `Yield` with
+    /// [`DirectedYieldOptions::fallback`] when the process may not lower a nice value). The
+    /// default: `pvspin_hints::DEFAULT_ACTUATOR`, chosen from measurements there.
+    #[default]
+    Nice,
+    /// A bounded `SCHED_FIFO` boost of X's thread, then yield; needs real-time scheduling
+    /// privilege.
+    Fifo,
+}
+
+impl ActuatorKind {
+    /// Every actuator, weakest first (the order `fallback` steps down in, reversed).
+    pub const ALL: [ActuatorKind; 3] =
+        [ActuatorKind::Yield, ActuatorKind::Nice, ActuatorKind::Fifo];
+
+    /// Its name: `yield`, `nice` or `fifo` (what `pvspin_hints::ActuatorOptions` and
+    /// [`crate::PvSpin::actuator_name`] use).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ActuatorKind::Yield => "yield",
+            ActuatorKind::Nice => "nice",
+            ActuatorKind::Fifo => "fifo",
+        }
+    }
+}
+
+impl std::fmt::Display for ActuatorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ActuatorKind {
+    type Err = ParseActuatorError;
+
+    fn from_str(name: &str) -> Result<Self, ParseActuatorError> {
+        (ActuatorKind::ALL.into_iter())
+            .find(|kind| kind.as_str() == name)
+            .ok_or_else(|| ParseActuatorError::UnknownName(name.to_owned()))
+    }
+}
 
 /// How the embedding VMM configures spin notifications and directed yield.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DirectedYieldOptions {
-    /// What "yield to vCPU X" does: `"yield"` (`sched_yield` only), `"nice"` (bounded nice
-    /// boost of X's thread, then yield) or `"fifo"` (bounded `SCHED_FIFO` boost, then yield;
-    /// needs real-time scheduling privilege). See `pvspin_hints::actuator`.
-    pub actuator: String,
+    /// What "yield to vCPU X" does: [`ActuatorKind::Yield`] (`sched_yield` only),
+    /// [`ActuatorKind::Nice`] (bounded nice boost of X's thread, then yield) or
+    /// [`ActuatorKind::Fifo`] (bounded `SCHED_FIFO` boost, then yield; needs real-time
+    /// scheduling privilege). See `pvspin_hints::actuator`.
+    pub actuator: ActuatorKind,
     /// When the actuator is not permitted (fifo or nice without privilege): `false` refuses
     /// the configuration naming the rule; `true` steps down fifo -> nice -> yield with a
     /// warning ([`crate::PvSpin::actuator_name`] says which one is used).
@@ -72,7 +122,7 @@ impl Default for DirectedYieldOptions {
     /// inside `KVM_RUN`, so without it every hint would read "not ready".
     fn default() -> Self {
         Self {
-            actuator: pvspin_hints::DEFAULT_ACTUATOR.to_string(),
+            actuator: ActuatorKind::default(),
             fallback: true,
             policy: PolicyConfig {
                 boost_running_hint: true,
@@ -171,15 +221,15 @@ pub(crate) struct YieldState {
 
 /// The actuator `options` ask for, stepped down (with `fallback`) or refused when its boosts
 /// would not stay inside the VM's share (`verdict`).
-fn confined_actuator<'a>(
-    options: &'a DirectedYieldOptions,
+fn confined_actuator(
+    options: &DirectedYieldOptions,
     verdict: &Verdict,
-) -> Result<&'a str, ConfigError> {
-    let name = options.actuator.as_str();
+) -> Result<ActuatorKind, ConfigError> {
+    let name = options.actuator;
     let allowed = match name {
-        "fifo" => verdict.allows_fifo(),
-        "nice" => verdict.allows_nice(),
-        _ => true,
+        ActuatorKind::Fifo => verdict.allows_fifo(),
+        ActuatorKind::Nice => verdict.allows_nice(),
+        ActuatorKind::Yield => true,
     };
     if allowed {
         return Ok(name);
@@ -190,7 +240,6 @@ fn confined_actuator<'a>(
         _ => &fifo_reason,
     };
     if !options.fallback {
-        let name = name.to_string();
         return Err(match verdict {
             Verdict::NotConfined { .. } => ConfigError::BoostNotConfined {
                 name,
@@ -199,13 +248,13 @@ fn confined_actuator<'a>(
             _ => ConfigError::FifoNotConfined { name },
         });
     }
-    let step = if name == "fifo" && verdict.allows_nice() {
-        "nice"
+    let step = if name == ActuatorKind::Fifo && verdict.allows_nice() {
+        ActuatorKind::Nice
     } else {
-        "yield"
+        ActuatorKind::Yield
     };
     log::warn!("pvspin: the {name} actuator's boosts would not be confined ({why}); using {step}");
-    Ok(if step == "nice" { "nice" } else { "yield" })
+    Ok(step)
 }
 
 impl YieldState {
@@ -223,13 +272,10 @@ impl YieldState {
             deadline,
             fallback: options.fallback,
             thread_start: start.cloned(),
-            ..pvspin_hints::ActuatorOptions::new(name, vcpus)
+            ..pvspin_hints::ActuatorOptions::new(name.as_str(), vcpus)
         }
         .build()
-        .map_err(|source| ConfigError::Actuator {
-            name: name.to_string(),
-            source,
-        })?;
+        .map_err(|source| ConfigError::Actuator { name, source })?;
         let mut state = Self::with_actuator(options, vcpus, actuator)?;
         state.confinement = verdict;
         Ok(state)
@@ -377,6 +423,61 @@ impl YieldState {
             window_reads: ld(&c.window_reads),
             trial_skipped: ld(&c.trial_skipped),
             trial: self.trial.as_ref().map(BoostTrial::stats),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actuator_kinds_parse_their_own_names_and_nothing_else() {
+        for kind in ActuatorKind::ALL {
+            assert_eq!(kind.to_string().parse::<ActuatorKind>(), Ok(kind));
+        }
+        let names = ActuatorKind::ALL.map(ActuatorKind::as_str);
+        assert_eq!(names, ["yield", "nice", "fifo"]);
+        for bad in ["", "Nice", "nice ", "teleport"] {
+            assert_eq!(
+                bad.parse::<ActuatorKind>(),
+                Err(ParseActuatorError::UnknownName(bad.to_owned()))
+            );
+        }
+        // The default is the one pvspin-hints measured and names.
+        assert_eq!(
+            ActuatorKind::default().as_str(),
+            pvspin_hints::DEFAULT_ACTUATOR
+        );
+        assert_eq!(
+            DirectedYieldOptions::default().actuator,
+            ActuatorKind::default()
+        );
+    }
+
+    #[test]
+    fn an_unconfined_boost_steps_down_or_is_refused_naming_its_kind() {
+        let not_confined = Verdict::NotConfined {
+            reason: pvspin_hints::confine::NotConfinedReason::RootCgroup,
+        };
+        let options = |actuator, fallback| DirectedYieldOptions {
+            actuator,
+            fallback,
+            ..DirectedYieldOptions::default()
+        };
+        let stepped = confined_actuator(&options(ActuatorKind::Fifo, true), &not_confined);
+        assert_eq!(stepped.unwrap(), ActuatorKind::Yield);
+        let kept = confined_actuator(&options(ActuatorKind::Yield, false), &not_confined);
+        assert_eq!(kept.unwrap(), ActuatorKind::Yield);
+        let err = confined_actuator(&options(ActuatorKind::Nice, false), &not_confined);
+        match err.unwrap_err() {
+            err @ ConfigError::BoostNotConfined { name, .. } => {
+                assert_eq!(name, ActuatorKind::Nice);
+                assert!(err
+                    .to_string()
+                    .starts_with(r#"directed yield actuator "nice": rule:"#));
+            }
+            other => panic!("{other}"),
         }
     }
 }

@@ -1,8 +1,9 @@
-//! The embedding API's errors: [`ConfigError`] (the VMM's configuration broke a rule, named)
-//! and [`Error`] (a setup call failed; the cause keeps its type).
+//! The embedding API's errors: [`ConfigError`] (the VMM's configuration broke a rule, named),
+//! [`ParseActuatorError`] (an actuator name that is none) and [`Error`] (a setup call failed;
+//! the cause keeps its type).
 
 use crate::kick::{RouteFaults, MAX_GSI};
-use crate::{cpuid, CplError, IrqchipError, PlanError, QuirkError, Verdict};
+use crate::{cpuid, ActuatorKind, CplError, IrqchipError, PlanError, QuirkError, Verdict};
 
 /// Invalid configuration given to the builder or the hooks.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
@@ -152,32 +153,44 @@ pub enum ConfigError {
         /// What is missing.
         what: CpuidFault,
     },
-    /// directed yield actuator {name:?}: {source}
+    /// directed yield actuator "{name}": {source}
     Actuator {
-        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
-        name: String,
+        /// The actuator built (`DirectedYieldOptions::actuator`, or the one a confinement
+        /// step-down chose).
+        name: ActuatorKind,
         /// Why it was refused.
         #[source]
         source: pvspin_hints::ActuatorError,
     },
-    /// directed yield actuator {name:?}: rule: a guest must not raise its VM's CPU share, and this
-    /// boost would not be confined ({verdict}); run the VMM alone in its own cpu cgroup, or accept
-    /// Confinement::Unconfined
+    /// directed yield actuator "{name}": rule: a guest must not raise its VM's CPU share, and
+    /// this boost would not be confined ({verdict}); run the VMM alone in its own cpu cgroup, or
+    /// accept Confinement::Unconfined
     BoostNotConfined {
-        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
-        name: String,
+        /// The actuator asked for (`DirectedYieldOptions::actuator`).
+        name: ActuatorKind,
         /// The confinement check's answer.
         verdict: Verdict,
     },
-    /// directed yield actuator {name:?}: rule: a guest must not raise its VM's CPU share, and this
-    /// boost would not be confined (SCHED_FIFO preempts every fair-class task on its CPU, whatever
-    /// the cgroup); run the VMM alone in its own cpu cgroup, or accept Confinement::Unconfined
+    /// directed yield actuator "{name}": rule: a guest must not raise its VM's CPU share, and
+    /// this boost would not be confined (SCHED_FIFO preempts every fair-class task on its CPU,
+    /// whatever the cgroup); run the VMM alone in its own cpu cgroup, or accept
+    /// Confinement::Unconfined
     FifoNotConfined {
-        /// The name asked for, as the VMM gave it (`DirectedYieldOptions::actuator`).
-        name: String,
+        /// The actuator asked for (`DirectedYieldOptions::actuator`).
+        name: ActuatorKind,
     },
     /// rule: a VM gets at least one CPU (PvSpinBuilder::vm_cpus, PvSpin::set_vm_cpus), got 0
     NoVmCpus,
+}
+
+/// A directed-yield actuator name that is not one ([`ActuatorKind`]'s `FromStr`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, displaydoc::Display)]
+pub enum ParseActuatorError {
+    /// rule: the directed-yield actuator is one of yield, nice, fifo; got {0:?}
+    UnknownName(
+        /// The name as given: it matched no actuator, so no type holds it.
+        String,
+    ),
 }
 
 /// What is wrong with a vCPU's CPUID in KVM ([`ConfigError::Cpuid`]).

@@ -22,11 +22,11 @@
 //! | module | what |
 //! |---|---|
 //! | crate root | [`VcpuInterrupter`], [`MAX_VCPUS`], and the re-exports below |
-//! | `builder` | [`PvSpinBuilder`], typed by its kick path ([`NoKick`], [`WithKick`]), and its options ([`KickOptions`], [`DirectedYieldOptions`], [`HintOptions`], [`WaitOptions`], [`SlotConfig`], [`PlanRequest`]) |
+//! | `builder` | [`PvSpinBuilder`], typed by its kick path ([`NoKick`], [`WithKick`]), and its options ([`KickOptions`], [`DirectedYieldOptions`] with its [`ActuatorKind`], [`HintOptions`], [`WaitOptions`], [`SlotConfig`], [`PlanRequest`]) |
 //! | `vm` | [`PvSpin`] (one VM: `configure_vm`, `edit_cpuid`, `configure_vcpu`, `telemetry`, `check`, `shutdown`), [`VmSetup`] |
 //! | `hooks` | [`VcpuHooks`], [`ExitOutcome`] |
 //! | `kick` | [`KickWiring`] and the kick routes |
-//! | `error` | [`ConfigError`] (a broken rule, named), [`Error`] (a failed setup call, its cause typed) |
+//! | `error` | [`ConfigError`] (a broken rule, named), [`ParseActuatorError`], [`Error`] (a failed setup call, its cause typed) |
 //! | [`cpuid`] | pure CPUID edits: pvspin's leaves and the kick-index rule |
 //! | [`interrupt`] | [`SignalInterrupter`]: a signal that makes a vCPU thread leave `KVM_RUN` |
 //! | [`seccomp`] | pvspin's system calls per thread kind, as `seccompiler` rules to merge into the VMM's filters ([`PvSpinBuilder::helper_thread_filter`] confines pvspin's own threads) |
@@ -60,9 +60,9 @@ mod vm;
 
 pub use builder::{KickChoice, NoKick, PvSpinBuilder, WithKick};
 pub use check::{Problem, ProblemKind};
-pub use directed::{DirectedYieldOptions, DirectedYieldStats, StealTimeMemory};
+pub use directed::{ActuatorKind, DirectedYieldOptions, DirectedYieldStats, StealTimeMemory};
 pub use embed::{kick_path_option, OptionsError, PvspinOptions};
-pub use error::{ConfigError, CpuidFault, Error};
+pub use error::{ConfigError, CpuidFault, Error, ParseActuatorError};
 pub use hints::{HintOptions, HintStats, WaitOptions};
 pub use interrupt::{SignalCollision, SignalInterrupter, VcpuThread};
 pub use kick::{

@@ -662,16 +662,12 @@ mod tests {
         let interrupter = Arc::new(CountingInterrupter::default());
         let kick = KickOptions::new(KickPath::Userspace);
         let base = || PvSpin::builder().vcpus(2).interrupter(interrupter.clone());
-        let err = base()
-            .kick(kick)
-            .directed_yield(DirectedYieldOptions {
-                actuator: "teleport".into(),
-                ..DirectedYieldOptions::default()
-            })
-            .build()
-            .unwrap_err();
-        assert!(matches!(err, ConfigError::Actuator { .. }), "{err}");
-        assert!(err.to_string().contains("one of yield, nice, fifo"));
+        // An unknown name is refused where it is parsed, naming the accepted ones.
+        let err = "teleport".parse::<crate::ActuatorKind>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"rule: the directed-yield actuator is one of yield, nice, fifo; got "teleport""#
+        );
         let err = base()
             .kick(kick)
             .directed_yield(DirectedYieldOptions {
@@ -765,7 +761,7 @@ mod tests {
         };
         // FIFO is never confined by a cgroup.
         let fifo = |fallback| DirectedYieldOptions {
-            actuator: "fifo".into(),
+            actuator: crate::ActuatorKind::Fifo,
             fallback,
             ..DirectedYieldOptions::default()
         };

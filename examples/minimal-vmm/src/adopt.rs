@@ -8,7 +8,7 @@ use kvm_bindings::{kvm_irq_routing_entry, CpuId};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 pub use pvspin::interrupt::InterruptError;
 pub use pvspin::{KickPath, PvSpin, SignalInterrupter, VcpuHooks, VcpuThread};
-use pvspin_vmm::memory::VmMemory;
+use pvspin_test_vm::memory::VmMemory;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 

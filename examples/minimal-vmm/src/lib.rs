@@ -5,7 +5,7 @@
 //! (it makes the APs runnable itself: the example guest has no INIT/SIPI code). pvspin only
 //! asks and checks. Every use of pvspin is in `adopt.rs`, which a unit test keeps at 55 lines
 //! of code or fewer. Guest memory, the guest image and its boot protocol, and the UART/exit-port
-//! bus come from the example VMM's library (`pvspin_vmm`), which is not pvspin.
+//! bus come from the test VM's library (`pvspin_test_vm`), which is not pvspin.
 #![deny(missing_docs)]
 
 mod adopt;
@@ -21,9 +21,9 @@ use kvm_bindings::{
     KVM_MP_STATE_RUNNABLE,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
-use pvspin_vmm::config::RunConfig;
-use pvspin_vmm::devices::{ConsoleSink, IoBus, PioAction};
-use pvspin_vmm::memory;
+use pvspin_test_vm::config::RunConfig;
+use pvspin_test_vm::devices::{ConsoleSink, IoBus, PioAction};
+use pvspin_test_vm::memory;
 use pvspin_vmm_proto::Workload;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
@@ -53,7 +53,7 @@ pub fn run_name(path: KickPath, workload: Workload, user_mode: bool) -> String {
     let mode = if user_mode { "user" } else { "kernel" };
     format!(
         "{path:?} {} ({mode} mode)",
-        pvspin_vmm::vmm::workload_name(workload)
+        pvspin_test_vm::vmm::workload_name(workload)
     )
 }
 
@@ -185,7 +185,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
             (_, false) => 100,
             (_, true) => 5_000,
         },
-        pv: pvspin_vmm::PvMode::Kick,
+        pv: pvspin_test_vm::PvMode::Kick,
         kick_path: path,
         user_mode,
         ..RunConfig::default()
@@ -195,7 +195,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
     let vm = kvm.create_vm().map_err(err("KVM_CREATE_VM"))?;
     let mem = memory::create(config.mem_bytes())?;
     memory::write_tables(&mem)?;
-    let entry = memory::load_image(&mem, pvspin_vmm::vmm::GUEST_IMAGE)?;
+    let entry = memory::load_image(&mem, pvspin_test_vm::vmm::GUEST_IMAGE)?;
     let host = mem.get_host_address(GuestAddress(0))?;
     let region = kvm_bindings::kvm_userspace_memory_region {
         slot: 0,
@@ -263,7 +263,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
         vcpus.push((vcpu, hooks));
     }
     let tsc_khz = vcpus[0].0.get_tsc_khz().map_or(0, u64::from);
-    let params = pvspin_vmm::vmm::boot_params(&config, tsc_khz);
+    let params = pvspin_test_vm::vmm::boot_params(&config, tsc_khz);
     memory::write_boot_params(&mem, &params, VCPUS)?;
 
     let console = ConsoleSink::new(false);

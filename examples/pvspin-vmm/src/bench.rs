@@ -12,10 +12,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 use pvspin_vmm_proto::LockKind;
 
 use crate::cli::VmArgs;
-use crate::config::{GuestKind, PvMode, RunConfig};
-use crate::report::{LatencySummary, RunReport};
 use crate::saved::{BenchHeader, JsonLines, Record, RunRecord, VmRecord};
-use crate::vmm::{self, RunError};
+use pvspin_test_vm::config::{GuestKind, PvMode, RunConfig};
+use pvspin_test_vm::report::{LatencySummary, RunReport};
+use pvspin_test_vm::vmm::{self, RunError};
 
 /// One configuration to compare.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,11 +27,11 @@ pub struct Variant {
     /// Kick path (with PV on).
     pub kick_path: pvspin::KickPath,
     /// Directed-yield actuator (with `kick+yield`).
-    pub actuator: &'static str,
+    pub actuator: pvspin::ActuatorKind,
     /// How waiters wait (`None`: the run's `--wait`).
-    pub wait: Option<crate::config::WaitMode>,
+    pub wait: Option<pvspin_test_vm::config::WaitMode>,
     /// Budget unit (`None`: the run's `--budgets`).
-    pub budgets: Option<crate::config::BudgetMode>,
+    pub budgets: Option<pvspin_test_vm::config::BudgetMode>,
     /// Run slots (`/slots`; `None`: the run's `--sched`).
     pub slots: Option<bool>,
     /// Kicks through the vhost-user backend of the bench's `--pv-backend` (`/vhost`); the
@@ -102,8 +102,8 @@ pub enum VariantFault {
     #[error("an actuator needs kick+yield")]
     ActuatorNeedsYield,
     /// An unknown actuator.
-    #[error("unknown actuator {0:?} (yield, nice, fifo)")]
-    UnknownActuator(String),
+    #[error(transparent)]
+    UnknownActuator(pvspin::ParseActuatorError),
     /// Something after the actuator.
     #[error("unexpected {0:?}")]
     Unexpected(String),
@@ -181,10 +181,10 @@ impl Variant {
                 continue;
             }
             match opt {
-                "spins" => budgets = Some(crate::config::BudgetMode::Spins),
-                "time" => budgets = Some(crate::config::BudgetMode::Time),
-                "hlt" => wait = Some(crate::config::WaitMode::Hlt),
-                "doorbell" => wait = Some(crate::config::WaitMode::Doorbell),
+                "spins" => budgets = Some(pvspin_test_vm::config::BudgetMode::Spins),
+                "time" => budgets = Some(pvspin_test_vm::config::BudgetMode::Time),
+                "hlt" => wait = Some(pvspin_test_vm::config::WaitMode::Hlt),
+                "doorbell" => wait = Some(pvspin_test_vm::config::WaitMode::Doorbell),
                 "slots" => slots = Some(true),
                 "vhost" => vhost = true,
                 other => return Err(fault(VariantFault::UnknownOption(other.to_owned()))),
@@ -211,14 +211,13 @@ impl Variant {
             other => return Err(fault(VariantFault::UnknownKickPath(other.to_owned()))),
         };
         let actuator = match parts.next() {
-            None => pvspin::DEFAULT_ACTUATOR,
+            None => pvspin::ActuatorKind::default(),
             Some(_) if pv != PvMode::KickYield => {
                 return Err(fault(VariantFault::ActuatorNeedsYield))
             }
-            Some("yield") => "yield",
-            Some("nice") => "nice",
-            Some("fifo") => "fifo",
-            Some(other) => return Err(fault(VariantFault::UnknownActuator(other.to_owned()))),
+            Some(name) => name
+                .parse()
+                .map_err(|e| fault(VariantFault::UnknownActuator(e)))?,
         };
         if let Some(extra) = parts.next() {
             return Err(fault(VariantFault::Unexpected(extra.to_owned())));
@@ -253,14 +252,14 @@ impl Variant {
     fn options_suffix(&self) -> String {
         let mut s = String::new();
         match self.budgets {
-            Some(crate::config::BudgetMode::Spins) => s.push_str("/spins"),
-            Some(crate::config::BudgetMode::Time) => s.push_str("/time"),
+            Some(pvspin_test_vm::config::BudgetMode::Spins) => s.push_str("/spins"),
+            Some(pvspin_test_vm::config::BudgetMode::Time) => s.push_str("/time"),
             None => {}
         }
         match self.wait {
-            Some(crate::config::WaitMode::Hlt) => s.push_str("/hlt"),
-            Some(crate::config::WaitMode::Doorbell) => s.push_str("/doorbell"),
-            Some(crate::config::WaitMode::Auto) | None => {}
+            Some(pvspin_test_vm::config::WaitMode::Hlt) => s.push_str("/hlt"),
+            Some(pvspin_test_vm::config::WaitMode::Doorbell) => s.push_str("/doorbell"),
+            Some(pvspin_test_vm::config::WaitMode::Auto) | None => {}
         }
         match (self.slots, self.slot_count) {
             (Some(true), Some(n)) => s.push_str(&format!("/slots={n}")),
@@ -309,7 +308,8 @@ impl Variant {
                     "kick"
                 };
                 let pv = format!("{pv}{}", self.options_suffix());
-                if self.pv == PvMode::KickYield && self.actuator != pvspin::DEFAULT_ACTUATOR {
+                if self.pv == PvMode::KickYield && self.actuator != pvspin::ActuatorKind::default()
+                {
                     format!("{lock}:{pv}:{path}:{}", self.actuator)
                 } else {
                     format!("{lock}:{pv}:{path}")

@@ -7,8 +7,8 @@ use pvspin_kvm::guest::UnknownGuestKernel;
 use pvspin_vmm_proto::{LockKind, Workload};
 
 use crate::bench::{self, BenchOptions};
-use crate::config::{GuestKind, RunConfig, STOCK_SPIN_THRESHOLD};
-use crate::vmm;
+use pvspin_test_vm::config::{GuestKind, RunConfig, STOCK_SPIN_THRESHOLD};
+use pvspin_test_vm::vmm;
 
 /// Runs pvspin guest workloads on /dev/kvm.
 #[derive(Debug, Parser)]
@@ -278,26 +278,19 @@ pub enum PvArg {
     KickYield,
 }
 
-/// Directed-yield actuators (with --pv kick+yield).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ActuatorArg {
-    /// sched_yield() only.
-    Yield,
-    /// Bounded nice boost of the target's thread, then yield.
-    Nice,
-    /// Bounded SCHED_FIFO boost of the target's thread, then yield (needs privilege).
-    Fifo,
-}
-
-impl ActuatorArg {
-    /// pvspin's name for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            ActuatorArg::Yield => "yield",
-            ActuatorArg::Nice => "nice",
-            ActuatorArg::Fifo => "fifo",
+/// `--actuator`: pvspin's own names (`ActuatorKind`'s `FromStr`), listed with their help.
+fn actuator_parser() -> impl clap::builder::TypedValueParser<Value = pvspin::ActuatorKind> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    use pvspin::ActuatorKind;
+    let help = |kind| match kind {
+        ActuatorKind::Yield => "sched_yield() only",
+        ActuatorKind::Nice => "Bounded nice boost of the target's thread, then yield",
+        ActuatorKind::Fifo => {
+            "Bounded SCHED_FIFO boost of the target's thread, then yield (needs privilege)"
         }
-    }
+    };
+    let values = ActuatorKind::ALL.map(|kind| PossibleValue::new(kind.as_str()).help(help(kind)));
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<ActuatorKind>())
 }
 
 /// What the seccomp filters do with a syscall a thread does not need.
@@ -311,12 +304,12 @@ pub enum SeccompArg {
     Off,
 }
 
-impl From<SeccompArg> for crate::config::SeccompMode {
+impl From<SeccompArg> for pvspin_test_vm::config::SeccompMode {
     fn from(arg: SeccompArg) -> Self {
         match arg {
-            SeccompArg::Enforce => crate::config::SeccompMode::Enforce,
-            SeccompArg::Log => crate::config::SeccompMode::Log,
-            SeccompArg::Off => crate::config::SeccompMode::Off,
+            SeccompArg::Enforce => pvspin_test_vm::config::SeccompMode::Enforce,
+            SeccompArg::Log => pvspin_test_vm::config::SeccompMode::Log,
+            SeccompArg::Off => pvspin_test_vm::config::SeccompMode::Off,
         }
     }
 }
@@ -377,8 +370,8 @@ pub struct VmArgs {
     #[arg(long, value_enum, default_value_t = KickPathArg::InKernel)]
     pub kick_path: KickPathArg,
     /// What directed yield does (with --pv kick+yield).
-    #[arg(long, value_enum, default_value_t = ActuatorArg::Nice)]
-    pub actuator: ActuatorArg,
+    #[arg(long, value_parser = actuator_parser(), default_value_t = pvspin::ActuatorKind::Nice)]
+    pub actuator: pvspin::ActuatorKind,
     /// PV locks: spins before a waiter halts (about 0.5 us each in emulated kernel mode). A
     /// pvspin-aware guest with `--budgets spins` (default 128; with time budgets only a cap);
     /// a stock guest (default 32768, Linux's SPIN_THRESHOLD).
@@ -725,26 +718,26 @@ impl VmArgs {
             placement: self.placement,
             guest_kernel: self.guest_kernel,
             pv: match self.pv {
-                PvArg::Off => crate::config::PvMode::Off,
-                PvArg::Kick => crate::config::PvMode::Kick,
-                PvArg::KickYield => crate::config::PvMode::KickYield,
+                PvArg::Off => pvspin_test_vm::config::PvMode::Off,
+                PvArg::Kick => pvspin_test_vm::config::PvMode::Kick,
+                PvArg::KickYield => pvspin_test_vm::config::PvMode::KickYield,
             },
             kick_path: self.kick_path.into(),
             guest: self.guest.into(),
             spin_threshold: self.spin_threshold.unwrap_or(128),
             stock_spin_threshold: self.spin_threshold.unwrap_or(STOCK_SPIN_THRESHOLD),
-            actuator: self.actuator.name(),
+            actuator: self.actuator,
             halt_poll_ns: self.halt_poll_ns,
             park_spin_us: self.park_spin_us,
             user_mode: self.cs_mode == CsModeArg::User,
             wait: match self.wait {
-                WaitArg::Auto => crate::config::WaitMode::Auto,
-                WaitArg::Hlt => crate::config::WaitMode::Hlt,
-                WaitArg::Doorbell => crate::config::WaitMode::Doorbell,
+                WaitArg::Auto => pvspin_test_vm::config::WaitMode::Auto,
+                WaitArg::Hlt => pvspin_test_vm::config::WaitMode::Hlt,
+                WaitArg::Doorbell => pvspin_test_vm::config::WaitMode::Doorbell,
             },
             budgets: match self.budgets {
-                BudgetArg::Time => crate::config::BudgetMode::Time,
-                BudgetArg::Spins => crate::config::BudgetMode::Spins,
+                BudgetArg::Time => pvspin_test_vm::config::BudgetMode::Time,
+                BudgetArg::Spins => pvspin_test_vm::config::BudgetMode::Spins,
             },
             wait_after_us: self.wait_after_us,
             wait_after_max_us: self.wait_after_max_us,
@@ -764,8 +757,8 @@ impl VmArgs {
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,
             },
             boot: match self.boot {
-                BootArg::Direct => crate::config::BootMode::Direct,
-                BootArg::Pvh => crate::config::BootMode::Pvh,
+                BootArg::Direct => pvspin_test_vm::config::BootMode::Direct,
+                BootArg::Pvh => pvspin_test_vm::config::BootMode::Pvh,
             },
             pvh_cmdline: self.pvh_cmdline.clone(),
         }
@@ -842,7 +835,7 @@ where
                 eprintln!("pvspin-vmm: {err}");
                 return 2;
             }
-            print_stdout(&crate::pvh::guest_cmdline(&config, args.tsc_khz));
+            print_stdout(&pvspin_test_vm::pvh::guest_cmdline(&config, args.tsc_khz));
             return 0;
         }
     };
@@ -870,12 +863,12 @@ where
             );
             return 2;
         }
-        match crate::cgroup::VmCgroup::enter() {
+        match pvspin_test_vm::cgroup::VmCgroup::enter() {
             Ok(cgroup) => {
                 if let Some(cpus) = vm_args.cpu_limit {
                     if let Err(err) = cgroup.limit(cpus) {
                         eprintln!("pvspin-vmm: --cpu-limit: {err}");
-                        return if matches!(err, crate::cgroup::CgroupError::CpuLimit(_)) {
+                        return if matches!(err, pvspin_test_vm::cgroup::CgroupError::CpuLimit(_)) {
                             2
                         } else {
                             1
@@ -930,7 +923,7 @@ pub fn bench_command<R>(
     runner: R,
 ) -> i32
 where
-    R: FnMut(&RunConfig) -> Result<crate::RunReport, vmm::RunError>,
+    R: FnMut(&RunConfig) -> Result<pvspin_test_vm::RunReport, vmm::RunError>,
 {
     let child = args.child_case.zip(args.child_vm);
     let options = BenchOptions {
@@ -992,7 +985,7 @@ pub fn report_command(args: &ReportArgs, stdout: &mut dyn std::io::Write) -> i32
 }
 
 /// `--stats` and `--stats-file`; returns the exit code.
-fn print_telemetry(args: &RunArgs, report: &crate::RunReport) -> i32 {
+fn print_telemetry(args: &RunArgs, report: &pvspin_test_vm::RunReport) -> i32 {
     let Some(telemetry) = &report.telemetry else {
         return 0;
     };
@@ -1111,7 +1104,7 @@ mod tests {
                     states: vmm::VcpuStates::default(),
                 });
             }
-            Ok(crate::RunReport::made_up(
+            Ok(pvspin_test_vm::RunReport::made_up(
                 config,
                 f64::from(runs) * 0.125 + f64::from(config.hogs),
             ))

@@ -1,29 +1,21 @@
 //! `pvspin-vmm`: an example VMM that runs pvspin guest workloads on /dev/kvm.
 //!
-//! It is what a rust-vmm VMM adopting pvspin looks like: guest memory with vm-memory, one
-//! thread per vCPU with kvm-ioctls, a 16550 console from vm-superio, an event-manager loop for
-//! the VMM's own events (end of run, the watchdog timer), and pvspin used only through its
-//! embedding API (`pvspin::PvSpin`). It also reproduces the lock-holder-preemption
-//! experiment: busy host threads (`--hogs`) compete with the vCPUs for host CPUs.
+//! The VM itself is `pvspin_test_vm`'s (a rust-vmm VMM adopting pvspin through its embedding
+//! API, with its own guest program); this crate is the command line over it and the
+//! benchmark harness that reproduces the lock-holder-preemption experiments: busy host
+//! threads (`--hogs`) compete with the vCPUs for host CPUs.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`cli`] | the command line (`run`, `bench`, `report`, `guest-cmdline`) and the process entry point |
+//! | [`bench`](mod@bench) | variants compared side by side, interleaved runs, the table |
+//! | [`suite`] | one command per table of `docs/benchmarks.md` |
+//! | [`saved`] | runs saved as JSON lines and read back (`report`) |
+//! | [`plot`] | SVG plots of the tables |
 #![deny(missing_docs)]
 
 pub mod bench;
-pub mod cgroup;
 pub mod cli;
-pub mod config;
-pub mod devices;
-pub mod memory;
 pub mod plot;
-pub mod pvh;
-pub mod report;
 pub mod saved;
-pub mod seccomp;
 pub mod suite;
-pub mod vcpu;
-pub mod vhost;
-pub mod virtio_mmio;
-pub mod vmm;
-
-pub use config::{PvMode, RunConfig, RunConfigError};
-pub use report::RunReport;
-pub use vmm::{run, RunError};

@@ -16,7 +16,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::bench::{median_of, BenchTable, CaseResult};
-use crate::report::LatencySummary;
+use pvspin_test_vm::report::LatencySummary;
 
 /// Why a plot could not be made.
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::bench::{BenchError, BenchOptions, BenchTable, CaseResult, Variant};
-use crate::report::LatencySummary;
+use pvspin_test_vm::report::LatencySummary;
 
 /// The version of the format, in every header.
 pub const FORMAT: u32 = 1;

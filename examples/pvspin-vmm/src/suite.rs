@@ -2367,7 +2367,7 @@ mod tests {
         let twins: Vec<_> = table
             .cases
             .iter()
-            .filter(|c| c.variant.pv != crate::config::PvMode::Off)
+            .filter(|c| c.variant.pv != pvspin_test_vm::config::PvMode::Off)
             .map(|c| crate::bench::CaseResult {
                 variant: Variant {
                     vhost: true,

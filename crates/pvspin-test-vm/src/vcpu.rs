@@ -187,7 +187,7 @@ impl VcpuRunner {
                 Step::Continue => {}
                 Step::Halt => {
                     // Without an in-kernel irqchip, nothing wakes a halted vCPU but the VMM;
-                    // the example's guests halt only when done, so park until the run ends,
+                    // the test VM's guests halt only when done, so park until the run ends,
                     // without its run slot (others would wait for its quantum to end).
                     self.hooks.before_vmm_park();
                     self.shared.park(Duration::from_millis(100));

@@ -246,9 +246,9 @@ impl RunReport {
     }
 
     /// A report of a run of `config` that took `guest_seconds`, with nothing else in it (tests
-    /// of what reads reports).
-    #[cfg(test)]
-    pub(crate) fn made_up(config: &RunConfig, guest_seconds: f64) -> Self {
+    /// of what reads reports; feature `test-utils`).
+    #[cfg(any(test, feature = "test-utils"))]
+    pub fn made_up(config: &RunConfig, guest_seconds: f64) -> Self {
         let params = BootParams::default();
         let bus = IoBus::new(crate::devices::ConsoleSink::new(false));
         let tsc_khz = 1_000_000;

@@ -12,7 +12,7 @@ pub const QUEUE_NOTIFY: u64 = 0x050;
 pub const CONFIG: u64 = 0x100;
 /// `MagicValue`: "virt".
 pub const MAGIC: u32 = 0x7472_6976;
-/// `VendorID` the example reports ("PVSP").
+/// `VendorID` the test VM reports ("PVSP").
 pub const VENDOR_ID: u32 = 0x5053_5650;
 
 /// Status bit: the driver accepted the features.

@@ -51,8 +51,8 @@ pub struct RunConfig {
     /// the lock slow and halts (Linux's `SPIN_THRESHOLD`, [`STOCK_SPIN_THRESHOLD`], unless
     /// `--spin-threshold` says otherwise).
     pub stock_spin_threshold: u32,
-    /// With `pv: KickYield`: the directed-yield actuator, `"yield"`, `"nice"` or `"fifo"`.
-    pub actuator: &'static str,
+    /// With `pv: KickYield`: the directed-yield actuator.
+    pub actuator: pvspin::ActuatorKind,
     /// KVM's per-VM halt-polling limit in ns (`None`: the host's default).
     pub halt_poll_ns: Option<u32>,
     /// Userspace kick path: spin this long on the latch before sleeping.
@@ -101,7 +101,7 @@ pub struct RunConfig {
 /// How the guest image boots (`--boot`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BootMode {
-    /// The example's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
+    /// The test VM's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
     /// the boot parameters the VMM wrote (`pvspin_vmm_proto`).
     #[default]
     Direct,
@@ -224,7 +224,7 @@ impl Default for RunConfig {
             guest: GuestKind::Pvspin,
             spin_threshold: 128,
             stock_spin_threshold: STOCK_SPIN_THRESHOLD,
-            actuator: pvspin::DEFAULT_ACTUATOR,
+            actuator: pvspin::ActuatorKind::default(),
             halt_poll_ns: None,
             park_spin_us: 0,
             user_mode: false,
@@ -423,7 +423,10 @@ impl RunConfig {
         }
         if self.vhost_user.is_some() {
             let in_process_only = [
-                (self.actuator != pvspin::DEFAULT_ACTUATOR, "--actuator"),
+                (
+                    self.actuator != pvspin::ActuatorKind::default(),
+                    "--actuator",
+                ),
                 (
                     self.confinement != pvspin::Confinement::Auto,
                     "--boosts unconfined",
@@ -699,7 +702,7 @@ mod tests {
             assert_eq!(check(refused), RunConfigError::VhostUserNeeds);
         }
         let fifo = RunConfig {
-            actuator: "fifo",
+            actuator: pvspin::ActuatorKind::Fifo,
             ..vhost.clone()
         };
         assert_eq!(check(fifo), RunConfigError::InProcessOnly("--actuator"));

@@ -17,7 +17,7 @@ fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
     let guest_dir = manifest_dir.join("guest");
-    let crates_dir = manifest_dir.join("../../crates");
+    let crates_dir = manifest_dir.join("..");
     for path in [
         guest_dir.join("Cargo.toml"),
         guest_dir.join("Cargo.lock"),

@@ -29,7 +29,7 @@ pub enum CgroupError {
         #[source]
         source: io::Error,
     },
-    /// `--cpu-limit` outside the range the example accepts (exit code 2).
+    /// `--cpu-limit` outside the range the test VM accepts (exit code 2).
     #[error("rule: --cpu-limit must be within 0.01..=4096 CPUs, got {0}")]
     CpuLimit(f64),
     /// A cgroup control file could not be written.

@@ -1,4 +1,4 @@
-//! `--boot pvh`: the example boots its guest image the way any PVH VMM does (Cloud
+//! `--boot pvh`: the test VM boots its guest image the way any PVH VMM does (Cloud
 //! Hypervisor's `--kernel`, QEMU's `-kernel`, Firecracker): the PVH start info with a memory
 //! map, the kernel command line the guest reads its parameters from, ACPI tables (RSDP, XSDT,
 //! FADT with the sleep control port, a DSDT with `\_S5_`, and an MADT listing the vCPUs), the

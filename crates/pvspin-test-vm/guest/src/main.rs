@@ -1,4 +1,4 @@
-//! The guest program of the pvspin-vmm example: bare-metal x86-64, one image for every
+//! The guest program of the test VM (`pvspin-test-vm`): bare-metal x86-64, one image for every
 //! workload, entered by every vCPU at `_start` in 64-bit mode (see `pvspin_vmm_proto`).
 //!
 //! The lock workload is the lock-holder-preemption experiment: every vCPU takes one shared
@@ -245,7 +245,7 @@ fn setup_pv(vcpu: u32, boot: &BootParams) -> Result<(), u32> {
         }
     } else if pv_on && boot.virtio_mmio_base != 0 {
         // The out-of-process backend's device: time budgets only, no WAIT command (user
-        // mode halts through the example VMM's halt port).
+        // mode halts through the test VM's halt port).
         if spin_budgets
             || !pv::enable_virtio(
                 vcpu,

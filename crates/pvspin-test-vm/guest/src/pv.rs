@@ -27,7 +27,7 @@ static VIRTIO_NOTIFY: AtomicU64 = AtomicU64::new(0);
 static VIRTIO_MAX_VCPUS: AtomicU32 = AtomicU32::new(0);
 /// With the pvspin virtio device: spin notifications were negotiated.
 static VIRTIO_SPIN: AtomicBool = AtomicBool::new(false);
-/// The port a doorbell-style wait writes: the doorbell's WAIT, or the example VMM's halt
+/// The port a doorbell-style wait writes: the doorbell's WAIT, or the test VM's halt
 /// port with the virtio device (which has no WAIT command).
 static WAIT_PORT: AtomicU16 = AtomicU16::new(0);
 
@@ -38,7 +38,7 @@ pub static USER_MODE: AtomicBool = AtomicBool::new(false);
 static WAIT_DOORBELL: AtomicBool = AtomicBool::new(false);
 
 /// The wait carries the spin notification in its own exit (the doorbell's WAIT; not the
-/// example VMM's halt port, which tells the virtio device nothing), so no separate SPIN.
+/// test VM's halt port, which tells the virtio device nothing), so no separate SPIN.
 static WAIT_NOTIFIES: AtomicBool = AtomicBool::new(false);
 
 /// The time budgets of the hint pages are in use (else ABI 0.2 spin counts).
@@ -493,7 +493,7 @@ fn registration_check(cpu: u32) {
 
 /// Turns PV kicks on through the pvspin virtio device at `base` (vCPU 0 brings it up and
 /// registers every vCPU's hint page; the others wait for it). Waiters halt with `hlt` in
-/// kernel mode and with the example VMM's halt port in user mode or when `wait_port` asks.
+/// kernel mode and with the test VM's halt port in user mode or when `wait_port` asks.
 /// `spin_notify`: the run wants spin notifications (the device must offer them).
 pub fn enable_virtio(
     vcpu: u32,

@@ -363,7 +363,7 @@ fn setup_err(what: &str) -> impl FnOnce(kvm_ioctls::Error) -> RunError + '_ {
     move |err| RunError::Setup(format!("{what}: {err}"))
 }
 
-/// The boot parameters the example guest reads for `config` (`tsc_khz`: the vCPUs' TSC
+/// The boot parameters the test guest reads for `config` (`tsc_khz`: the vCPUs' TSC
 /// frequency, 0 when unknown).
 pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
     BootParams {
@@ -613,7 +613,7 @@ fn with_kick_device(
         .vm_cpus(config.vm_cpus.unwrap_or_else(pvspin::entitled_cpus));
     if config.pv == PvMode::KickYield {
         let mut options = pvspin::DirectedYieldOptions {
-            actuator: config.actuator.to_string(),
+            actuator: config.actuator,
             confinement: config.confinement.clone(),
             ..pvspin::DirectedYieldOptions::default()
         };
@@ -664,7 +664,7 @@ fn configure_vm(
         create_irqchip(vm)?;
     }
     // Where the guest registers its steal-time areas (it does when KVM offers them). With run
-    // slots the example leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
+    // slots the test VM leaves it to pvspin, which reads MSR_KVM_STEAL_TIME as a VMM that
     // does not know its guest's layout would.
     if config.pv == PvMode::KickYield && config.run_slots.is_none() && config.vhost_user.is_none() {
         for index in 0..config.vcpus {
@@ -1083,7 +1083,7 @@ fn collect_findings(
 }
 
 /// How many vCPUs of a stock guest registered their steal-time areas (`None` for the
-/// example guest). KVM bumps an area's version at each update, so a non-zero version says
+/// test guest). KVM bumps an area's version at each update, so a non-zero version says
 /// KVM kept it (and its `preempted` byte) current.
 fn steal_time_registered(config: &RunConfig, memory: &VmMemory) -> Option<u32> {
     (config.guest == crate::config::GuestKind::Stock).then(|| {

@@ -1,4 +1,4 @@
-//! Seccomp filters for every thread of a run: the example's own needs per thread, merged with
+//! Seccomp filters for every thread of a run: the test VM's own needs per thread, merged with
 //! the runtime baseline and pvspin's rules for what pvspin does on that thread
 //! (`pvspin::seccomp`).
 //!
@@ -30,7 +30,7 @@ use seccompiler::{
 
 use crate::config::SeccompMode;
 
-/// The example's own KVM requests after setup, as kvm-ioctls defines them.
+/// The test VM's own KVM requests after setup, as kvm-ioctls defines them.
 mod nr {
     use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};
 
@@ -53,7 +53,7 @@ use nr::{KVM_GET_REGS, KVM_GET_SREGS, KVM_RUN};
 /// The threads of a run, by what they run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VmmThread {
-    /// A vCPU thread: `KVM_RUN`, pvspin's hooks, the example's devices.
+    /// A vCPU thread: `KVM_RUN`, pvspin's hooks, the test VM's devices.
     Vcpu,
     /// A busy host thread (`--hogs`).
     Hog,
@@ -117,7 +117,7 @@ fn vhost_user_rules(thread: VmmThread) -> RuleMap {
     }
 }
 
-/// The example's own syscalls on `thread` (without the baseline and pvspin's); `vhost_user`:
+/// The test VM's own syscalls on `thread` (without the baseline and pvspin's); `vhost_user`:
 /// the run has a vhost-user backend.
 pub fn own_rules(thread: VmmThread, vhost_user: bool) -> RuleMap {
     let mut map = own_rules_in_process(thread);
@@ -180,7 +180,7 @@ fn own_rules_in_process(thread: VmmThread) -> RuleMap {
     }
 }
 
-/// Everything `thread` may call: the baseline, the example's own needs and pvspin's.
+/// Everything `thread` may call: the baseline, the test VM's own needs and pvspin's.
 pub fn thread_rules(thread: VmmThread, vhost_user: bool) -> Result<RuleMap, SeccompError> {
     let mut map = seccomp::baseline_rules()?;
     seccomp::merge(&mut map, own_rules(thread, vhost_user));
@@ -198,7 +198,7 @@ pub fn thread_rules(thread: VmmThread, vhost_user: bool) -> Result<RuleMap, Secc
 }
 
 /// `AUDIT_ARCH_X86_64` (`EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE`), what the kernel
-/// puts in `seccomp_data.arch` for an x86-64 syscall (the example VMM is x86-64 only).
+/// puts in `seccomp_data.arch` for an x86-64 syscall (the test VM is x86-64 only).
 const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
 /// Offsets in `struct seccomp_data`: `nr`, `arch`, and the low halves of `args[0]` and
 /// `args[2]` (little-endian).
@@ -226,7 +226,7 @@ const PROBE_FLAGS: u32 = (libc::O_RDONLY | libc::O_CLOEXEC) as u32;
 /// memory with `madvise(MADV_DONTNEED)` instead of remapping it, which under
 /// `vm.overcommit_memory=2` only keeps that range counted against the commit limit.
 ///
-/// Nothing else the example or pvspin does opens with exactly these flags after setup (the
+/// Nothing else the test VM or pvspin does opens with exactly these flags after setup (the
 /// main thread's `--stats-file` is created write-only).
 pub fn refuse_overcommit_probe(program: BpfProgram) -> BpfProgram {
     let ld = |offset: u32| sock_filter {
@@ -406,7 +406,7 @@ mod tests {
     #[test]
     fn vcpu_ioctls_are_the_examples_and_pvspins() {
         let map = thread_rules(VmmThread::Vcpu, false).unwrap();
-        // The example's own vCPU ioctls and pvspin's (KVM_SET_MP_STATE, KVM_SIGNAL_MSI,
+        // The test VM's own vCPU ioctls and pvspin's (KVM_SET_MP_STATE, KVM_SIGNAL_MSI,
         // KVM_GET_MSRS; KVM_RUN is both's).
         assert_eq!(map[&libc::SYS_ioctl].len(), 6);
         assert_eq!(KVM_RUN(), 0xae80);

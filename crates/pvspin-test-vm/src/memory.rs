@@ -11,7 +11,7 @@ use pvspin_vmm_proto::{
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-/// Guest memory of the example VMM.
+/// Guest memory of the test VM.
 pub type VmMemory = GuestMemoryMmap<()>;
 
 /// Errors while preparing guest memory.

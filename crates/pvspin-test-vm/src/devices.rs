@@ -1,4 +1,4 @@
-//! The example's port-I/O devices: a 16550 UART (vm-superio) and the exit port; with
+//! The test VM's port-I/O devices: a 16550 UART (vm-superio) and the exit port; with
 //! `--boot pvh` the exit port only records the status, and the ACPI sleep control port
 //! (power-off) or the i8042 reset ends the run.
 
@@ -10,7 +10,7 @@ use pvspin_vmm_proto::pvh::{I8042_COMMAND_PORT, I8042_RESET, POWER_OFF_PORT, POW
 use pvspin_vmm_proto::{EXIT_PORT, SERIAL_PORT};
 use vm_superio::{Serial, Trigger};
 
-/// The UART's interrupt line. The example has no interrupt controller for it (the guest polls),
+/// The UART's interrupt line. The test VM has no interrupt controller for it (the guest polls),
 /// so raising it does nothing.
 #[derive(Debug)]
 pub struct NoInterrupt;

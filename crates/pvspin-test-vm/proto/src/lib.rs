@@ -1,6 +1,6 @@
-//! The protocol between the `pvspin-vmm` example and its guest program.
+//! The protocol between the test VM (`pvspin-test-vm`) and its guest program.
 //!
-//! This is the example's own test harness, not part of pvspin's guest ABI (that is
+//! This is the test harness's own protocol, not part of pvspin's guest ABI (that is
 //! `pvspin-abi`): where the VMM puts the boot parameters, where each vCPU starts, how the guest
 //! reports progress and results, and how it ends the run.
 //!
@@ -76,7 +76,7 @@ pub const HALT_PORT: u16 = 0x503;
 
 /// GPA of the virtio-mmio window of the pvspin virtio device, when the VMM presents one
 /// ([`BootParams::virtio_mmio_base`]): the last 2 MiB page of the identity map, above any
-/// guest RAM the example gives a guest.
+/// guest RAM the test VM gives a guest.
 pub const VIRTIO_MMIO_ADDR: u64 = MAPPED_BYTES - 0x20_0000;
 /// Size of the virtio-mmio window.
 pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
