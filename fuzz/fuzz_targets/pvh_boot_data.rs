@@ -1,5 +1,5 @@
 //! What the example guest reads from any PVH VMM at boot: the kernel command line
-//! (`pvspin_vmm_proto::cmdline`) and the firmware tables (`pvspin_vmm_proto::firmware`: RSDP,
+//! (`pvspin_test_vm_proto::cmdline`) and the firmware tables (`pvspin_test_vm_proto::firmware`: RSDP,
 //! XSDT/RSDT, MADT, FADT, DSDT, MP table), from arbitrary bytes.
 //!
 //! Invariants: no panic (the guest's panic is a failed boot); a command line either parses
@@ -8,8 +8,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pvspin_vmm_proto::firmware::{self, PhysRead};
-use pvspin_vmm_proto::{cmdline, MAX_VCPUS};
+use pvspin_test_vm_proto::firmware::{self, PhysRead};
+use pvspin_test_vm_proto::{cmdline, MAX_VCPUS};
 
 /// Guest memory: the first MiB, zero but for the input, copied where the guest looks for
 /// tables (the EBDA pointer at 0x40e, the last KiB of low memory, the BIOS area's start) and
@@ -43,8 +43,8 @@ fuzz_target!(|data: &[u8]| {
                     let params = parsed.params;
                     assert!(parsed.vcpus.is_none_or(|n| (1..=MAX_VCPUS).contains(&n)));
                     assert!((1..=cmdline::MAX_SPIN_THRESHOLD).contains(&params.spin_threshold));
-                    assert!(pvspin_vmm_proto::Workload::from_u32(params.workload).is_some());
-                    assert!(pvspin_vmm_proto::LockKind::from_u32(params.lock).is_some());
+                    assert!(pvspin_test_vm_proto::Workload::from_u32(params.workload).is_some());
+                    assert!(pvspin_test_vm_proto::LockKind::from_u32(params.lock).is_some());
                 }
                 Err(err) => assert!(!err.name.is_empty() && !err.reason.is_empty()),
             }

@@ -5,7 +5,7 @@
 
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_test_vm::{run, PvMode, RunConfig, RunReport};
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 fn config(lock: LockKind, vcpus: u32, iterations: u64) -> RunConfig {
     RunConfig {

@@ -7,7 +7,7 @@ use pvspin::KickPath;
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_test_vm::config::PvMode;
 use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 const PATHS: [KickPath; 3] = [KickPath::InKernel, KickPath::SignalMsi, KickPath::Userspace];
 

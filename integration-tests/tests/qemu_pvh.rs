@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use pvspin_integration_tests::{kvm_or_skip, record};
 use pvspin_test_vm::config::PvMode;
 use pvspin_test_vm::RunConfig;
-use pvspin_vmm_proto::pvh::RESULT_PREFIX;
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::pvh::RESULT_PREFIX;
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 const QEMU: &str = "qemu-system-x86_64";
 

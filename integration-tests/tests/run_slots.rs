@@ -8,7 +8,7 @@ use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
 use pvspin_test_vm::config::PvMode;
 use pvspin_test_vm::{run, RunConfig, RunConfigError};
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 fn slots_config(vcpus: u32, slots: u32, lock: LockKind, user_mode: bool) -> RunConfig {
     RunConfig {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use pvspin_integration_tests::{kvm_or_skip, with_watchdog};
 use pvspin_test_vm::config::PvMode;
 use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 /// The environment variable that turns this binary into `pvspind`: its arguments, separated by
 /// `\x1f`. The daemon runs as a child process of this test binary ([`daemon_process`]), so it

@@ -4,8 +4,8 @@
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_test_vm::config::PvMode;
 use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError};
+use pvspin_test_vm_proto::{LockKind, Workload};
 use pvspin_vmm::cli::main_with_args;
-use pvspin_vmm_proto::{LockKind, Workload};
 
 /// A small, bounded configuration: tests must stay quick on hosts that emulate every guest
 /// instruction.
@@ -150,7 +150,7 @@ fn faulting_guest_is_reported_with_vcpu_and_rip() {
     assert_eq!(*vcpu, 1);
     assert!(reason.contains("shutdown"), "{reason}");
     let regs = states.0[1].regs.expect("the faulting vCPU's registers");
-    assert!(regs.rip >= pvspin_vmm_proto::IMAGE_BASE, "{err}");
+    assert!(regs.rip >= pvspin_test_vm_proto::IMAGE_BASE, "{err}");
     assert!(err.to_string().contains("rip 0x"));
     assert_eq!(err.exit_code(), 1);
 }

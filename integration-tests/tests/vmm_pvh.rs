@@ -6,8 +6,8 @@
 use pvspin_integration_tests::kvm_or_skip;
 use pvspin_test_vm::config::{BootMode, GuestKind, PvMode};
 use pvspin_test_vm::{run, RunConfig, RunError};
-use pvspin_vmm_proto::pvh::RESULT_PREFIX;
-use pvspin_vmm_proto::{status, LockKind, Workload};
+use pvspin_test_vm_proto::pvh::RESULT_PREFIX;
+use pvspin_test_vm_proto::{status, LockKind, Workload};
 
 fn pvh_config(vcpus: u32) -> RunConfig {
     RunConfig {

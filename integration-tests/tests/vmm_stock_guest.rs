@@ -16,7 +16,7 @@ use pvspin::KickPath;
 use pvspin_integration_tests::{kvm_required, with_watchdog};
 use pvspin_test_vm::config::{GuestKind, PvMode};
 use pvspin_test_vm::{run, RunConfig, RunConfigError, RunError, RunReport};
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 /// The longest a whole test may take before its watchdog aborts the process.
 const TEST_BOUND: Duration = Duration::from_secs(600);

@@ -1,6 +1,6 @@
 //! The run configuration and its validation.
 
-use pvspin_vmm_proto::{
+use pvspin_test_vm_proto::{
     min_memory_bytes, LockKind, Workload, CPUID_QUERIES, MAPPED_BYTES, MAX_VCPUS,
 };
 
@@ -102,7 +102,7 @@ pub struct RunConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BootMode {
     /// The test VM's own protocol: every vCPU starts in 64-bit mode at the ELF entry with
-    /// the boot parameters the VMM wrote (`pvspin_vmm_proto`).
+    /// the boot parameters the VMM wrote (`pvspin_test_vm_proto`).
     #[default]
     Direct,
     /// PVH, as any PVH VMM boots the image: start info, command line, ACPI MADT/FADT, the
@@ -533,23 +533,23 @@ impl RunConfig {
         b
     }
 
-    /// The guest's [`pvspin_vmm_proto::BootParams::pv_flags`].
+    /// The guest's [`pvspin_test_vm_proto::BootParams::pv_flags`].
     pub fn pv_flags(&self) -> u32 {
         if self.guest == GuestKind::Stock {
             // Nothing of pvspin's options: no budgets, no CS_DEPTH, its own way to wait.
-            return pvspin_vmm_proto::PV_FLAG_STOCK_GUEST;
+            return pvspin_test_vm_proto::PV_FLAG_STOCK_GUEST;
         }
         let mut flags = 0;
         match self.wait {
             WaitMode::Auto => {}
-            WaitMode::Hlt => flags |= pvspin_vmm_proto::PV_FLAG_WAIT_HLT,
-            WaitMode::Doorbell => flags |= pvspin_vmm_proto::PV_FLAG_WAIT_DOORBELL,
+            WaitMode::Hlt => flags |= pvspin_test_vm_proto::PV_FLAG_WAIT_HLT,
+            WaitMode::Doorbell => flags |= pvspin_test_vm_proto::PV_FLAG_WAIT_DOORBELL,
         }
         if self.budgets == BudgetMode::Spins {
-            flags |= pvspin_vmm_proto::PV_FLAG_SPIN_BUDGETS;
+            flags |= pvspin_test_vm_proto::PV_FLAG_SPIN_BUDGETS;
         }
         if self.run_slots.is_some() {
-            flags |= pvspin_vmm_proto::PV_FLAG_CS_DEPTH;
+            flags |= pvspin_test_vm_proto::PV_FLAG_CS_DEPTH;
         }
         flags
     }
@@ -746,13 +746,13 @@ mod tests {
         }
         // Linux's default threshold, and only the stock guest's flag.
         assert_eq!(stock.guest_spin_threshold(), STOCK_SPIN_THRESHOLD);
-        assert_eq!(stock.pv_flags(), pvspin_vmm_proto::PV_FLAG_STOCK_GUEST);
+        assert_eq!(stock.pv_flags(), pvspin_test_vm_proto::PV_FLAG_STOCK_GUEST);
         let slots = RunConfig {
             run_slots: Some(0),
             budgets: BudgetMode::Spins,
             ..stock.clone()
         };
-        assert_eq!(slots.pv_flags(), pvspin_vmm_proto::PV_FLAG_STOCK_GUEST);
+        assert_eq!(slots.pv_flags(), pvspin_test_vm_proto::PV_FLAG_STOCK_GUEST);
         assert_eq!(RunConfig::default().guest_spin_threshold(), 128);
     }
 

@@ -6,8 +6,8 @@ use std::io::{self, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use pvspin_vmm_proto::pvh::{I8042_COMMAND_PORT, I8042_RESET, POWER_OFF_PORT, POWER_OFF_VALUE};
-use pvspin_vmm_proto::{EXIT_PORT, SERIAL_PORT};
+use pvspin_test_vm_proto::pvh::{I8042_COMMAND_PORT, I8042_RESET, POWER_OFF_PORT, POWER_OFF_VALUE};
+use pvspin_test_vm_proto::{EXIT_PORT, SERIAL_PORT};
 use vm_superio::{Serial, Trigger};
 
 /// The UART's interrupt line. The test VM has no interrupt controller for it (the guest polls),
@@ -79,7 +79,7 @@ pub enum PioAction {
     Exit(u32),
     /// The vCPU has nothing more to do (and cannot `hlt`, in user mode): park it.
     Park,
-    /// Halt in KVM as `hlt` would (the vCPU wrote [`pvspin_vmm_proto::HALT_PORT`]).
+    /// Halt in KVM as `hlt` would (the vCPU wrote [`pvspin_test_vm_proto::HALT_PORT`]).
     KvmHalt,
 }
 
@@ -120,7 +120,7 @@ impl IoBus {
 
     fn power_off_status(&self) -> u32 {
         u32::try_from(self.reported_status.load(Ordering::Relaxed))
-            .unwrap_or(pvspin_vmm_proto::status::NOT_REPORTED)
+            .unwrap_or(pvspin_test_vm_proto::status::NOT_REPORTED)
     }
 
     /// The bus with the pvspin virtio device's MMIO window on it.
@@ -163,10 +163,10 @@ impl IoBus {
             }
             return PioAction::Continue;
         }
-        if port == pvspin_vmm_proto::PARK_PORT {
+        if port == pvspin_test_vm_proto::PARK_PORT {
             return PioAction::Park;
         }
-        if port == pvspin_vmm_proto::HALT_PORT {
+        if port == pvspin_test_vm_proto::HALT_PORT {
             return PioAction::KvmHalt;
         }
         let pvh = self.pvh.load(Ordering::Relaxed);
@@ -286,7 +286,7 @@ mod tests {
         assert_eq!(bus.write(POWER_OFF_PORT, &[0x14]), PioAction::Continue);
         assert_eq!(
             bus.write(POWER_OFF_PORT, &[POWER_OFF_VALUE]),
-            PioAction::Exit(pvspin_vmm_proto::status::NOT_REPORTED)
+            PioAction::Exit(pvspin_test_vm_proto::status::NOT_REPORTED)
         );
         assert_eq!(
             bus.write(EXIT_PORT, &3u32.to_le_bytes()),

@@ -16,7 +16,7 @@
 //! | [`seccomp`] | a seccomp filter per VMM thread, merged with pvspin's rules |
 //! | [`cgroup`] | the VMM process in a cpu cgroup of its own |
 //! | [`report`] | [`RunReport`]: one human line, one JSON line, per-vCPU details |
-//! | [`proto`] | the boot and result protocol shared with the guest program (`pvspin-vmm-proto`) |
+//! | [`proto`] | the boot and result protocol shared with the guest program (`pvspin-test-vm-proto`) |
 //!
 //! The guest program (`guest/`, bare-metal x86-64) is built by this crate's build script and
 //! embedded as [`GUEST_IMAGE`].
@@ -51,7 +51,7 @@ pub mod vhost;
 pub mod virtio_mmio;
 pub mod vmm;
 
-pub use pvspin_vmm_proto as proto;
+pub use pvspin_test_vm_proto as proto;
 
 pub use config::{PvMode, RunConfig, RunConfigError};
 pub use report::RunReport;

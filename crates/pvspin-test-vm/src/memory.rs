@@ -5,7 +5,7 @@ use std::io::Cursor;
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use linux_loader::loader::{elf::Elf, KernelLoader};
-use pvspin_vmm_proto::{
+use pvspin_test_vm_proto::{
     stack_top, vcpu_slot_addr, BootParams, VcpuSlot, BOOT_PARAMS_ADDR, GDT_ADDR, IMAGE_BASE,
     IMAGE_MAX_BYTES, MAPPED_BYTES, PML4_ADDR,
 };

@@ -9,7 +9,7 @@ use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_start_info};
-use pvspin_vmm_proto::pvh::{
+use pvspin_test_vm_proto::pvh::{
     ACPI_ADDR, CMDLINE_ADDR, LOW_RAM_END, MEMMAP_ADDR, MEMMAP_RAM, MEMMAP_RESERVED, POWER_OFF_PORT,
     START_INFO_ADDR, START_INFO_MAGIC,
 };
@@ -45,7 +45,7 @@ pub enum PvhError {
 }
 
 /// The kernel command line that describes `config` to the guest, with the names of `run`'s
-/// options (`pvspin_vmm_proto::cmdline`); `tsc_khz` when known (0: the guest asks CPUID).
+/// options (`pvspin_test_vm_proto::cmdline`); `tsc_khz` when known (0: the guest asks CPUID).
 pub fn guest_cmdline(config: &RunConfig, tsc_khz: u64) -> String {
     let mut words = vec![
         format!("vcpus={}", config.vcpus),
@@ -133,7 +133,7 @@ pub fn write_boot_data(
     cmdline: &str,
     vcpus: u32,
 ) -> Result<(), PvhError> {
-    let max = pvspin_vmm_proto::cmdline::MAX_CMDLINE_BYTES - 1;
+    let max = pvspin_test_vm_proto::cmdline::MAX_CMDLINE_BYTES - 1;
     if cmdline.len() > max {
         return Err(PvhError::CmdlineTooLong {
             len: cmdline.len(),
@@ -307,7 +307,7 @@ pub fn entry_regs(entry: u64) -> kvm_regs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pvspin_vmm_proto::cmdline;
+    use pvspin_test_vm_proto::cmdline;
 
     #[test]
     fn the_guest_reads_back_every_configuration_pvspin_vmm_writes() {
@@ -316,7 +316,7 @@ mod tests {
             base.clone(),
             RunConfig {
                 vcpus: 4,
-                lock: pvspin_vmm_proto::LockKind::Queued,
+                lock: pvspin_test_vm_proto::LockKind::Queued,
                 pv: PvMode::KickYield,
                 user_mode: true,
                 wait: WaitMode::Doorbell,
@@ -332,12 +332,12 @@ mod tests {
             },
             RunConfig {
                 guest: GuestKind::Stock,
-                lock: pvspin_vmm_proto::LockKind::Queued,
+                lock: pvspin_test_vm_proto::LockKind::Queued,
                 pv: PvMode::Kick,
                 ..base.clone()
             },
             RunConfig {
-                workload: pvspin_vmm_proto::Workload::PingPong,
+                workload: pvspin_test_vm_proto::Workload::PingPong,
                 pv: PvMode::Kick,
                 wait: WaitMode::Hlt,
                 ..base
@@ -404,7 +404,7 @@ mod tests {
         }
     }
 
-    impl pvspin_vmm_proto::firmware::PhysRead for Phys {
+    impl pvspin_test_vm_proto::firmware::PhysRead for Phys {
         fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
             self.0.get(addr as usize..(addr as usize).checked_add(len)?)
         }
@@ -416,7 +416,7 @@ mod tests {
         write_boot_data(&memory, 16 << 20, "", 7).unwrap();
         // Through the start info's RSDP, and by the guest's scan of the BIOS area.
         for hint in [ACPI_ADDR, 0] {
-            let firmware = pvspin_vmm_proto::firmware::read(&Phys::of(&memory), hint);
+            let firmware = pvspin_test_vm_proto::firmware::read(&Phys::of(&memory), hint);
             assert!(firmware.power_off.hardware_reduced);
             assert_eq!(firmware.power_off.dsdt, ACPI_ADDR + DSDT_OFFSET);
             let cpus = firmware.cpus.expect("the MADT's CPUs");
@@ -424,7 +424,7 @@ mod tests {
             assert_eq!(firmware.power_off.sleep_control_port, POWER_OFF_PORT);
             let memory = Phys::of(&memory);
             assert_eq!(
-                pvspin_vmm_proto::firmware::s5_sleep_type(&memory, &firmware.power_off),
+                pvspin_test_vm_proto::firmware::s5_sleep_type(&memory, &firmware.power_off),
                 5
             );
         }

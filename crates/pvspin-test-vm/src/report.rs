@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use pvspin::{ExitKind, PvspinVcpuCounters};
-use pvspin_vmm_proto::{BootParams, Workload};
+use pvspin_test_vm_proto::{BootParams, Workload};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
@@ -412,7 +412,7 @@ impl LatencySummary {
     pub(crate) fn from_guest(memory: &VmMemory, params: &BootParams, tsc_khz: u64) -> Option<Self> {
         let result = params.result;
         let len = usize::try_from(result.samples_len).ok()?;
-        if len == 0 || len > pvspin_vmm_proto::MAX_SAMPLES {
+        if len == 0 || len > pvspin_test_vm_proto::MAX_SAMPLES {
             return None;
         }
         let mut bytes = vec![0u8; len * 4];

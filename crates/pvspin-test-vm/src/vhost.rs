@@ -334,7 +334,7 @@ impl VhostPvspin {
 
     /// The guest physical window of the registers.
     pub fn window(&self) -> std::ops::Range<u64> {
-        self.base..self.base + pvspin_vmm_proto::VIRTIO_MMIO_SIZE
+        self.base..self.base + pvspin_test_vm_proto::VIRTIO_MMIO_SIZE
     }
 
     /// The frontend's counters.

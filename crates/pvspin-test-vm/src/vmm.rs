@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use pvspin::PvSpin;
-use pvspin_vmm_proto::{BootParams, LockKind, Workload, BOOT_MAGIC, BOOT_VERSION};
+use pvspin_test_vm_proto::{BootParams, LockKind, Workload, BOOT_MAGIC, BOOT_VERSION};
 use vm_memory::GuestAddress;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
@@ -378,9 +378,9 @@ pub fn boot_params(config: &RunConfig, tsc_khz: u64) -> BootParams {
         tsc_khz,
         cpuid_leaves: config.cpuid_leaves,
         pv: match config.pv {
-            PvMode::Off => pvspin_vmm_proto::PV_OFF,
-            PvMode::Kick => pvspin_vmm_proto::PV_KICK,
-            PvMode::KickYield => pvspin_vmm_proto::PV_KICK_YIELD,
+            PvMode::Off => pvspin_test_vm_proto::PV_OFF,
+            PvMode::Kick => pvspin_test_vm_proto::PV_KICK,
+            PvMode::KickYield => pvspin_test_vm_proto::PV_KICK_YIELD,
         },
         spin_threshold: config.guest_spin_threshold(),
         user_mode: u32::from(config.user_mode),
@@ -670,7 +670,7 @@ fn configure_vm(
         for index in 0..config.vcpus {
             pvspin.set_steal_time_gpa(
                 index as usize,
-                Some(pvspin_vmm_proto::steal_time_addr(index)),
+                Some(pvspin_test_vm_proto::steal_time_addr(index)),
             );
         }
     }
@@ -732,7 +732,7 @@ fn attach_vhost_user(
     create_irqchip(vm)?;
     VhostPvspin::connect(
         path,
-        pvspin_vmm_proto::VIRTIO_MMIO_ADDR,
+        pvspin_test_vm_proto::VIRTIO_MMIO_ADDR,
         config.vcpus,
         memory.clone(),
         vm,
@@ -833,7 +833,7 @@ fn write_boot_data(
     } else {
         let mut params = boot_params(config, tsc_khz);
         if has_virtio {
-            params.virtio_mmio_base = pvspin_vmm_proto::VIRTIO_MMIO_ADDR;
+            params.virtio_mmio_base = pvspin_test_vm_proto::VIRTIO_MMIO_ADDR;
         }
         Ok(memory::write_boot_params(memory, &params, config.vcpus)?)
     }
@@ -1054,7 +1054,7 @@ fn collect_findings(
     let actuator = pvspin.actuator_name().map(str::to_string);
     if let Some(stats) = &telemetry.directed_yield {
         for index in 0..config.vcpus {
-            let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index));
+            let gpa = GuestAddress(pvspin_test_vm_proto::steal_time_addr(index));
             let steal: u64 = vm_memory::Bytes::read_obj(memory, gpa).unwrap_or(0);
             let version: u32 =
                 vm_memory::Bytes::read_obj(memory, GuestAddress(gpa.0 + 8)).unwrap_or(0);
@@ -1089,7 +1089,7 @@ fn steal_time_registered(config: &RunConfig, memory: &VmMemory) -> Option<u32> {
     (config.guest == crate::config::GuestKind::Stock).then(|| {
         (0..config.vcpus)
             .filter(|&index| {
-                let gpa = GuestAddress(pvspin_vmm_proto::steal_time_addr(index) + 8);
+                let gpa = GuestAddress(pvspin_test_vm_proto::steal_time_addr(index) + 8);
                 vm_memory::Bytes::read_obj::<u32>(memory, gpa).is_ok_and(|version| version != 0)
             })
             .count() as u32
@@ -1106,7 +1106,7 @@ fn check_ending(
 ) -> Result<(), RunError> {
     let states = VcpuStates(reports.to_vec());
     Err(match ending.unwrap_or(Ending::Timeout) {
-        Ending::GuestExit(pvspin_vmm_proto::status::OK) => return Ok(()),
+        Ending::GuestExit(pvspin_test_vm_proto::status::OK) => return Ok(()),
         Ending::GuestExit(status) => RunError::GuestStatus {
             status,
             meaning: status_meaning(status),
@@ -1167,7 +1167,7 @@ fn console_tail(console: &str, lines: usize) -> String {
 }
 
 fn status_meaning(status: u32) -> &'static str {
-    pvspin_vmm_proto::status::meaning(status)
+    pvspin_test_vm_proto::status::meaning(status)
 }
 
 /// Names for the CLI and reports.

@@ -24,7 +24,7 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use pvspin_test_vm::config::RunConfig;
 use pvspin_test_vm::devices::{ConsoleSink, IoBus, PioAction};
 use pvspin_test_vm::memory;
-use pvspin_vmm_proto::Workload;
+use pvspin_test_vm_proto::Workload;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -297,7 +297,7 @@ pub fn run(path: KickPath, workload: Workload, user_mode: bool) -> Result<String
         .find(|l| l.starts_with("guest:"))
         .unwrap_or("")
         .to_string();
-    if status == pvspin_vmm_proto::status::OK {
+    if status == pvspin_test_vm_proto::status::OK {
         Ok(summary)
     } else {
         Err(MinimalVmmError::GuestStatus {

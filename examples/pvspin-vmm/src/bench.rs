@@ -9,7 +9,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
-use pvspin_vmm_proto::LockKind;
+use pvspin_test_vm_proto::LockKind;
 
 use crate::cli::VmArgs;
 use crate::saved::{BenchHeader, JsonLines, Record, RunRecord, VmRecord};

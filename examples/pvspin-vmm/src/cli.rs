@@ -4,7 +4,7 @@ use std::ffi::OsString;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use pvspin_kvm::guest::UnknownGuestKernel;
-use pvspin_vmm_proto::{LockKind, Workload};
+use pvspin_test_vm_proto::{LockKind, Workload};
 
 use crate::bench::{self, BenchOptions};
 use pvspin_test_vm::config::{GuestKind, RunConfig, STOCK_SPIN_THRESHOLD};

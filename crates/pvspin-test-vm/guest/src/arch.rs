@@ -58,7 +58,7 @@ pub fn halt_forever() -> ! {
             // SAFETY: CPL 0: cli; hlt stops this vCPU until the VMM resumes it.
             unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
         } else {
-            outb(pvspin_vmm_proto::PARK_PORT, 0);
+            outb(pvspin_test_vm_proto::PARK_PORT, 0);
             core::hint::spin_loop();
         }
     }

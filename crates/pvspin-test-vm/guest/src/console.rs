@@ -4,7 +4,7 @@
 //! precompiled with SSE2, which KVM's emulator rejects.
 
 use pvspin_guest::{SpinMutex, TasLock};
-use pvspin_vmm_proto::SERIAL_PORT;
+use pvspin_test_vm_proto::SERIAL_PORT;
 
 use crate::arch::outb;
 

@@ -1,5 +1,5 @@
 //! The guest program of the test VM (`pvspin-test-vm`): bare-metal x86-64, one image for every
-//! workload, entered by every vCPU at `_start` in 64-bit mode (see `pvspin_vmm_proto`).
+//! workload, entered by every vCPU at `_start` in 64-bit mode (see `pvspin_test_vm_proto`).
 //!
 //! The lock workload is the lock-holder-preemption experiment: every vCPU takes one shared
 //! lock `iterations` times, does `cs_work` units of work inside and `ncs_work` outside, and
@@ -24,7 +24,7 @@ use pvspin_guest::{
     BackoffTicketLock, RawSpinLock, SpinMutex, StaticPvBackoffTicketLock, StaticPvQueuedLock,
     StaticPvTicketLock, StaticStockQueuedLock, TasLock, TicketLock,
 };
-use pvspin_vmm_proto::{
+use pvspin_test_vm_proto::{
     status, vcpu_slot_addr, BootParams, CPUID_QUERIES, MAX_PV_VCPUS, PV_FLAG_CS_DEPTH,
     PV_FLAG_SPIN_BUDGETS, PV_FLAG_STOCK_GUEST,
     PV_FLAG_WAIT_DOORBELL, PV_KICK, PV_KICK_YIELD, PV_OFF, LockKind, RunResult, VcpuSlot, Workload, BOOT_MAGIC,

@@ -4,7 +4,7 @@
 use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use pvspin_guest::{AtomicU8, PvOps};
-use pvspin_vmm_proto::{BootParams, MAX_PV_VCPUS, MAX_SAMPLES};
+use pvspin_test_vm_proto::{BootParams, MAX_PV_VCPUS, MAX_SAMPLES};
 
 use crate::arch::rdtsc;
 use crate::pv::PV;

@@ -14,7 +14,7 @@ use pvspin_abi::hint;
 use pvspin_abi::virtio::{kick_queue, spin_queue};
 use pvspin_guest::x86::{HaltPvOps, PvPlatform};
 use pvspin_guest::{pv_static, AtomicU8, PvDomain, SpinBudget, SpinConfig, SpinWait};
-use pvspin_vmm_proto::{MAX_PV_VCPUS, STACKS_ADDR, STACK_SIZE, VCPU_SLOT_INDEX_OFFSET};
+use pvspin_test_vm_proto::{MAX_PV_VCPUS, STACKS_ADDR, STACK_SIZE, VCPU_SLOT_INDEX_OFFSET};
 
 use crate::arch::{cpuid, inl, outl, rdtsc, wrmsr};
 
@@ -169,7 +169,7 @@ pub fn register_steal_time(vcpu: u32) -> bool {
         return false;
     }
     // SAFETY: CPL 0, and KVM advertises the MSR; bit 0 enables the 64-byte-aligned area.
-    unsafe { wrmsr(MSR_KVM_STEAL_TIME, pvspin_vmm_proto::steal_time_addr(vcpu) | 1) };
+    unsafe { wrmsr(MSR_KVM_STEAL_TIME, pvspin_test_vm_proto::steal_time_addr(vcpu) | 1) };
     STEAL_TIME.store(true, Ordering::Relaxed);
     true
 }
@@ -184,7 +184,7 @@ fn steal_time_preempted(cpu: u32) -> bool {
     if cpu >= MAX_PV_VCPUS || !STEAL_TIME.load(Ordering::Relaxed) {
         return false;
     }
-    let addr = pvspin_vmm_proto::steal_time_addr(cpu) + STEAL_TIME_PREEMPTED;
+    let addr = pvspin_test_vm_proto::steal_time_addr(cpu) + STEAL_TIME_PREEMPTED;
     // SAFETY: the steal-time areas are guest RAM, identity-mapped and user-accessible, and KVM
     // writes the byte while this vCPU reads it: an atomic byte load, like Linux's READ_ONCE.
     let byte = unsafe { AtomicU8::from_ptr(addr as *mut u8) };
@@ -513,7 +513,7 @@ pub fn enable_virtio(
     VIRTIO_SPIN.store(spin_notify, Ordering::Relaxed);
     VIRTIO_NOTIFY.store(device.notify, Ordering::Relaxed);
     if wait_port {
-        WAIT_PORT.store(pvspin_vmm_proto::HALT_PORT, Ordering::Relaxed);
+        WAIT_PORT.store(pvspin_test_vm_proto::HALT_PORT, Ordering::Relaxed);
         WAIT_DOORBELL.store(true, Ordering::Relaxed);
     }
     // Time budgets come with registered pages (the device wrote their host line).

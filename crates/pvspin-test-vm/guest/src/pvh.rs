@@ -1,4 +1,4 @@
-//! PVH boot (`pvspin_vmm_proto::pvh`): the ELF note, the 32-bit entry, long mode from the
+//! PVH boot (`pvspin_test_vm_proto::pvh`): the ELF note, the 32-bit entry, long mode from the
 //! guest's own tables, the CPU list, the APs' INIT-SIPI-SIPI, exceptions, and power-off.
 //!
 //! Kernel-mode guest code is emulated on hosts without hardware virtualization, so the boot
@@ -7,13 +7,13 @@
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-use pvspin_vmm_proto::cmdline::{self, MAX_CMDLINE_BYTES};
-use pvspin_vmm_proto::firmware::{self, PhysRead, PowerOff};
-use pvspin_vmm_proto::pvh::{
+use pvspin_test_vm_proto::cmdline::{self, MAX_CMDLINE_BYTES};
+use pvspin_test_vm_proto::firmware::{self, PhysRead, PowerOff};
+use pvspin_test_vm_proto::pvh::{
     MemmapEntry, StartInfo, I8042_COMMAND_PORT, I8042_RESET, MEMMAP_RAM, POWER_OFF_PORT,
     POWER_OFF_VALUE, START_INFO_MAGIC, TRAMPOLINE_ADDR, TRAMPOLINE_VECTOR,
 };
-use pvspin_vmm_proto::{
+use pvspin_test_vm_proto::{
     status, steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, BOOT_PARAMS_ADDR, MAX_VCPUS,
     STACKS_ADDR, STACK_SIZE,
 };
@@ -323,7 +323,7 @@ pub fn exit(code: u32) -> ! {
         .text(status::meaning(code))
         .text("), powering off")
         .print_bounded();
-    outl(pvspin_vmm_proto::EXIT_PORT, code);
+    outl(pvspin_test_vm_proto::EXIT_PORT, code);
     power_off()
 }
 
@@ -542,7 +542,7 @@ extern "C" fn exception(frame: *const u64) -> ! {
         asm!(
             "mov {0:e}, dword ptr gs:[{offset}]",
             out(reg) index,
-            offset = const pvspin_vmm_proto::VCPU_SLOT_INDEX_OFFSET,
+            offset = const pvspin_test_vm_proto::VCPU_SLOT_INDEX_OFFSET,
             options(nostack, preserves_flags, readonly),
         );
     }

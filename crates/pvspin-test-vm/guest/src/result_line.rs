@@ -5,9 +5,9 @@
 
 use core::sync::atomic::Ordering;
 
-use pvspin_vmm_proto::cmdline::{LOCKS, WORKLOADS};
-use pvspin_vmm_proto::pvh::RESULT_PREFIX;
-use pvspin_vmm_proto::{
+use pvspin_test_vm_proto::cmdline::{LOCKS, WORKLOADS};
+use pvspin_test_vm_proto::pvh::RESULT_PREFIX;
+use pvspin_test_vm_proto::{
     steal_time_addr, vcpu_slot_addr, BootParams, VcpuSlot, Workload, PV_FLAG_STOCK_GUEST, PV_KICK,
     PV_KICK_YIELD,
 };
@@ -32,7 +32,7 @@ pub fn print(params: &BootParams) {
         .text("\",\"lock\":\"")
         .text(name(
             &LOCKS,
-            pvspin_vmm_proto::LockKind::from_u32(params.lock),
+            pvspin_test_vm_proto::LockKind::from_u32(params.lock),
         ))
         .text("\",\"vcpus\":")
         .num(u64::from(params.vcpus))

@@ -3,7 +3,7 @@
 
 use core::arch::asm;
 
-use pvspin_vmm_proto::status;
+use pvspin_test_vm_proto::status;
 
 /// `rep movsb` cannot call back into `memcpy`, unlike a Rust loop the compiler may turn into one.
 #[no_mangle]

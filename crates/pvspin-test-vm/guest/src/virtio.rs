@@ -14,7 +14,7 @@ use pvspin_abi::virtio::{
     config, kick_queue, spin_queue, ControlRequest, CONTROL_QUEUE, DEVICE_ID, F_HINT_PAGES,
     F_SPIN_NOTIFY, F_VERSION_1, OP_REGISTER_HINT_PAGE, STATUS_OK,
 };
-use pvspin_vmm_proto::MAX_PV_VCPUS;
+use pvspin_test_vm_proto::MAX_PV_VCPUS;
 
 // virtio-mmio register offsets (virtio 1.x, "MMIO Device Register Layout").
 const MAGIC: usize = 0x000;
