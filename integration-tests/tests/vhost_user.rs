@@ -246,6 +246,50 @@ fn lock_workload_counts_exactly_through_the_backend() {
     });
 }
 
+/// Direct kicks (`RunConfig::vhost_direct_kicks`): each kick queue's notification is an
+/// ioeventfd on its vCPU's irqfd, so KVM delivers kicks and the daemon sees none, while it still
+/// serves the hint pages. Counts exact on both locks, in user and kernel mode; the guests halted
+/// and kicked, and no kick reached the daemon.
+#[test]
+fn direct_kicks_stay_in_kvm_and_the_daemon_serves_the_rest() {
+    if kvm_or_skip("direct_kicks_stay_in_kvm_and_the_daemon_serves_the_rest").is_none() {
+        return;
+    }
+    with_watchdog("vhost direct kicks", Duration::from_secs(600), || {
+        let scratch = Scratch::new("direct");
+        let socket = scratch.path("vm.sock");
+        let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), 4);
+        let (mut halts, mut kicks) = (0, 0);
+        for user in [true, false] {
+            for lock in [LockKind::Ticket, LockKind::Queued] {
+                let what = format!("{lock:?} user={user}");
+                let mut config = lock_config(&socket, lock, PvMode::Kick, 4, user);
+                config.vhost_direct_kicks = true;
+                let report = run(&config).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(report.counter, 4 * config.iterations, "{what}");
+                let frontend = report.vhost_user.expect("the frontend's counters");
+                assert_eq!(
+                    (frontend.connects, frontend.backend_losses),
+                    (1, 0),
+                    "{what}"
+                );
+                halts += report.pv_halts;
+                kicks += report.pv_kicks;
+            }
+        }
+        assert!(
+            halts > 0 && kicks > 0,
+            "no waiter halted and was kicked ({halts} halts, {kicks} kicks): the PV path was not exercised"
+        );
+        let json = daemon.json();
+        assert_eq!(daemon_kicks(&json), 0, "kicks reached the daemon: {json}");
+        assert!(
+            json["host"]["totals"]["hint_page_registrations"].as_u64() >= Some(4),
+            "the daemon no longer served the hint pages: {json}"
+        );
+    });
+}
+
 /// The daemon's most vCPUs per device, 31 (63 queues: every queue index vhost-user-backend's
 /// workers reach, `pvspin_vhost::config::TRANSPORT_MAX_VCPUS`), served to a 31-vCPU guest: all
 /// 63 queues set up, 31 hint pages registered through the control queue, counts exact.
@@ -744,6 +788,14 @@ fn the_vmm_names_the_rule_it_refuses() {
         match run(&config) {
             Err(RunError::Config(RunConfigError::VhostUserNeeds)) => {}
             other => panic!("slots with vhost-user: {other:?}"),
+        }
+        // Direct kicks wire the vhost-user device's queues: not without one.
+        let mut config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 2, true);
+        config.vhost_user = None;
+        config.vhost_direct_kicks = true;
+        match run(&config) {
+            Err(RunError::Config(RunConfigError::DirectKicksNeedVhostUser)) => {}
+            other => panic!("direct kicks without vhost-user: {other:?}"),
         }
         // No backend listening: the setup error names the socket.
         let config = lock_config(&socket, LockKind::Ticket, PvMode::Kick, 2, true);

@@ -85,6 +85,12 @@ pub struct RunConfig {
     /// PV kicks through the pvspin virtio device served by the vhost-user backend at this
     /// socket (`--pv-backend vhost-user:PATH`), instead of pvspin in this process.
     pub vhost_user: Option<std::path::PathBuf>,
+    /// With `vhost_user`: kicks stay in KVM (`--vhost-direct-kicks`). Each kick queue's
+    /// notification is an ioeventfd on the very eventfd that is the target vCPU's irqfd, as
+    /// pvspin's in-kernel path wires its doorbell, so no backend thread runs per kick; the
+    /// backend serves everything else (hint pages, budgets, spin notifications) and never sees
+    /// a kick.
+    pub vhost_direct_kicks: bool,
     /// Seccomp filters on the run's threads (`crate::seccomp`). The command line's default is
     /// `Enforce`; this struct's is `Off`, so that a library caller opts in.
     pub seccomp: SeccompMode,
@@ -239,6 +245,7 @@ impl Default for RunConfig {
             halt_watch_us: None,
             vm_cpus: None,
             vhost_user: None,
+            vhost_direct_kicks: false,
             seccomp: SeccompMode::Off,
             seccomp_violation: false,
             boot: BootMode::Direct,
@@ -309,6 +316,9 @@ pub enum RunConfigError {
     /// The vhost-user backend serves the virtio device's kicks, time budgets only.
     #[error("--pv-backend vhost-user needs --pv kick or kick+yield, --kick-path in-kernel (the kick queues are irqfds on the in-kernel irqchip), --budgets time and no --sched slots")]
     VhostUserNeeds,
+    /// Direct kicks wire the vhost-user device's kick queues.
+    #[error("--vhost-direct-kicks needs --pv-backend vhost-user")]
+    DirectKicksNeedVhostUser,
     /// Options of pvspin in this process, which a vhost-user run does not use.
     #[error("--pv-backend vhost-user: {0} acts on pvspin in this process, which a vhost-user run does not use (pvspind has its own options: --yield, --adjust-us, --max-events-per-sec)")]
     InProcessOnly(&'static str),
@@ -412,6 +422,9 @@ impl RunConfig {
             && (self.pv != PvMode::Kick || self.vcpus < 2 || self.iterations == 0)
         {
             return Err(RunConfigError::PingPongNeedsPv);
+        }
+        if self.vhost_direct_kicks && self.vhost_user.is_none() {
+            return Err(RunConfigError::DirectKicksNeedVhostUser);
         }
         if self.vhost_user.is_some()
             && (!self.pv.kicks()
@@ -701,6 +714,18 @@ mod tests {
         ] {
             assert_eq!(check(refused), RunConfigError::VhostUserNeeds);
         }
+        let direct = RunConfig {
+            vhost_direct_kicks: true,
+            ..vhost.clone()
+        };
+        assert_eq!(direct.validate(8), Ok(()));
+        assert_eq!(
+            check(RunConfig {
+                vhost_user: None,
+                ..direct
+            }),
+            RunConfigError::DirectKicksNeedVhostUser
+        );
         let fifo = RunConfig {
             actuator: pvspin::ActuatorKind::Fifo,
             ..vhost.clone()

@@ -211,6 +211,8 @@ pub struct VhostPvspin {
     max_vcpus: u32,
     memory: VmMemory,
     regions: Vec<VhostUserMemoryRegionInfo>,
+    /// Kick queues wired inside KVM (`connect`'s `direct_kicks`).
+    direct_kicks: bool,
     state: Mutex<State>,
     stats: FrontendStats,
 }
@@ -231,13 +233,15 @@ impl VhostPvspin {
     /// VM: an ioeventfd per queue on `QueueNotify` at `base + 0x50`, and for each kick queue
     /// an irqfd on a GSI routed to a REMRD MSI at that vCPU (the routing table is the
     /// default irqchip routes plus these: call after creating the in-kernel irqchip and
-    /// before any other routes are set).
+    /// before any other routes are set). With `direct_kicks` a kick queue's ioeventfd is its
+    /// irqfd's eventfd, so kicks stay in KVM and the backend is not given the kick queues.
     pub fn connect(
         path: &Path,
         base: u64,
         vcpus: u32,
         memory: VmMemory,
         vm: &VmFd,
+        direct_kicks: bool,
     ) -> Result<Arc<Self>, VhostError> {
         let (link, config) = Link::open(path)?;
         let max_vcpus = u32::from_le_bytes(
@@ -280,7 +284,18 @@ impl VhostPvspin {
                 EventFd::new(libc::EFD_NONBLOCK)
                     .map_err(|source| VhostError::Backend(format!("eventfd: {source}")))
             };
-            let (kick, call) = (eventfd()?, eventfd()?);
+            let call = eventfd()?;
+            let kick_queue = matches!(
+                virtio::queue_role(max_vcpus, index),
+                Some(QueueRole::Kick(_))
+            );
+            // Direct kicks: the guest's notification signals the target's irqfd itself.
+            let kick = if direct_kicks && kick_queue {
+                call.try_clone()
+                    .map_err(|source| VhostError::Backend(format!("eventfd: {source}")))?
+            } else {
+                eventfd()?
+            };
             vm.register_ioevent(&kick, &notify, index as u32)
                 .map_err(|source| VhostError::Kvm {
                     what: "KVM_IOEVENTFD on QueueNotify",
@@ -315,6 +330,7 @@ impl VhostPvspin {
             max_vcpus,
             memory,
             regions,
+            direct_kicks,
             state: Mutex::new(State {
                 regs: MmioRegisters::new(
                     virtio::DEVICE_ID,
@@ -425,6 +441,14 @@ impl VhostPvspin {
             let Some((kick, call)) = fds.get(index).and_then(Option::as_ref) else {
                 continue;
             };
+            let kick_queue = matches!(
+                virtio::queue_role(self.max_vcpus, index),
+                Some(QueueRole::Kick(_))
+            );
+            if self.direct_kicks && kick_queue {
+                // KVM delivers these kicks; the backend never sees them.
+                continue;
+            }
             let ring = VringConfigData {
                 queue_max_size: QUEUE_NUM_MAX,
                 queue_size: queue.num,
@@ -474,8 +498,13 @@ impl VhostPvspin {
         }
     }
 
-    /// The kick queues' indices and eventfds (for the relay).
-    fn kick_queue_fds(state: &State, max_vcpus: u32) -> Vec<(u32, i32)> {
+    /// The kick queues' indices and eventfds (for the relay; none with direct kicks, which
+    /// KVM delivers with or without a backend).
+    fn kick_queue_fds(&self, state: &State) -> Vec<(u32, i32)> {
+        if self.direct_kicks {
+            return Vec::new();
+        }
+        let max_vcpus = self.max_vcpus;
         state
             .fds
             .iter()
@@ -604,7 +633,7 @@ impl BackendWatch {
 
     fn relay_fds(&self) -> Vec<(u32, i32)> {
         let state = self.device.state();
-        VhostPvspin::kick_queue_fds(&state, self.device.max_vcpus)
+        self.device.kick_queue_fds(&state)
     }
 }
 

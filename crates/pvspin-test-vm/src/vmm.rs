@@ -736,6 +736,7 @@ fn attach_vhost_user(
         config.vcpus,
         memory.clone(),
         vm,
+        config.vhost_direct_kicks,
     )
     .map(Some)
     .map_err(|err| RunError::Setup(err.to_string()))

@@ -37,6 +37,9 @@ pub struct Variant {
     /// Kicks through the vhost-user backend of the bench's `--pv-backend` (`/vhost`); the
     /// other variants run pvspin in process, so both sit side by side in one table.
     pub vhost: bool,
+    /// With `vhost`: kicks stay in KVM (`/direct`, which implies `/vhost`;
+    /// `RunConfig::vhost_direct_kicks`).
+    pub vhost_direct: bool,
     /// The guest (`@stock`, `@pvspin`; `None`: the run's `--guest`), so stock and
     /// pvspin-aware guests sit side by side in one table.
     pub guest: Option<GuestKind>,
@@ -82,7 +85,7 @@ pub enum VariantFault {
     UnknownGuest(String),
     /// An unknown `/option`.
     #[error(
-        "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, poll=NS, park=US, cpus=N, \
+        "unknown option {0:?} (spins, time, hlt, doorbell, slots, vhost, direct, poll=NS, park=US, cpus=N, \
          quantum=US, slots=N)"
     )]
     UnknownOption(String),
@@ -151,6 +154,7 @@ impl Variant {
             None => (variant.to_string(), None),
         };
         let (mut wait, mut budgets, mut slots, mut vhost) = (None, None, None, false);
+        let mut vhost_direct = false;
         let (mut halt_poll_ns, mut park_spin_us, mut vm_cpus) = (None, None, None);
         let (mut slot_quantum_us, mut slot_count) = (None, None);
         let number = |opt: &'static str, value: &str| {
@@ -187,6 +191,7 @@ impl Variant {
                 "doorbell" => wait = Some(pvspin_test_vm::config::WaitMode::Doorbell),
                 "slots" => slots = Some(true),
                 "vhost" => vhost = true,
+                "direct" => (vhost, vhost_direct) = (true, true),
                 other => return Err(fault(VariantFault::UnknownOption(other.to_owned()))),
             }
         }
@@ -240,6 +245,7 @@ impl Variant {
             budgets,
             slots,
             vhost,
+            vhost_direct,
             guest: None,
             halt_poll_ns,
             park_spin_us,
@@ -268,6 +274,9 @@ impl Variant {
         }
         if self.vhost {
             s.push_str("/vhost");
+        }
+        if self.vhost_direct {
+            s.push_str("/direct");
         }
         if let Some(ns) = self.halt_poll_ns {
             s.push_str(&format!("/poll={ns}"));
@@ -336,6 +345,7 @@ impl Variant {
             } else {
                 None
             },
+            vhost_direct_kicks: self.vhost && (self.vhost_direct || base.vhost_direct_kicks),
             guest: self.guest.unwrap_or(base.guest),
             halt_poll_ns: self.halt_poll_ns.or(base.halt_poll_ns),
             park_spin_us: self.park_spin_us.unwrap_or(base.park_spin_us),
@@ -801,6 +811,7 @@ where
             budgets: None,
             slots: None,
             vhost: base.vhost_user.is_some(),
+            vhost_direct: false,
             guest: None,
             halt_poll_ns: None,
             park_spin_us: None,

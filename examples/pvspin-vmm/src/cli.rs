@@ -483,6 +483,11 @@ pub struct VmArgs {
     /// `pvspind --socket PATH`; the guest finds it on virtio-mmio).
     #[arg(long, default_value = "in-process", value_parser = parse_pv_backend)]
     pub pv_backend: PvBackendArg,
+    /// With `--pv-backend vhost-user`: kicks stay in KVM. Each kick queue's notification is
+    /// an ioeventfd on the eventfd that is its vCPU's irqfd, so no backend thread runs per
+    /// kick; the backend serves the rest and sees no kick.
+    #[arg(long)]
+    pub vhost_direct_kicks: bool,
     /// How the guest boots: `direct` (every vCPU in 64-bit mode at the ELF entry, the
     /// example's own boot parameters) or `pvh` (as any PVH VMM boots it: start info, kernel
     /// command line, ACPI MADT, APs started by the guest with INIT-SIPI-SIPI, ACPI power-off;
@@ -752,6 +757,7 @@ impl VmArgs {
                 PvBackendArg::InProcess => None,
                 PvBackendArg::VhostUser(path) => Some(path.clone()),
             },
+            vhost_direct_kicks: self.vhost_direct_kicks,
             confinement: match self.boosts {
                 BoostsArg::Confined => pvspin::Confinement::Auto,
                 BoostsArg::Unconfined => pvspin::Confinement::Unconfined,

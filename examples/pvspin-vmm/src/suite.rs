@@ -2079,6 +2079,7 @@ pub fn parity_table(tables: &[crate::bench::BenchTable]) -> String {
         for vhost in table.cases.iter().filter(|c| c.variant.vhost) {
             let in_process = Variant {
                 vhost: false,
+                vhost_direct: false,
                 ..vhost.variant
             };
             let Some(inp) = table
