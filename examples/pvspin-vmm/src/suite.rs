@@ -896,7 +896,9 @@ fn vhost_parity(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
     // At 2 vCPUs the VM's vCPUs fit the 2 CPUs: in process pvspin says so (VCPUS_FIT), and
     // the daemon says it when told the CPUs and given the VM's vCPU count.
     let d2 = daemon("parity2", "--max-vcpus 2 --vm-cpus 2");
-    const VARIANTS: &str = "ticket:kick,ticket:kick/vhost,queued:kick,queued:kick/vhost";
+    // In process, through pvspind, and through pvspind with kicks kept in KVM by the frontend.
+    const VARIANTS: &str = "ticket:kick,ticket:kick/vhost,ticket:kick/direct,queued:kick,\
+                            queued:kick/vhost,queued:kick/direct";
     let step_with = |d: &Daemon, name: String, what: String, text: String| Step::Table {
         name,
         what,
@@ -2072,7 +2074,7 @@ fn probe_summary(
 /// variant without `/vhost`.
 pub fn parity_table(tables: &[crate::bench::BenchTable]) -> String {
     let mut text = String::from(
-        "| vCPUs | hogs | variant | in process: median (slowest) | pvspind: median (slowest) \
+        "| vCPUs | hogs | pvspind variant | in process: median (slowest) | pvspind: median (slowest) \
          | ratio of medians | ratio of slowest |\n|---|---|---|---|---|---|---|\n",
     );
     for table in tables {
@@ -2095,7 +2097,7 @@ pub fn parity_table(tables: &[crate::bench::BenchTable]) -> String {
                 "| {} | {} | {} | {:.3} s ({}{:.3}) | {:.3} s ({}{:.3}) | **{:.2}x** | {:.2}x |",
                 table.vcpus,
                 vhost.hogs,
-                in_process.name(),
+                vhost.variant.name(),
                 inp.median(),
                 mark(inp),
                 inp.slowest(),
@@ -2292,8 +2294,10 @@ mod tests {
             [
                 "ticket:kick:in-kernel",
                 "ticket:kick/vhost:in-kernel",
+                "ticket:kick/vhost/direct:in-kernel",
                 "queued:kick:in-kernel",
-                "queued:kick/vhost:in-kernel"
+                "queued:kick/vhost:in-kernel",
+                "queued:kick/vhost/direct:in-kernel"
             ]
         );
         let Step::Confinement { cases, .. } = &plan("confinement")[0] else {
