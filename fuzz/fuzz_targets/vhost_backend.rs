@@ -50,6 +50,8 @@ fuzz_target!(|data: &[u8]| {
         max_events_per_sec: u32::MAX,
         // handle_event would make the fuzzing thread SCHED_FIFO.
         worker_priority: WorkerPriority::Inherit,
+        // Samples with and without NOT_RUNNING flags (opt-in in the daemon).
+        flag_not_running: data[11] & 0x40 != 0,
         ..BackendConfig::default()
     };
     let threads = FakeThreads::new(42, max_vcpus, data[11] & 0x80 != 0);

@@ -139,17 +139,25 @@ const SAMPLER_IDLE_FACTOR: u32 = 20;
 
 /// How long the sampler sleeps after a pass of period `period`, and whether a notification
 /// should wake it earlier: 20 times `period` while the VM is `idle` (woken by its next
-/// notification), and always where the VM's vCPUs fit its CPUs, where no pass flags a vCPU
-/// (`sample_once`): passes there only tell whether notifications are useful, and each one
-/// takes a CPU from the VM's vCPUs (measured with 1-ms passes: 1.2-1.5x slower at 2x host
-/// overcommit), so notifications do not wake it either.
+/// notification), and always where no pass can flag a vCPU (`sample_once`: flags off, or the
+/// VM's vCPUs fit its CPUs): passes there only take wait reports and tell whether
+/// notifications are useful, and each one takes a CPU from the VM's vCPUs (measured with
+/// 1-ms passes: 1.2-1.5x slower at 2x host overcommit), so notifications do not wake it either.
 fn sampler_pause(config: &BackendConfig, period: Duration, idle: bool) -> (Duration, bool) {
-    let fit = config.vcpus_fit();
-    if idle || fit {
-        (period * SAMPLER_IDLE_FACTOR, idle && !fit)
+    let flags = flags_not_running(config);
+    if idle || !flags {
+        (period * SAMPLER_IDLE_FACTOR, idle && flags)
     } else {
         (period, false)
     }
+}
+
+/// Whether sampler passes set `NOT_RUNNING` for descheduled vCPUs: only when asked, and never
+/// where the VM's vCPUs fit its CPUs. There a descheduled vCPU was preempted by another tenant,
+/// not by its own VM's spinners: a waiter that waited early would give its CPU to that tenant
+/// and make the next hand-over a wake-up. The in-process host does not flag such vCPUs either.
+fn flags_not_running(config: &BackendConfig) -> bool {
+    config.flag_not_running && !config.vcpus_fit()
 }
 
 /// What one sampler pass did (for tests and the fuzz target).
@@ -563,11 +571,7 @@ impl PvspinBackend {
                 .telemetry
                 .sched_pass(pass.threads, pass.reads, ns);
         }
-        // Where the VM's vCPUs fit its CPUs, a descheduled vCPU was preempted by another
-        // tenant, not by its own VM's spinners: a waiter that waited early would give its CPU
-        // to that tenant, and make the next hand-over a wake-up. The in-process host does not
-        // flag such vCPUs either.
-        let flag_descheduled = !self.inner.config.vcpus_fit();
+        let flag_descheduled = flags_not_running(&self.inner.config);
         let h = lock(&self.inner.hints);
         for (v, &(state, descheduled)) in states.iter().enumerate() {
             if let Some(cell) = self.inner.run_state.get(v) {
@@ -1078,12 +1082,20 @@ mod tests {
         }
 
         fn with_vm_cpus(mode: YieldMode, confined: bool, acked: u64, vm_cpus: Option<u32>) -> Self {
-            let config = BackendConfig {
-                max_vcpus: 4,
-                yield_mode: mode,
-                vm_cpus,
-                ..BackendConfig::default()
-            };
+            Self::with_config(
+                BackendConfig {
+                    max_vcpus: 4,
+                    yield_mode: mode,
+                    vm_cpus,
+                    flag_not_running: true,
+                    ..BackendConfig::default()
+                },
+                confined,
+                acked,
+            )
+        }
+
+        fn with_config(config: BackendConfig, confined: bool, acked: u64) -> Self {
             let tel = Arc::new(DaemonVmTelemetry::new("t", "/t", 4));
             let sched = FakeSched::new(7, 4);
             let backend = PvspinBackend::with_actions(
@@ -1678,12 +1690,16 @@ mod tests {
     }
 
     #[test]
-    fn the_sampler_slows_down_when_idle_or_where_the_vcpus_fit() {
+    fn the_sampler_slows_down_when_idle_or_where_it_flags_nobody() {
         let ms = Duration::from_millis(1);
         let mut config = BackendConfig {
             max_vcpus: 4,
             ..BackendConfig::default()
         };
+        // Flags off (the default): passes only take wait reports, at the idle rate.
+        assert_eq!(sampler_pause(&config, ms, false), (ms * 20, false));
+        assert_eq!(sampler_pause(&config, ms, true), (ms * 20, false));
+        config.flag_not_running = true;
         assert_eq!(sampler_pause(&config, ms, false), (ms, false));
         assert_eq!(sampler_pause(&config, ms, true), (ms * 20, true));
         config.vm_cpus = Some(2);
@@ -1719,6 +1735,29 @@ mod tests {
             rig.backend.telemetry().snapshot().not_running_set,
             vec![0; 4]
         );
+    }
+
+    #[test]
+    fn by_default_the_sampler_takes_wait_reports_and_flags_nobody() {
+        let config = BackendConfig {
+            max_vcpus: 4,
+            ..BackendConfig::default()
+        };
+        assert!(!config.flag_not_running);
+        let mut rig = Rig::with_config(config, false, ALL_FEATURES);
+        let mem = rig.guest();
+        set_up_budgets(&mut rig, &mem);
+        rig.sched.preempted(1);
+        rig.backend.sample_once(Instant::now());
+        let pass = rig.backend.sample_once(Instant::now());
+        assert!(rig.backend.descheduled(1), "still seen descheduled");
+        assert_eq!((pass.threads, pass.set), (3, 0));
+        assert!(!flag(&rig, PAGE2));
+        // A wait report on a page is taken by a pass, with no kick or notification.
+        rig.guest_store(PAGE2, hint::LAST_WAIT_TSC, 30_000u64);
+        rig.backend.sample_once(Instant::now());
+        assert_eq!(rig.at::<u64>(PAGE2, hint::WAIT_AFTER_TSC), 100_000);
+        assert_eq!(rig.at::<u64>(PAGE2, hint::LAST_WAIT_TSC), 0, "taken");
     }
 
     #[test]

@@ -67,11 +67,16 @@ struct Args {
     /// not lost): bounds what a guest can make the daemon spend.
     #[arg(long, default_value_t = crate::config::DEFAULT_MAX_EVENTS_PER_SEC)]
     max_events_per_sec: u32,
-    /// How often the VMM's vCPU threads are sampled in /proc to set NOT_RUNNING in the hint
-    /// pages of descheduled ones, microseconds (20 times less often while a VM sends no
-    /// notification); 0: never.
+    /// How often the VMM's vCPU threads are sampled in /proc and the guests' wait reports
+    /// taken, microseconds (20 times less often while a VM sends no notification, and always
+    /// without --flag-not-running); 0: never.
     #[arg(long, default_value_t = crate::config::DEFAULT_SCHED_SAMPLE.as_micros() as u64)]
     sched_sample_us: u64,
+    /// Set NOT_RUNNING in the hint pages of sampled vCPUs that are descheduled, so that
+    /// guests wait early behind them (never where the vCPUs fit --vm-cpus). Measured to cost
+    /// more than it saves on the development hosts (docs/benchmarks.md §11.4-11.5).
+    #[arg(long)]
+    flag_not_running: bool,
     /// The CPUs each VM gets (its affinity and CPU quota): with it, guests whose --max-vcpus
     /// fit them are told so (VCPUS_FIT), and stop waiting early behind a just-kicked lock
     /// owner. Default: not said.
@@ -157,6 +162,7 @@ where
         worker_priority: args.worker_priority,
         sched_sample: (args.sched_sample_us > 0)
             .then(|| Duration::from_micros(args.sched_sample_us)),
+        flag_not_running: args.flag_not_running,
         vm_cpus: args.vm_cpus,
         ..BackendConfig::default()
     };

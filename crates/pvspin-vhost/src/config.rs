@@ -57,6 +57,8 @@ pub enum DaemonConfigError {
     ),
     /// rule: a VM gets at least one CPU (vm_cpus), got 0
     NoVmCpus,
+    /// rule: NOT_RUNNING flags (flag_not_running) come from the scheduler sampler, which is off
+    FlagsWithoutSampler,
 }
 
 /// The time budgets, in microseconds: where they start and their bounds. The daemon adapts
@@ -123,10 +125,10 @@ pub enum YieldMode {
 /// added to every kick. Its CPU is bounded by the VM's event rate
 /// ([`BackendConfig::max_events_per_sec`]) whatever its priority.
 ///
-/// The default is `SCHED_FIFO` priority 1: at a normal priority the worker of a VM whose vCPUs
-/// keep both host CPUs busy waited for a CPU at every kick (the scheduler lets a running
-/// thread finish its slice, milliseconds), the waits outgrew the wait budget's ceiling and
-/// every acquisition ended in a halt (issue 22; `docs/benchmarks.md`, "pvspind at parity").
+/// At a normal priority the worker of a VM whose vCPUs keep both host CPUs busy can wait for a
+/// CPU at every kick; `fifo:1` was tried against that and made 2-vCPU VMs beside co-tenants
+/// collapse instead (`docs/pvspind.md`), and a short EEVDF slice or polling after each kick
+/// gained little (`docs/benchmarks.md` §11.5).
 ///
 /// The default is [`WorkerPriority::Inherit`]: real time only when the operator asks, since the
 /// worker runs what guests send and at real-time priority that CPU time is taken from every
@@ -200,10 +202,17 @@ pub struct BackendConfig {
     /// notifies in a loop gets at most this many wake-ups of the daemon's CPU: what the
     /// daemon spends on a VM is bounded, whatever the guest writes.
     pub max_events_per_sec: u32,
-    /// How often the frontend's vCPU threads are sampled in `/proc` to set `NOT_RUNNING` in
-    /// their hint pages (`crate::sched`); `None`: never (the flag stays 0). Sampling slows
-    /// down 20-fold while the VM sends no notification.
+    /// How often the frontend's vCPU threads are sampled in `/proc` (`crate::sched`) and the
+    /// wait reports taken from their hint pages; `None`: never (budgets then adapt at kicks
+    /// only, and `NOT_RUNNING` stays 0). Sampling slows down 20-fold while the VM sends no
+    /// notification, and always where no vCPU can be flagged (flags off, or the vCPUs fit).
     pub sched_sample: Option<Duration>,
+    /// Whether sampled vCPUs that are descheduled get `NOT_RUNNING` in their hint pages, so
+    /// that pvspin guests wait early instead of spinning behind them (never where the vCPUs
+    /// fit their CPUs, [`Self::vcpus_fit`]). Off by default: at 2-16 vCPUs on 1-2 CPUs the
+    /// flags were measured to cost 8-20% through the daemon, against no gain
+    /// (`docs/benchmarks.md` §11.4-11.5).
+    pub flag_not_running: bool,
     /// The VM's queue worker thread's priority, set when it handles its first event.
     pub worker_priority: WorkerPriority,
     /// The CPUs the VM gets (its affinity and CPU quota), if the operator says: the daemon then
@@ -228,6 +237,7 @@ impl Default for BackendConfig {
             nice_step: 5,
             max_events_per_sec: DEFAULT_MAX_EVENTS_PER_SEC,
             sched_sample: Some(DEFAULT_SCHED_SAMPLE),
+            flag_not_running: false,
             worker_priority: WorkerPriority::default(),
             vm_cpus: None,
         }
@@ -237,6 +247,9 @@ impl Default for BackendConfig {
 impl BackendConfig {
     /// Checks the limits; a daemon refuses to start on an error.
     pub fn validate(&self) -> Result<(), DaemonConfigError> {
+        if self.flag_not_running && self.sched_sample.is_none() {
+            return Err(DaemonConfigError::FlagsWithoutSampler);
+        }
         if self.max_vcpus == 0 {
             return Err(DaemonConfigError::NoVcpus);
         }
@@ -311,6 +324,11 @@ mod tests {
             Err(DaemonConfigError::SchedSample(_))
         ));
         c.sched_sample = None;
+        assert_eq!(c.validate(), Ok(()));
+        c.flag_not_running = true;
+        assert_eq!(c.validate(), Err(DaemonConfigError::FlagsWithoutSampler));
+        assert!(c.validate().unwrap_err().to_string().contains("rule"));
+        c.sched_sample = Some(DEFAULT_SCHED_SAMPLE);
         assert_eq!(c.validate(), Ok(()));
         c.budgets = BudgetsUs::default();
         c.thread_patterns.push("vcpu".into());

@@ -15,7 +15,9 @@
 //!   connection), peer credentials, the telemetry control socket and shutdown.
 //!
 //! - [`sched`]: who runs, seen from outside the VMM: the vCPU threads sampled in `/proc`, so
-//!   that the backend sets `NOT_RUNNING` in the hint pages of descheduled vCPUs.
+//!   that the backend knows whether a spin notification's target was descheduled and, when
+//!   asked ([`config::BackendConfig::flag_not_running`]), sets `NOT_RUNNING` in the hint pages
+//!   of descheduled vCPUs.
 //!
 //! The backend adapts the hint pages' time budgets with pvspin's own code
 //! (`pvspin_hints::PageBudgets`, which the in-process host runs too), from the guests' wait

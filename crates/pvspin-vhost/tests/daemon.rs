@@ -542,7 +542,7 @@ fn wait_for(what: &str, pred: impl Fn() -> bool) {
 /// The scheduler sampler on real threads: this process plays the VMM with two busy "vCPU"
 /// threads pinned to one CPU, so at any time one of them is runnable but descheduled. The
 /// daemon must flag it NOT_RUNNING in its page (and only a registered vCPU's page), and clear
-/// every flag when the frontend goes away.
+/// every flag when the frontend goes away. Flags are opt-in (`--flag-not-running`).
 #[test]
 fn a_descheduled_vcpu_thread_is_flagged_not_running() {
     let dir = TempDir::new();
@@ -555,6 +555,7 @@ fn a_descheduled_vcpu_thread_is_flagged_not_running() {
             control.to_str().unwrap(),
             "--max-vcpus",
             "2",
+            "--flag-not-running",
             "--yield",
             "off",
             "--vcpu-thread-pattern",
