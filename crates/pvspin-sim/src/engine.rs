@@ -225,6 +225,10 @@ struct Vcpu {
     slot_since: u64,
     /// Backoff lock: it was two or more places from the head, so it sleeps between looks.
     backed_off: bool,
+    /// Stock qspinlock: this queue head is hashed (it halted as the head, or was halted when
+    /// the head was handed to it), so after its kick it spins until it gets the lock:
+    /// `pv_wait(&locked, SLOW)` returns at once on a lock that is not `SLOW` again.
+    hashed_head: bool,
 }
 
 #[derive(Debug, Default)]
@@ -235,6 +239,11 @@ struct LockState {
     queue: VecDeque<u32>,
     /// TAS spinners.
     spinners: Vec<u32>,
+    /// Stock qspinlock: the pending bit. The queue head sets it while it spins for the lock
+    /// and clears it when it takes the lock or stops to halt; while it is set nobody steals.
+    /// A head whose thread is preempted mid-spin keeps it set, so a released lock stays free
+    /// until that thread runs again (lock-waiter preemption).
+    pending: bool,
     /// Backoff lock: the waiters' estimate of one hand-over, ns (an EWMA of the time between
     /// releases, as its waiters sample it, clamped to the unit's bounds).
     unit_ns: u64,
@@ -393,6 +402,7 @@ impl Sim {
                     boost_token: 0,
                     slot_since: 0,
                     backed_off: false,
+                    hashed_head: false,
                 });
             }
         }
@@ -718,10 +728,12 @@ impl Sim {
     fn acquire(&mut self, v: u32) {
         let m = self.vcpus[v as usize].vm as usize;
         let lk = &mut self.vms[m].lock;
+        // A stock guest's fast path or its one steal attempt takes a free lock unless a
+        // queue head spins for it (pending).
         if lk.owner.is_none()
             && (self.cfg.variant.lock == LockKind::Tas
                 || lk.queue.is_empty()
-                || self.cfg.variant.guest == Guest::Stock)
+                || (self.cfg.variant.guest == Guest::Stock && !lk.pending))
         {
             lk.owner = Some(v);
             let t = self.cost.uncontended_ns;
@@ -744,6 +756,8 @@ impl Sim {
         let var = self.cfg.variant;
         let deadline = match (var.pv, var.guest) {
             (PvMode::Off, _) => u64::MAX,
+            // A hashed stock head spins round after round until it gets the lock.
+            (_, Guest::Stock) if self.vcpus[v as usize].hashed_head => u64::MAX,
             (_, Guest::Stock) => self.now + self.cost.stock_spin_threshold * self.cost.pause_ns,
             _ => {
                 let vc = &self.vcpus[v as usize];
@@ -781,10 +795,16 @@ impl Sim {
                 lk.spinners.retain(|&w| w != v);
                 if lk.queue.front() == Some(&v) {
                     lk.queue.pop_front();
+                    lk.pending = false;
+                    self.vcpus[v as usize].hashed_head = false;
                 }
                 self.start(v, Act::Take, h);
                 return;
             }
+        }
+        if var.guest == Guest::Stock && var.pv != PvMode::Off && lk.queue.front() == Some(&v) {
+            // The queue head spins for the lock byte with pending set.
+            lk.pending = true;
         }
         if var.pv != PvMode::Off && self.waits_early(v) {
             self.wait(v);
@@ -837,7 +857,18 @@ impl Sim {
                 let spin_on = waking && vm.vcpus_fit && !self.cfg.early_wait_behind_waking;
                 matches!(wa, Act::Halted | Act::SlotWait) && !spin_on
             }
-            Guest::Stock => wa == Act::SlotWait,
+            Guest::Stock => {
+                let vc = &self.vcpus[v as usize];
+                let lk = &self.vms[vc.vm as usize].lock;
+                if lk.queue.front() == Some(&v) {
+                    // The head stops spinning when the holder's `preempted` byte is set
+                    // (only slots set it here); a hashed head would only spin again.
+                    wa == Act::SlotWait && !vc.hashed_head
+                } else {
+                    // `pv_wait_early`: the predecessor's node is not running (halted).
+                    matches!(wa, Act::Halted | Act::WaitExit)
+                }
+            }
         }
     }
 
@@ -854,6 +885,13 @@ impl Sim {
                 if var.pv == PvMode::KickYield {
                     self.directed_yield(v, w);
                 }
+            }
+        }
+        if var.guest == Guest::Stock {
+            // The head clears pending before it hashes itself and halts.
+            let lk = &mut self.vms[self.vcpus[v as usize].vm as usize].lock;
+            if lk.queue.front() == Some(&v) {
+                lk.pending = false;
             }
         }
         let vc = &mut self.vcpus[v as usize];
@@ -1010,13 +1048,20 @@ impl Sim {
                     let blocked = matches!(na, Act::Halted | Act::WaitExit);
                     if var.guest == Guest::Stock && (blocked || !n_on_cpu) {
                         // The queue head takes a free lock when it runs; a newcomer may steal it
-                        // first. A halted head is kicked at this unlock (the lock was SLOW).
-                        if blocked {
+                        // first (unless it spins with pending set: then the lock waits for it). A
+                        // halted head is kicked at this unlock (the lock was SLOW); it is hashed.
+                        // Only the unlock that finds the lock SLOW kicks: once per halt (the
+                        // kicked head, hashed, never halts again before it takes the lock).
+                        if blocked && !self.vcpus[n as usize].hashed_head {
                             kicked = Some(n);
+                            self.vcpus[n as usize].hashed_head = true;
                         }
                     } else {
                         vm.lock.queue.pop_front();
                         vm.lock.owner = Some(n);
+                        // A stock head spinning on a CPU takes it (`trylock_clear_pending`).
+                        vm.lock.pending = false;
+                        self.vcpus[n as usize].hashed_head = false;
                         if blocked {
                             kicked = Some(n);
                         } else if n_on_cpu && na == Act::Spin {
