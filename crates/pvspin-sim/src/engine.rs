@@ -229,6 +229,12 @@ struct Vcpu {
     /// the head was handed to it), so after its kick it spins until it gets the lock:
     /// `pv_wait(&locked, SLOW)` returns at once on a lock that is not `SLOW` again.
     hashed_head: bool,
+    /// KVM's halt-polling window for this vCPU (grown and shrunk after each halt as KVM does).
+    halt_poll_ns: u64,
+    /// When its current halt began, and the host CPU it halted on if KVM polls there (no
+    /// other thread was runnable on it: `single_task_running`).
+    halt_t0: u64,
+    poll_cpu: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -403,6 +409,9 @@ impl Sim {
                     slot_since: 0,
                     backed_off: false,
                     hashed_head: false,
+                    halt_poll_ns: 0,
+                    halt_t0: 0,
+                    poll_cpu: None,
                 });
             }
         }
@@ -926,7 +935,15 @@ impl Sim {
         self.vms[m].report.halts += 1;
         self.vms[m].board.on_halt(local);
         if path.halts_in_kvm() {
-            self.vcpus[v as usize].halted_in_kvm = true;
+            // KVM polls before it schedules the thread out only while nothing else is
+            // runnable on its CPU.
+            let cpu = self.threads[v as usize].cpu;
+            let alone = self.threads[v as usize].state == TState::Running
+                && self.cpus[cpu as usize].rq.is_empty();
+            let vc = &mut self.vcpus[v as usize];
+            vc.halted_in_kvm = true;
+            vc.halt_t0 = self.now;
+            vc.poll_cpu = alone.then_some(cpu);
             self.arm_watch(m);
         } else if let Some(s) = self.vms[m].slots.clone() {
             s.leave(local);
@@ -1120,15 +1137,48 @@ impl Sim {
                 self.drain(m);
             }
         }
+        let polled = self.halt_polled(n);
         let vc = &mut self.vcpus[n as usize];
         if vc.act == Act::Halted {
-            let lat =
+            let mut lat =
                 self.cost.kick_to_wake_ns[var.path.index()].saturating_sub(self.cost.resume_ns);
+            if !polled {
+                lat += self.cost.unpolled_wake_extra_ns[var.path.index()];
+            }
             let token = vc.wake_token;
             self.at(self.now + lat, Ev::Wake(n, token));
         } else {
             vc.kick_latched = true;
         }
+    }
+
+    /// Whether KVM is still halt-polling for halted vCPU `n` now: it halted inside KVM with its
+    /// CPU to itself, the window has not run out, and nothing else has run there since (a
+    /// thread placed on that CPU ends the poll). Also adapts the window as KVM does after the
+    /// block: grow (doubling from the first step) when the block was shorter than the limit,
+    /// shrink (halving) when longer.
+    fn halt_polled(&mut self, n: u32) -> bool {
+        let vc = &self.vcpus[n as usize];
+        if vc.act != Act::Halted || !self.cfg.variant.path.halts_in_kvm() {
+            return false;
+        }
+        let blocked = self.now.saturating_sub(vc.halt_t0);
+        let window = vc.halt_poll_ns;
+        let polled = vc
+            .poll_cpu
+            .is_some_and(|c| blocked <= window && self.idle.contains(&c));
+        let max = self.cost.halt_poll_max_ns;
+        let next = if polled {
+            window
+        } else if window > 0 && blocked > max {
+            window / 2
+        } else if window < max && blocked < max {
+            (window * 2).max(self.cost.halt_poll_grow_start_ns).min(max)
+        } else {
+            window
+        };
+        self.vcpus[n as usize].halt_poll_ns = next;
+        polled
     }
 
     /// The host boosts the vCPU a WAIT names (pvspin's in-process directed yield).
