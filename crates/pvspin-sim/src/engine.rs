@@ -1564,6 +1564,120 @@ mod tests {
         assert_eq!(run(4, 0, false), run(4, 0, true));
     }
 
+    /// A stock setup of 3 vCPUs with nothing scheduled: vCPU 2 holds the lock.
+    fn stock_held_by_2() -> Sim {
+        let mut sim = Sim::new(cfg("queued:kick:in-kernel@stock", 3, 100)).unwrap();
+        sim.vms[0].lock.owner = Some(2);
+        sim.vms[0].lock.in_cs = true;
+        sim.vcpus[2].act = Act::Cs;
+        sim
+    }
+
+    /// Lock-waiter preemption of the qspinlock: a queue head that spun for the lock has set
+    /// pending; preempted mid-spin it keeps it set, so the released lock stays free for it
+    /// and a newcomer queues instead of stealing. It takes the lock when it runs again.
+    #[test]
+    fn a_preempted_stock_head_keeps_pending_and_the_lock_waits_for_it() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Spin;
+        sim.vcpus[0].spin_deadline = u64::MAX;
+        sim.vcpus[0].on_cpu = true;
+        sim.spin_check(0);
+        assert!(sim.vms[0].lock.pending, "a spinning head sets pending");
+        sim.vcpu_descheduled(0);
+        sim.release(2);
+        assert_eq!(sim.vms[0].lock.owner, None);
+        sim.acquire(1);
+        assert_eq!(sim.vms[0].lock.owner, None, "a newcomer stole past pending");
+        assert_eq!(sim.vms[0].lock.queue, [0, 1]);
+        sim.vcpu_dispatched(0);
+        assert_eq!(sim.vms[0].lock.owner, Some(0));
+        assert!(!sim.vms[0].lock.pending);
+        assert_eq!(sim.vcpus[0].act, Act::Take);
+        // A head that became head while descheduled never set pending: stealing is allowed.
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Spin;
+        sim.release(2);
+        sim.acquire(1);
+        assert_eq!(sim.vms[0].lock.owner, Some(1));
+    }
+
+    /// The unlock that finds the lock SLOW kicks the halted head once; the head, hashed,
+    /// spins until it gets the lock (no second halt), and a stealer's unlock kicks nobody.
+    #[test]
+    fn a_halted_stock_head_is_kicked_once_and_then_spins_for_the_lock() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Halted;
+        sim.release(2);
+        assert_eq!(sim.vms[0].report.kicks, 1);
+        assert!(sim.vcpus[0].hashed_head);
+        sim.acquire(1);
+        assert_eq!(sim.vms[0].lock.owner, Some(1), "no pending while the head is halted");
+        sim.vcpus[1].act = Act::Cs;
+        sim.vms[0].lock.in_cs = true;
+        sim.release(1);
+        assert_eq!(sim.vms[0].report.kicks, 1, "a LOCKED (not SLOW) unlock kicked");
+        sim.kick_wake(0);
+        sim.spin_start(0);
+        assert_eq!(sim.vcpus[0].spin_deadline, u64::MAX, "a hashed head halted again");
+    }
+
+    /// `pv_wait_early`: a stock node waiter stops spinning behind a halted predecessor; the
+    /// queue head does not (it looks only at the holder's `preempted` byte).
+    #[test]
+    fn a_stock_node_waiter_waits_early_behind_a_halted_predecessor() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.extend([0, 1]);
+        sim.vcpus[0].act = Act::Spin;
+        sim.vcpus[1].act = Act::Spin;
+        assert!(!sim.waits_early(1));
+        sim.vcpus[0].act = Act::Halted;
+        assert!(sim.waits_early(1));
+        sim.vcpus[2].act = Act::Halted;
+        assert!(!sim.waits_early(0));
+        sim.vcpus[2].act = Act::SlotWait;
+        assert!(sim.waits_early(0));
+    }
+
+    /// KVM halt-polls only with the CPU to itself and within its window; a kick that finds
+    /// no poll pays the unpolled wake-up; the window grows after a short block.
+    #[test]
+    fn a_kick_costs_more_when_kvm_did_not_poll() {
+        let wake_at = |polling: bool| {
+            let mut sim = stock_held_by_2();
+            sim.vcpus[0].act = Act::Halted;
+            sim.vcpus[0].halt_t0 = 0;
+            sim.vcpus[0].halt_poll_ns = 50_000;
+            sim.vcpus[0].poll_cpu = polling.then_some(0);
+            sim.now = 20_000;
+            sim.kick(2, 0);
+            let t = sim
+                .heap
+                .iter()
+                .find_map(|Reverse((t, _, ev))| matches!(ev, Ev::Wake(0, _)).then_some(*t));
+            t.unwrap() - 20_000
+        };
+        let c = CostModel::default();
+        let base = c.kick_to_wake_ns[0] - c.resume_ns;
+        assert_eq!(wake_at(true), base);
+        assert_eq!(wake_at(false), base + c.unpolled_wake_extra_ns[0]);
+        // Past the window: not polled, and the window grows (the block was short).
+        let mut sim = stock_held_by_2();
+        sim.vcpus[0].act = Act::Halted;
+        sim.vcpus[0].halt_poll_ns = 10_000;
+        sim.vcpus[0].poll_cpu = Some(0);
+        sim.now = 30_000;
+        assert!(!sim.halt_polled(0));
+        assert_eq!(sim.vcpus[0].halt_poll_ns, 20_000);
+        // A CPU that ran something else meanwhile ended the poll.
+        sim.now = 10_000;
+        sim.idle.remove(&0);
+        assert!(!sim.halt_polled(0));
+    }
+
     #[test]
     fn the_same_seed_gives_the_same_run_and_seeds_differ() {
         let mut c = cfg("ticket:kick+yield/slots:in-kernel", 6, 400);
