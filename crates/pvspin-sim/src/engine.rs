@@ -1615,14 +1615,25 @@ mod tests {
         assert_eq!(sim.vms[0].report.kicks, 1);
         assert!(sim.vcpus[0].hashed_head);
         sim.acquire(1);
-        assert_eq!(sim.vms[0].lock.owner, Some(1), "no pending while the head is halted");
+        assert_eq!(
+            sim.vms[0].lock.owner,
+            Some(1),
+            "no pending while the head is halted"
+        );
         sim.vcpus[1].act = Act::Cs;
         sim.vms[0].lock.in_cs = true;
         sim.release(1);
-        assert_eq!(sim.vms[0].report.kicks, 1, "a LOCKED (not SLOW) unlock kicked");
+        assert_eq!(
+            sim.vms[0].report.kicks, 1,
+            "a LOCKED (not SLOW) unlock kicked"
+        );
         sim.kick_wake(0);
         sim.spin_start(0);
-        assert_eq!(sim.vcpus[0].spin_deadline, u64::MAX, "a hashed head halted again");
+        assert_eq!(
+            sim.vcpus[0].spin_deadline,
+            u64::MAX,
+            "a hashed head halted again"
+        );
     }
 
     /// `pv_wait_early`: a stock node waiter stops spinning behind a halted predecessor; the
