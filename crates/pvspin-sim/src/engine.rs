@@ -804,8 +804,8 @@ impl Sim {
                 lk.spinners.retain(|&w| w != v);
                 if lk.queue.front() == Some(&v) {
                     lk.queue.pop_front();
-                    lk.pending = false;
                     self.vcpus[v as usize].hashed_head = false;
+                    self.stock_head_passed(m);
                 }
                 self.start(v, Act::Take, h);
                 return;
@@ -820,6 +820,29 @@ impl Sim {
             return;
         }
         self.arm(v);
+    }
+
+    /// The stock queue head took the lock and passed the head to its successor
+    /// (`next->locked = 1`): a successor spinning on a CPU starts its head spin at once, with
+    /// a fresh threshold, and sets pending; any other sets it when it next runs.
+    fn stock_head_passed(&mut self, m: usize) {
+        let var = self.cfg.variant;
+        if var.guest != Guest::Stock {
+            return;
+        }
+        let next = self.vms[m].lock.queue.front().copied();
+        let spinning = next.filter(|&n| {
+            let vc = &self.vcpus[n as usize];
+            vc.on_cpu && vc.act == Act::Spin && var.pv != PvMode::Off
+        });
+        self.vms[m].lock.pending = spinning.is_some();
+        if let Some(n) = spinning {
+            let vc = &mut self.vcpus[n as usize];
+            if !vc.hashed_head {
+                vc.spin_deadline = self.now + self.cost.stock_spin_threshold * self.cost.pause_ns;
+            }
+            self.arm(n);
+        }
     }
 
     /// How late a backoff waiter takes a lock handed to it: a waiter that was two or more
@@ -1077,8 +1100,8 @@ impl Sim {
                         vm.lock.queue.pop_front();
                         vm.lock.owner = Some(n);
                         // A stock head spinning on a CPU takes it (`trylock_clear_pending`).
-                        vm.lock.pending = false;
                         self.vcpus[n as usize].hashed_head = false;
+                        self.stock_head_passed(m);
                         if blocked {
                             kicked = Some(n);
                         } else if n_on_cpu && na == Act::Spin {
@@ -1591,10 +1614,18 @@ mod tests {
         sim.acquire(1);
         assert_eq!(sim.vms[0].lock.owner, None, "a newcomer stole past pending");
         assert_eq!(sim.vms[0].lock.queue, [0, 1]);
+        // vCPU 1 spins on a CPU behind it: taking the lock passes the head to 1, which
+        // starts its head spin at once and sets pending.
+        sim.vcpus[1].on_cpu = true;
         sim.vcpu_dispatched(0);
         assert_eq!(sim.vms[0].lock.owner, Some(0));
-        assert!(!sim.vms[0].lock.pending);
         assert_eq!(sim.vcpus[0].act, Act::Take);
+        assert_eq!(sim.vms[0].lock.queue, [1]);
+        assert!(sim.vms[0].lock.pending, "the new head spins with pending");
+        // Had 1 not been on a CPU, pending would be clear until it runs.
+        sim.vcpus[1].on_cpu = false;
+        sim.stock_head_passed(0);
+        assert!(!sim.vms[0].lock.pending);
         // A head that became head while descheduled never set pending: stealing is allowed.
         let mut sim = stock_held_by_2();
         sim.vms[0].lock.queue.push_back(0);
