@@ -57,6 +57,20 @@ pub struct CostModel {
     /// Source: `docs/benchmarks.md`, "Kick-to-wake at native speed, per path" (16.7, 27.8, 43.0 us). The simulator splits it into
     /// the wake-up (the thread becomes runnable) and [`CostModel::resume_ns`] of CPU.
     pub kick_to_wake_ns: [u64; 3],
+    /// What a kick-to-wake costs on top of [`CostModel::kick_to_wake_ns`] when KVM did not
+    /// halt-poll (the halted thread's CPU had other work, or the kick came after the poll
+    /// window), per path. Source: `docs/benchmarks.md`, "Kick-to-wake latency, side by side
+    /// with the C probe", pvspin p50 without and with halt polling of 200 us: in-kernel 21.7
+    /// and 12.5 us, signal-msi 25.9 and 16.8 us (9.2 and 9.1 us). The userspace path parks in
+    /// the VMM, where KVM does not poll: 0. (`kick_to_wake_ns` is the polled wake: its
+    /// ping-pong's waiter halts on an otherwise idle CPU within the window.)
+    pub unpolled_wake_extra_ns: [u64; 3],
+    /// KVM's halt-polling limit and the window's first step (`halt_poll_ns`,
+    /// `halt_poll_ns_grow_start`). Source: kvm-on-these-machines.md, "KVM_CAP_HALT_POLL":
+    /// module defaults 200000 and 10000 ns, grow 2, shrink 2 (the VMM keeps the host's).
+    pub halt_poll_max_ns: u64,
+    /// See [`CostModel::halt_poll_max_ns`].
+    pub halt_poll_grow_start_ns: u64,
     /// CPU a woken vCPU thread spends before its guest runs again (`KVM_RUN` entry). Source:
     /// kvm-on-these-machines.md, "E4: exit costs", "`KVM_RUN` with immediate_exit preset: 5.0-5.2 us".
     pub resume_ns: u64,
@@ -112,6 +126,9 @@ impl Default for CostModel {
             kick_in_kernel: Span::new(3_700, 5_100),
             kick_exit: Span::new(36_000, 48_000),
             kick_to_wake_ns: [16_700, 27_800, 43_000],
+            unpolled_wake_extra_ns: [9_200, 9_100, 0],
+            halt_poll_max_ns: 200_000,
+            halt_poll_grow_start_ns: 10_000,
             resume_ns: 5_000,
             forced_exit: Span::new(17_500, 25_500),
             slot_wake_ns: 15_000,

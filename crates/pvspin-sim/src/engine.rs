@@ -225,6 +225,16 @@ struct Vcpu {
     slot_since: u64,
     /// Backoff lock: it was two or more places from the head, so it sleeps between looks.
     backed_off: bool,
+    /// Stock qspinlock: this queue head is hashed (it halted as the head, or was halted when
+    /// the head was handed to it), so after its kick it spins until it gets the lock:
+    /// `pv_wait(&locked, SLOW)` returns at once on a lock that is not `SLOW` again.
+    hashed_head: bool,
+    /// KVM's halt-polling window for this vCPU (grown and shrunk after each halt as KVM does).
+    halt_poll_ns: u64,
+    /// When its current halt began, and the host CPU it halted on if KVM polls there (no
+    /// other thread was runnable on it: `single_task_running`).
+    halt_t0: u64,
+    poll_cpu: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -235,6 +245,11 @@ struct LockState {
     queue: VecDeque<u32>,
     /// TAS spinners.
     spinners: Vec<u32>,
+    /// Stock qspinlock: the pending bit. The queue head sets it while it spins for the lock
+    /// and clears it when it takes the lock or stops to halt; while it is set nobody steals.
+    /// A head whose thread is preempted mid-spin keeps it set, so a released lock stays free
+    /// until that thread runs again (lock-waiter preemption).
+    pending: bool,
     /// Backoff lock: the waiters' estimate of one hand-over, ns (an EWMA of the time between
     /// releases, as its waiters sample it, clamped to the unit's bounds).
     unit_ns: u64,
@@ -393,6 +408,10 @@ impl Sim {
                     boost_token: 0,
                     slot_since: 0,
                     backed_off: false,
+                    hashed_head: false,
+                    halt_poll_ns: 0,
+                    halt_t0: 0,
+                    poll_cpu: None,
                 });
             }
         }
@@ -718,10 +737,12 @@ impl Sim {
     fn acquire(&mut self, v: u32) {
         let m = self.vcpus[v as usize].vm as usize;
         let lk = &mut self.vms[m].lock;
+        // A stock guest's fast path or its one steal attempt takes a free lock unless a
+        // queue head spins for it (pending).
         if lk.owner.is_none()
             && (self.cfg.variant.lock == LockKind::Tas
                 || lk.queue.is_empty()
-                || self.cfg.variant.guest == Guest::Stock)
+                || (self.cfg.variant.guest == Guest::Stock && !lk.pending))
         {
             lk.owner = Some(v);
             let t = self.cost.uncontended_ns;
@@ -744,6 +765,8 @@ impl Sim {
         let var = self.cfg.variant;
         let deadline = match (var.pv, var.guest) {
             (PvMode::Off, _) => u64::MAX,
+            // A hashed stock head spins round after round until it gets the lock.
+            (_, Guest::Stock) if self.vcpus[v as usize].hashed_head => u64::MAX,
             (_, Guest::Stock) => self.now + self.cost.stock_spin_threshold * self.cost.pause_ns,
             _ => {
                 let vc = &self.vcpus[v as usize];
@@ -781,16 +804,45 @@ impl Sim {
                 lk.spinners.retain(|&w| w != v);
                 if lk.queue.front() == Some(&v) {
                     lk.queue.pop_front();
+                    self.vcpus[v as usize].hashed_head = false;
+                    self.stock_head_passed(m);
                 }
                 self.start(v, Act::Take, h);
                 return;
             }
+        }
+        if var.guest == Guest::Stock && var.pv != PvMode::Off && lk.queue.front() == Some(&v) {
+            // The queue head spins for the lock byte with pending set.
+            lk.pending = true;
         }
         if var.pv != PvMode::Off && self.waits_early(v) {
             self.wait(v);
             return;
         }
         self.arm(v);
+    }
+
+    /// The stock queue head took the lock and passed the head to its successor
+    /// (`next->locked = 1`): a successor spinning on a CPU starts its head spin at once, with
+    /// a fresh threshold, and sets pending; any other sets it when it next runs.
+    fn stock_head_passed(&mut self, m: usize) {
+        let var = self.cfg.variant;
+        if var.guest != Guest::Stock {
+            return;
+        }
+        let next = self.vms[m].lock.queue.front().copied();
+        let spinning = next.filter(|&n| {
+            let vc = &self.vcpus[n as usize];
+            vc.on_cpu && vc.act == Act::Spin && var.pv != PvMode::Off
+        });
+        self.vms[m].lock.pending = spinning.is_some();
+        if let Some(n) = spinning {
+            let vc = &mut self.vcpus[n as usize];
+            if !vc.hashed_head {
+                vc.spin_deadline = self.now + self.cost.stock_spin_threshold * self.cost.pause_ns;
+            }
+            self.arm(n);
+        }
     }
 
     /// How late a backoff waiter takes a lock handed to it: a waiter that was two or more
@@ -837,7 +889,18 @@ impl Sim {
                 let spin_on = waking && vm.vcpus_fit && !self.cfg.early_wait_behind_waking;
                 matches!(wa, Act::Halted | Act::SlotWait) && !spin_on
             }
-            Guest::Stock => wa == Act::SlotWait,
+            Guest::Stock => {
+                let vc = &self.vcpus[v as usize];
+                let lk = &self.vms[vc.vm as usize].lock;
+                if lk.queue.front() == Some(&v) {
+                    // The head stops spinning when the holder's `preempted` byte is set
+                    // (only slots set it here); a hashed head would only spin again.
+                    wa == Act::SlotWait && !vc.hashed_head
+                } else {
+                    // `pv_wait_early`: the predecessor's node is not running (halted).
+                    matches!(wa, Act::Halted | Act::WaitExit)
+                }
+            }
         }
     }
 
@@ -854,6 +917,13 @@ impl Sim {
                 if var.pv == PvMode::KickYield {
                     self.directed_yield(v, w);
                 }
+            }
+        }
+        if var.guest == Guest::Stock {
+            // The head clears pending before it hashes itself and halts.
+            let lk = &mut self.vms[self.vcpus[v as usize].vm as usize].lock;
+            if lk.queue.front() == Some(&v) {
+                lk.pending = false;
             }
         }
         let vc = &mut self.vcpus[v as usize];
@@ -888,7 +958,15 @@ impl Sim {
         self.vms[m].report.halts += 1;
         self.vms[m].board.on_halt(local);
         if path.halts_in_kvm() {
-            self.vcpus[v as usize].halted_in_kvm = true;
+            // KVM polls before it schedules the thread out only while nothing else is
+            // runnable on its CPU.
+            let cpu = self.threads[v as usize].cpu;
+            let alone = self.threads[v as usize].state == TState::Running
+                && self.cpus[cpu as usize].rq.is_empty();
+            let vc = &mut self.vcpus[v as usize];
+            vc.halted_in_kvm = true;
+            vc.halt_t0 = self.now;
+            vc.poll_cpu = alone.then_some(cpu);
             self.arm_watch(m);
         } else if let Some(s) = self.vms[m].slots.clone() {
             s.leave(local);
@@ -1010,13 +1088,20 @@ impl Sim {
                     let blocked = matches!(na, Act::Halted | Act::WaitExit);
                     if var.guest == Guest::Stock && (blocked || !n_on_cpu) {
                         // The queue head takes a free lock when it runs; a newcomer may steal it
-                        // first. A halted head is kicked at this unlock (the lock was SLOW).
-                        if blocked {
+                        // first (unless it spins with pending set: then the lock waits for it). A
+                        // halted head is kicked at this unlock (the lock was SLOW); it is hashed.
+                        // Only the unlock that finds the lock SLOW kicks: once per halt (the
+                        // kicked head, hashed, never halts again before it takes the lock).
+                        if blocked && !self.vcpus[n as usize].hashed_head {
                             kicked = Some(n);
+                            self.vcpus[n as usize].hashed_head = true;
                         }
                     } else {
                         vm.lock.queue.pop_front();
                         vm.lock.owner = Some(n);
+                        // A stock head spinning on a CPU takes it (`trylock_clear_pending`).
+                        self.vcpus[n as usize].hashed_head = false;
+                        self.stock_head_passed(m);
                         if blocked {
                             kicked = Some(n);
                         } else if n_on_cpu && na == Act::Spin {
@@ -1075,15 +1160,48 @@ impl Sim {
                 self.drain(m);
             }
         }
+        let polled = self.halt_polled(n);
         let vc = &mut self.vcpus[n as usize];
         if vc.act == Act::Halted {
-            let lat =
+            let mut lat =
                 self.cost.kick_to_wake_ns[var.path.index()].saturating_sub(self.cost.resume_ns);
+            if !polled {
+                lat += self.cost.unpolled_wake_extra_ns[var.path.index()];
+            }
             let token = vc.wake_token;
             self.at(self.now + lat, Ev::Wake(n, token));
         } else {
             vc.kick_latched = true;
         }
+    }
+
+    /// Whether KVM is still halt-polling for halted vCPU `n` now: it halted inside KVM with its
+    /// CPU to itself, the window has not run out, and nothing else has run there since (a
+    /// thread placed on that CPU ends the poll). Also adapts the window as KVM does after the
+    /// block: grow (doubling from the first step) when the block was shorter than the limit,
+    /// shrink (halving) when longer.
+    fn halt_polled(&mut self, n: u32) -> bool {
+        let vc = &self.vcpus[n as usize];
+        if vc.act != Act::Halted || !self.cfg.variant.path.halts_in_kvm() {
+            return false;
+        }
+        let blocked = self.now.saturating_sub(vc.halt_t0);
+        let window = vc.halt_poll_ns;
+        let polled = vc
+            .poll_cpu
+            .is_some_and(|c| blocked <= window && self.idle.contains(&c));
+        let max = self.cost.halt_poll_max_ns;
+        let next = if polled {
+            window
+        } else if window > 0 && blocked > max {
+            window / 2
+        } else if window < max && blocked < max {
+            (window * 2).max(self.cost.halt_poll_grow_start_ns).min(max)
+        } else {
+            window
+        };
+        self.vcpus[n as usize].halt_poll_ns = next;
+        polled
     }
 
     /// The host boosts the vCPU a WAIT names (pvspin's in-process directed yield).
@@ -1467,6 +1585,139 @@ mod tests {
         assert_ne!(run(2, 4, false), run(2, 4, true));
         assert!(!cfg("ticket:kick", 4, 1).vcpus_fit());
         assert_eq!(run(4, 0, false), run(4, 0, true));
+    }
+
+    /// A stock setup of 3 vCPUs with nothing scheduled: vCPU 2 holds the lock.
+    fn stock_held_by_2() -> Sim {
+        let mut sim = Sim::new(cfg("queued:kick:in-kernel@stock", 3, 100)).unwrap();
+        sim.vms[0].lock.owner = Some(2);
+        sim.vms[0].lock.in_cs = true;
+        sim.vcpus[2].act = Act::Cs;
+        sim
+    }
+
+    /// Lock-waiter preemption of the qspinlock: a queue head that spun for the lock has set
+    /// pending; preempted mid-spin it keeps it set, so the released lock stays free for it
+    /// and a newcomer queues instead of stealing. It takes the lock when it runs again.
+    #[test]
+    fn a_preempted_stock_head_keeps_pending_and_the_lock_waits_for_it() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Spin;
+        sim.vcpus[0].spin_deadline = u64::MAX;
+        sim.vcpus[0].on_cpu = true;
+        sim.spin_check(0);
+        assert!(sim.vms[0].lock.pending, "a spinning head sets pending");
+        sim.vcpu_descheduled(0);
+        sim.release(2);
+        assert_eq!(sim.vms[0].lock.owner, None);
+        sim.acquire(1);
+        assert_eq!(sim.vms[0].lock.owner, None, "a newcomer stole past pending");
+        assert_eq!(sim.vms[0].lock.queue, [0, 1]);
+        // vCPU 1 spins on a CPU behind it: taking the lock passes the head to 1, which
+        // starts its head spin at once and sets pending.
+        sim.vcpus[1].on_cpu = true;
+        sim.vcpu_dispatched(0);
+        assert_eq!(sim.vms[0].lock.owner, Some(0));
+        assert_eq!(sim.vcpus[0].act, Act::Take);
+        assert_eq!(sim.vms[0].lock.queue, [1]);
+        assert!(sim.vms[0].lock.pending, "the new head spins with pending");
+        // Had 1 not been on a CPU, pending would be clear until it runs.
+        sim.vcpus[1].on_cpu = false;
+        sim.stock_head_passed(0);
+        assert!(!sim.vms[0].lock.pending);
+        // A head that became head while descheduled never set pending: stealing is allowed.
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Spin;
+        sim.release(2);
+        sim.acquire(1);
+        assert_eq!(sim.vms[0].lock.owner, Some(1));
+    }
+
+    /// The unlock that finds the lock SLOW kicks the halted head once; the head, hashed,
+    /// spins until it gets the lock (no second halt), and a stealer's unlock kicks nobody.
+    #[test]
+    fn a_halted_stock_head_is_kicked_once_and_then_spins_for_the_lock() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Halted;
+        sim.release(2);
+        assert_eq!(sim.vms[0].report.kicks, 1);
+        assert!(sim.vcpus[0].hashed_head);
+        sim.acquire(1);
+        assert_eq!(
+            sim.vms[0].lock.owner,
+            Some(1),
+            "no pending while the head is halted"
+        );
+        sim.vcpus[1].act = Act::Cs;
+        sim.vms[0].lock.in_cs = true;
+        sim.release(1);
+        assert_eq!(
+            sim.vms[0].report.kicks, 1,
+            "a LOCKED (not SLOW) unlock kicked"
+        );
+        sim.kick_wake(0);
+        sim.spin_start(0);
+        assert_eq!(
+            sim.vcpus[0].spin_deadline,
+            u64::MAX,
+            "a hashed head halted again"
+        );
+    }
+
+    /// `pv_wait_early`: a stock node waiter stops spinning behind a halted predecessor; the
+    /// queue head does not (it looks only at the holder's `preempted` byte).
+    #[test]
+    fn a_stock_node_waiter_waits_early_behind_a_halted_predecessor() {
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.extend([0, 1]);
+        sim.vcpus[0].act = Act::Spin;
+        sim.vcpus[1].act = Act::Spin;
+        assert!(!sim.waits_early(1));
+        sim.vcpus[0].act = Act::Halted;
+        assert!(sim.waits_early(1));
+        sim.vcpus[2].act = Act::Halted;
+        assert!(!sim.waits_early(0));
+        sim.vcpus[2].act = Act::SlotWait;
+        assert!(sim.waits_early(0));
+    }
+
+    /// KVM halt-polls only with the CPU to itself and within its window; a kick that finds
+    /// no poll pays the unpolled wake-up; the window grows after a short block.
+    #[test]
+    fn a_kick_costs_more_when_kvm_did_not_poll() {
+        let wake_at = |polling: bool| {
+            let mut sim = stock_held_by_2();
+            sim.vcpus[0].act = Act::Halted;
+            sim.vcpus[0].halt_t0 = 0;
+            sim.vcpus[0].halt_poll_ns = 50_000;
+            sim.vcpus[0].poll_cpu = polling.then_some(0);
+            sim.now = 20_000;
+            sim.kick(2, 0);
+            let t = sim
+                .heap
+                .iter()
+                .find_map(|Reverse((t, _, ev))| matches!(ev, Ev::Wake(0, _)).then_some(*t));
+            t.unwrap() - 20_000
+        };
+        let c = CostModel::default();
+        let base = c.kick_to_wake_ns[0] - c.resume_ns;
+        assert_eq!(wake_at(true), base);
+        assert_eq!(wake_at(false), base + c.unpolled_wake_extra_ns[0]);
+        // Past the window: not polled, and the window grows (the block was short).
+        let mut sim = stock_held_by_2();
+        sim.vcpus[0].act = Act::Halted;
+        sim.vcpus[0].halt_poll_ns = 10_000;
+        sim.vcpus[0].poll_cpu = Some(0);
+        sim.now = 30_000;
+        assert!(!sim.halt_polled(0));
+        assert_eq!(sim.vcpus[0].halt_poll_ns, 20_000);
+        // A CPU that ran something else meanwhile ended the poll.
+        sim.now = 10_000;
+        sim.idle.remove(&0);
+        assert!(!sim.halt_polled(0));
     }
 
     #[test]
