@@ -189,3 +189,36 @@ fn waiters_spin_behind_a_kicked_owner_only_when_told_the_vcpus_fit() {
         Err(RunError::Refused(text)) if text.contains("at least one CPU")
     ));
 }
+
+/// `VCPUS_FIT` under run slots: on the userspace path a kick hands the kicker's slot to the
+/// kicked vCPU, so what runs at once is the slots, and 2 slots fit this host's 2 CPUs however
+/// many vCPUs there are: 6 vCPUs are told so, and waiters keep spinning behind a kicked next
+/// owner. On the in-kernel path KVM runs a kicked vCPU beyond the slots: not told.
+#[test]
+fn waiters_behind_a_kicked_owner_keep_spinning_under_userspace_run_slots() {
+    if kvm_or_skip("waiters_behind_a_kicked_owner_keep_spinning_under_userspace_run_slots")
+        .is_none()
+    {
+        return;
+    }
+    let with = |path: KickPath| {
+        let config = RunConfig {
+            run_slots: Some(2),
+            vm_cpus: Some(2),
+            ..user_lock(LockKind::Ticket, PvMode::Kick, path, 6)
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("{path:?}, 2 slots: {e}"));
+        assert_eq!(report.counter, 6 * config.iterations, "{path:?}");
+        report.pv_behind_waking
+    };
+    assert_eq!(with(KickPath::InKernel), 0, "in kernel: not told");
+    // Whether a waiter meets a kicked owner is timing; three tries make a miss very unlikely.
+    let told: Vec<u64> = (0..3)
+        .map(|_| with(KickPath::Userspace))
+        .take_while(|&n| n == 0)
+        .collect();
+    assert!(
+        told.len() < 3,
+        "userspace slots: no waiter ever kept spinning behind a kicked owner"
+    );
+}

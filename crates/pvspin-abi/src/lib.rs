@@ -457,9 +457,10 @@ pub mod hint {
 
     /// [`HOST_FLAGS`] bit: the host does not run this vCPU now.
     pub const NOT_RUNNING: u32 = 1 << 0;
-    /// [`HOST_FLAGS`] bit (0.4): the VM has no more vCPUs than CPUs the host gives it (its
-    /// affinity, CPU quota and run slots), so a vCPU that an unlocker kicked awake gets a CPU
-    /// without queueing behind this VM's other vCPUs. A waiter whose next owner was just kicked
+    /// [`HOST_FLAGS`] bit (0.4): the VM runs no more vCPUs at once than the CPUs the host
+    /// gives it (its affinity and CPU quota): all its vCPUs, or, where the host gates them with
+    /// run slots and hands a kicker's slot to the vCPU it kicks, its slots; so a vCPU that an
+    /// unlocker kicked awake gets a CPU without queueing behind this VM's other vCPUs. A waiter whose next owner was just kicked
     /// may then keep spinning its budget instead of waiting early: the owner is about to run,
     /// and waiting would make the next hand-over a wake-up too (a wake-up convoy). Without the
     /// flag (more vCPUs than CPUs, or a host that does not say) the spinners would take the CPU

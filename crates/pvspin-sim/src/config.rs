@@ -342,20 +342,24 @@ impl SimConfig {
         entitled.clamp(1, self.vcpus)
     }
 
-    /// What the host says in `VCPUS_FIT`, as pvspin-vmm's default: the VM's vCPUs are no more
-    /// than its entitlement (the quota rounded up, else the host's CPUs) and, with run slots,
-    /// than its slots.
+    /// What the host says in `VCPUS_FIT`, as pvspin's rule with pvspin-vmm's default CPUs: what
+    /// the VM runs at once is no more than its entitlement (the quota rounded up, else the
+    /// host's CPUs). That is its vCPUs, or with run slots on a path whose kick hands the
+    /// kicker's slot over (userspace, signal-msi) its slots; on the in-kernel path all vCPUs,
+    /// capped by the slots.
     pub fn vcpus_fit(&self) -> bool {
         let entitled = match self.cpu_limit {
             Some(l) => l.ceil() as usize,
             None => self.host_cpus,
         };
-        let cpus = if self.variant.slots {
-            entitled.min(self.slot_count())
+        if !self.variant.slots {
+            return self.vcpus <= entitled;
+        }
+        if self.variant.path == KickPath::InKernel {
+            self.vcpus <= entitled.min(self.slot_count())
         } else {
-            entitled
-        };
-        self.vcpus <= cpus
+            self.slot_count() <= entitled
+        }
     }
 }
 

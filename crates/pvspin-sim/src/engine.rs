@@ -1585,6 +1585,9 @@ mod tests {
         assert_ne!(run(2, 4, false), run(2, 4, true));
         assert!(!cfg("ticket:kick", 4, 1).vcpus_fit());
         assert_eq!(run(4, 0, false), run(4, 0, true));
+        // With run slots whose kicks hand a slot over, the slots count; in kernel, all vCPUs.
+        assert!(cfg("ticket:kick/slots:userspace", 6, 1).vcpus_fit());
+        assert!(!cfg("ticket:kick/slots:in-kernel", 6, 1).vcpus_fit());
     }
 
     /// A stock setup of 3 vCPUs with nothing scheduled: vCPU 2 holds the lock.

@@ -222,16 +222,17 @@ impl<K: KickChoice> PvSpinBuilder<K> {
         let hints = match &self.hints {
             Some(options) => {
                 let state = hints::HintState::new(options, vcpus, directed_yield.is_some())?;
-                // Run slots cap the vCPUs that run at once, whatever the entitlement.
                 if self.vm_cpus == Some(0) {
                     return Err(ConfigError::NoVmCpus);
                 }
-                let cpus = match (self.vm_cpus, &self.run_slots) {
-                    (Some(cpus), Some(slots)) => Some(cpus.min(slots.slots)),
-                    (cpus, slots) => cpus.or(slots.as_ref().map(|s| s.slots)),
-                };
-                if let Some(cpus) = cpus {
-                    state.pages.set_vcpus_fit(vcpus <= cpus);
+                let fit = vcpus_fit(
+                    vcpus,
+                    self.vm_cpus,
+                    self.run_slots.as_ref().map(|s| s.slots),
+                    kick_options.map(|k| k.path),
+                );
+                if let Some(fit) = fit {
+                    state.pages.set_vcpus_fit(fit);
                 }
                 Some(Arc::new(state))
             }
@@ -384,13 +385,65 @@ impl PvSpinBuilder<WithKick> {
     /// The CPUs this VM gets: its entitlement, the fewer of its affinity's CPUs and its CPU
     /// quota ([`entitled_cpus`](crate::entitled_cpus) reads both for this process; call it
     /// before the thread is confined by seccomp). With hint pages, pvspin tells the guest
-    /// whether its vCPUs fit them (`VCPUS_FIT`, ABI 0.4): a waiter whose lock's next owner was
-    /// just kicked then keeps spinning instead of waiting early, which stops wake-up convoys at
-    /// 2x/3x host overcommit. Default: the run slots' count when run slots are on; otherwise
-    /// pvspin says nothing, and waiters wait early behind a kicked owner (right when the VM has
-    /// more vCPUs than CPUs). [`PvSpin::set_vm_cpus`] changes it later (a new quota).
+    /// whether the vCPUs it runs at once fit them (`VCPUS_FIT`, ABI 0.4): all its vCPUs, or
+    /// with run slots on the userspace and signal-msi paths its slots (the slots run at most
+    /// that many, and a kicked vCPU gets the kicker's).
+    /// A waiter whose lock's next owner was just kicked then keeps spinning instead of waiting
+    /// early, which stops wake-up convoys at 2x/3x host overcommit and under run slots.
+    /// Default: the run slots' count when run slots are on (so they fit); otherwise pvspin
+    /// says nothing, and waiters wait early behind a kicked owner (right when the VM has more
+    /// vCPUs than CPUs). [`PvSpin::set_vm_cpus`] changes it later (a new quota).
     pub fn vm_cpus(mut self, cpus: usize) -> Self {
         self.vm_cpus = Some(cpus);
         self
+    }
+}
+
+/// What pvspin says in `VCPUS_FIT` (`None`: nothing): whether what the VM runs at once fits the
+/// CPUs it gets (`vm_cpus`; by default, with run slots, the slots' count). That is all its
+/// vCPUs, except with run slots on a kick path that hands the kicker's slot to the kicked
+/// vCPU (userspace, signal-msi): there the slots' holders are what runs, and a kicked next
+/// owner gets a slot. On the in-kernel path KVM runs a kicked vCPU beyond the slots, so it
+/// may queue behind the holders for a CPU, and all vCPUs count.
+pub(crate) fn vcpus_fit(
+    vcpus: usize,
+    vm_cpus: Option<usize>,
+    slots: Option<usize>,
+    path: Option<KickPath>,
+) -> Option<bool> {
+    let kick_hands_over = matches!(path, Some(KickPath::Userspace | KickPath::SignalMsi));
+    match (vm_cpus, slots) {
+        (cpus, Some(slots)) if kick_hands_over => Some(slots <= cpus.unwrap_or(slots)),
+        (cpus, Some(slots)) => Some(vcpus <= cpus.map_or(slots, |c| c.min(slots))),
+        (Some(cpus), None) => Some(vcpus <= cpus),
+        (None, None) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vcpus_fit_counts_what_runs_at_once() {
+        let (user, msi, kernel) = (
+            Some(KickPath::Userspace),
+            Some(KickPath::SignalMsi),
+            Some(KickPath::InKernel),
+        );
+        // Without slots: all vCPUs, and nothing said without the CPUs.
+        assert_eq!(vcpus_fit(2, None, None, user), None);
+        assert_eq!(vcpus_fit(2, Some(2), None, user), Some(true));
+        assert_eq!(vcpus_fit(4, Some(2), None, user), Some(false));
+        // Slots on a path whose kick hands a slot over: the slots count.
+        for path in [user, msi] {
+            assert_eq!(vcpus_fit(6, None, Some(2), path), Some(true));
+            assert_eq!(vcpus_fit(6, Some(2), Some(2), path), Some(true));
+            assert_eq!(vcpus_fit(6, Some(1), Some(2), path), Some(false));
+        }
+        // In kernel, a kicked vCPU runs beyond the slots: all vCPUs count, capped by the slots.
+        assert_eq!(vcpus_fit(6, None, Some(2), kernel), Some(false));
+        assert_eq!(vcpus_fit(2, None, Some(2), kernel), Some(true));
+        assert_eq!(vcpus_fit(2, Some(8), Some(1), kernel), Some(false));
     }
 }

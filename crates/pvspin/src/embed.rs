@@ -394,7 +394,14 @@ mod tests {
         assert!(!fit("path=userspace", 2), "not said");
         assert!(fit("path=userspace,cpus=2", 2));
         assert!(!fit("path=userspace,cpus=2", 4));
-        assert!(!fit("path=userspace,cpus=8,slots=2", 4), "the slots cap it");
+        assert!(
+            fit("path=userspace,cpus=8,slots=2", 4),
+            "2 slots fit 8 CPUs"
+        );
+        assert!(
+            !fit("path=userspace,cpus=1,slots=2", 4),
+            "2 slots do not fit 1 CPU"
+        );
     }
 
     #[test]

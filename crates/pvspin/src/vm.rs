@@ -325,18 +325,20 @@ impl PvSpin {
     }
 
     /// The CPUs this VM gets changed (a new quota or affinity): tells the guest again whether
-    /// its vCPUs fit them (see [`PvSpinBuilder::vm_cpus`]); run slots, when on, still cap the
-    /// count. Any time, any thread; a no-op without hint pages.
+    /// the vCPUs it runs at once (all, or its run slots) fit them (see
+    /// [`PvSpinBuilder::vm_cpus`]). Any time, any thread; a no-op without hint pages.
     pub fn set_vm_cpus(&self, cpus: usize) -> Result<(), ConfigError> {
         if cpus == 0 {
             return Err(ConfigError::NoVmCpus);
         }
         if let Some(hints) = &self.hints {
-            let cpus = match &self.run_slots {
-                Some(slots) => cpus.min(slots.slots.config().slots),
-                None => cpus,
-            };
-            hints.pages.set_vcpus_fit(self.vcpus() <= cpus);
+            let fit = crate::builder::vcpus_fit(
+                self.vcpus(),
+                Some(cpus),
+                self.run_slots.as_ref().map(|s| s.slots.config().slots),
+                self.kick_options.map(|k| k.path),
+            );
+            hints.pages.set_vcpus_fit(fit == Some(true));
         }
         Ok(())
     }
@@ -733,13 +735,24 @@ mod tests {
             crowded.set_vm_cpus(0).unwrap_err(),
             ConfigError::NoVmCpus
         ));
-        // Run slots cap the vCPUs that run at once, and count by default.
+        // With run slots the slots' holders are what runs at once: 2 slots fit 2 or more CPUs,
+        // however many vCPUs wait for them.
         let slotted = base(4).vm_cpus(8).run_slots(crate::SlotConfig::new(2));
         let slotted = slotted.build().unwrap();
-        assert!(!fit(&slotted));
-        slotted.set_vm_cpus(16).unwrap();
-        assert!(!fit(&slotted), "the slots still cap it");
+        assert!(fit(&slotted));
+        slotted.set_vm_cpus(1).unwrap();
+        assert!(!fit(&slotted), "2 slots on 1 CPU");
+        slotted.set_vm_cpus(2).unwrap();
+        assert!(fit(&slotted));
         slotted.shutdown();
+        let over = base(4).vm_cpus(1).run_slots(crate::SlotConfig::new(2));
+        assert!(!fit(&over.build().unwrap()), "more slots than CPUs");
+        let many = base(4)
+            .run_slots(crate::SlotConfig::new(2))
+            .build()
+            .unwrap();
+        assert!(fit(&many), "by default the slots fit themselves");
+        many.shutdown();
         let all_slots = base(2)
             .run_slots(crate::SlotConfig::new(2))
             .build()
