@@ -47,9 +47,10 @@ pub struct PvspinOptions {
     /// [`entitled_cpus`], the CPUs the process may use.
     #[serde(default)]
     pub slots: Option<usize>,
-    /// The CPUs the VM gets (`cpus=C`, [`PvSpinBuilder::vm_cpus`]): guests whose vCPUs fit
-    /// them are told so (`VCPUS_FIT`) and stop the wake-up convoy at 2x/3x host overcommit.
-    /// Not said by default (run slots, when on, count).
+    /// The CPUs the VM gets (`cpus=C`, [`PvSpinBuilder::vm_cpus`]): guests whose vCPUs (or
+    /// run slots, where kicks hand slots over) fit them are told so (`VCPUS_FIT`) and stop the
+    /// wake-up convoy at 2x/3x host overcommit. Not said by default (run slots, when on,
+    /// count).
     #[serde(default)]
     pub cpus: Option<usize>,
 }

@@ -465,7 +465,8 @@ pub struct VmArgs {
     #[arg(long)]
     pub halt_watch_us: Option<u64>,
     /// The CPUs pvspin tells the guest this VM gets (`VCPUS_FIT` in its hint pages: whether
-    /// its vCPUs fit them). Default: what this process may use (affinity and CPU limit).
+    /// what it runs at once fits them: its vCPUs, or its run slots on the userspace and
+    /// signal-msi paths). Default: what this process may use (affinity and CPU limit).
     #[arg(long, value_name = "N")]
     pub vm_cpus: Option<usize>,
     /// Run the VMM in a cpu cgroup of its own (created under its current one, removed at the
