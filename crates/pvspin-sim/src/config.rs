@@ -358,7 +358,7 @@ impl SimConfig {
         if self.variant.path == KickPath::InKernel {
             self.vcpus <= entitled.min(self.slot_count())
         } else {
-            self.slot_count() <= entitled
+            self.slot_count().min(self.vcpus) <= entitled
         }
     }
 }

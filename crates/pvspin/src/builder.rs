@@ -413,7 +413,7 @@ pub(crate) fn vcpus_fit(
 ) -> Option<bool> {
     let kick_hands_over = matches!(path, Some(KickPath::Userspace | KickPath::SignalMsi));
     match (vm_cpus, slots) {
-        (cpus, Some(slots)) if kick_hands_over => Some(slots <= cpus.unwrap_or(slots)),
+        (cpus, Some(slots)) if kick_hands_over => Some(vcpus.min(slots) <= cpus.unwrap_or(slots)),
         (cpus, Some(slots)) => Some(vcpus <= cpus.map_or(slots, |c| c.min(slots))),
         (Some(cpus), None) => Some(vcpus <= cpus),
         (None, None) => None,
@@ -440,6 +440,9 @@ mod tests {
             assert_eq!(vcpus_fit(6, None, Some(2), path), Some(true));
             assert_eq!(vcpus_fit(6, Some(2), Some(2), path), Some(true));
             assert_eq!(vcpus_fit(6, Some(1), Some(2), path), Some(false));
+            // More slots than vCPUs: the vCPUs are what runs.
+            assert_eq!(vcpus_fit(2, Some(2), Some(4), path), Some(true));
+            assert_eq!(vcpus_fit(3, Some(2), Some(4), path), Some(false));
         }
         // In kernel, a kicked vCPU runs beyond the slots: all vCPUs count, capped by the slots.
         assert_eq!(vcpus_fit(6, None, Some(2), kernel), Some(false));
