@@ -222,3 +222,41 @@ fn waiters_behind_a_kicked_owner_keep_spinning_under_userspace_run_slots() {
         "userspace slots: no waiter ever kept spinning behind a kicked owner"
     );
 }
+
+/// The pre-wake under run slots: with 32 vCPUs on 2 userspace slots (`VCPUS_FIT` told) most
+/// waiters halt, and unlockers also kick the halted waiter behind the new owner; on the
+/// in-kernel path (not told) they never do. Both PV locks; every acquisition counted.
+#[test]
+fn unlockers_prewake_the_waiter_behind_the_next_owner_only_when_told() {
+    if kvm_or_skip("unlockers_prewake_the_waiter_behind_the_next_owner_only_when_told").is_none() {
+        return;
+    }
+    for lock in [LockKind::Ticket, LockKind::Queued] {
+        let with = |path: KickPath| {
+            let config = RunConfig {
+                run_slots: Some(2),
+                vm_cpus: Some(2),
+                // Critical sections of a few us, as the size benchmarks (docs/benchmarks.md
+                // §12.5): long enough that waiters far back in a queue of 32 halt.
+                iterations: 500,
+                cs_work: 15_000,
+                ncs_work: 15_000,
+                ..user_lock(lock, PvMode::Kick, path, 32)
+            };
+            let report = run(&config).unwrap_or_else(|e| panic!("{lock:?} {path:?}: {e}"));
+            assert_eq!(report.counter, 32 * config.iterations, "{lock:?} {path:?}");
+            assert!(report.pv_prewakes <= report.pv_kicks, "{lock:?} {path:?}");
+            report.pv_prewakes
+        };
+        assert_eq!(with(KickPath::InKernel), 0, "{lock:?}, in kernel: not told");
+        // Whether a waiter halts behind a halted next owner is timing; three tries.
+        let told: Vec<u64> = (0..3)
+            .map(|_| with(KickPath::Userspace))
+            .take_while(|&n| n == 0)
+            .collect();
+        assert!(
+            told.len() < 3,
+            "{lock:?}, userspace slots: no pre-wake in three runs"
+        );
+    }
+}

@@ -286,6 +286,69 @@ mod tests_common {
         assert_eq!(domain.ops().stats().timeouts, 0);
     }
 
+    /// As [`check_kick_order`], with the host saying the vCPUs fit (`VCPUS_FIT`): the first
+    /// unlock finds the next owner and the waiter behind it both halted and kicks both (the
+    /// pre-wake); every waiter is still served in queue order, and every kick is counted.
+    /// Without the flag nothing is pre-woken.
+    pub(crate) fn check_prewake<L: RawPvLock + Send + Sync + 'static>(lock: L, fit: bool) {
+        use std::sync::Mutex;
+        let config = SpinConfig {
+            spin_threshold: 4,
+            halt: true,
+        };
+        let ops = Timed::new(crate::SpinBudget::UNLIMITED, false);
+        ops.set_vcpus_fit(fit);
+        let domain: Arc<PvDomain<Timed<5>, 5>> = Arc::new(PvDomain::new(ops, config));
+        let lock = Arc::new(lock);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let mut threads = Vec::new();
+        for id in 1..5u32 {
+            threads.push({
+                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(id);
+                    lock.lock(domain.pv());
+                    order.lock().unwrap().push(id);
+                    // SAFETY: this thread holds the lock.
+                    unsafe { lock.unlock(domain.pv()) };
+                })
+            });
+            let mut tries = 0;
+            while domain.ops().inner.parked(id) != 1 {
+                tries += 1;
+                assert!(tries < 20_000, "waiter {id} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+        let stats = domain.total_stats();
+        let host = domain.ops().inner.stats();
+        assert_eq!(host.kicks, stats.kicks, "{stats:?}");
+        assert_eq!(host.timeouts, 0);
+        if fit {
+            // CPU 0's unlock kicked CPU 1 and CPU 2; what follows depends on timing (CPU 2
+            // may halt again before its turn, and then is kicked again).
+            assert!(stats.prewakes >= 1, "{stats:?}");
+            assert!(domain.ops().inner.kicks_to(2) >= 1);
+            for cpu in 1..5 {
+                assert!(domain.ops().inner.kicks_to(cpu) >= 1, "cpu {cpu}");
+            }
+        } else {
+            assert_eq!(
+                (stats.prewakes, stats.kicks, stats.halts),
+                (0, 4, 4),
+                "{stats:?}"
+            );
+        }
+    }
+
     /// `threads` threads each take the lock `rounds` times and do a torn read-modify-write
     /// inside; any overlap of two holders loses an update and fails the final count. Thread
     /// `i` is bound to CPU `i` of the host PV backend (ignored by non-PV locks).

@@ -22,7 +22,10 @@
 //! hand-over to a halted successor without marking the lock SLOW, or without its fence (both
 //! found with three CPUs). The four stock models take about 17 s. The three-CPU backoff models
 //! reach the backoff: a backoff spin phase claiming the lock after any backoff, without reading
-//! `owner`, made loom report two holders.
+//! `owner`, made loom report two holders. The two `_prewake` models run the ticket and queued
+//! locks over a backend that says the vCPUs fit (`VCPUS_FIT`), so that unlockers also kick the
+//! waiter behind the new holder, and check that some execution did (about 3 minutes together
+//! on a busy machine).
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
@@ -113,30 +116,87 @@ fn loom_kick_before_wait_is_remembered() {
     });
 }
 
+/// The host backend, saying the VM's vCPUs fit its CPUs (`VCPUS_FIT`): the PV locks'
+/// unlockers then also pre-wake the waiter behind the new holder.
+#[derive(Debug, Default)]
+struct Fit<const N: usize>(HostPvOps<N>);
+
+impl<const N: usize> PvOps for Fit<N> {
+    fn wait(&self, ptr: &AtomicU8, val: u8) {
+        self.0.wait(ptr, val);
+    }
+    fn kick(&self, cpu: u32) {
+        self.0.kick(cpu);
+    }
+    fn cpu_id(&self) -> u32 {
+        self.0.cpu_id()
+    }
+    fn vcpus_fit(&self) -> bool {
+        true
+    }
+}
+
+/// The backends the models run over: the host latch, alone or saying the vCPUs fit.
+trait ModelOps: PvOps + Send + Sync + 'static {
+    fn with_spurious_every(every: u64) -> Self;
+    fn host(&self) -> &HostPvOps<3>;
+}
+
+impl ModelOps for HostPvOps<3> {
+    fn with_spurious_every(every: u64) -> Self {
+        HostPvOps::with_spurious_every(every)
+    }
+    fn host(&self) -> &HostPvOps<3> {
+        self
+    }
+}
+
+impl ModelOps for Fit<3> {
+    fn with_spurious_every(every: u64) -> Self {
+        Fit(HostPvOps::with_spurious_every(every))
+    }
+    fn host(&self) -> &HostPvOps<3> {
+        &self.0
+    }
+}
+
 /// `threads` CPUs each take `lock` once around a guarded increment.
 fn lock_model<L: RawPvLock + Send + Sync + 'static>(
     threads: u32,
     spurious_every: u64,
     new: fn() -> L,
 ) {
+    let prewoken = lock_model_over::<HostPvOps<3>, L>(threads, spurious_every, new);
+    assert_eq!(prewoken, 0, "pre-wakes without VCPUS_FIT");
+}
+
+/// [`lock_model`] over backend `O`; returns in how many executions an unlocker pre-woke a
+/// waiter.
+fn lock_model_over<O: ModelOps, L: RawPvLock + Send + Sync + 'static>(
+    threads: u32,
+    spurious_every: u64,
+    new: fn() -> L,
+) -> u64 {
+    // Outside loom's model: counts across its executions.
+    let prewoken = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = prewoken.clone();
     builder().check(move || {
-        let domain: Arc<PvDomain<HostPvOps<3>, 3>> = Arc::new(PvDomain::new(
-            HostPvOps::with_spurious_every(spurious_every),
+        let domain: Arc<PvDomain<O, 3>> = Arc::new(PvDomain::new(
+            O::with_spurious_every(spurious_every),
             CONFIG,
         ));
         let lock = Arc::new(new());
         let value = Arc::new(UnsafeCell::new(0u32));
-        let body =
-            |cpu: u32, domain: &PvDomain<HostPvOps<3>, 3>, lock: &L, value: &UnsafeCell<u32>| {
-                bind_current_thread(cpu);
-                lock.lock(domain.pv());
-                value.with_mut(|v| {
-                    // SAFETY: the lock is held; loom reports any concurrent access.
-                    unsafe { *v += 1 };
-                });
-                // SAFETY: this thread holds the lock.
-                unsafe { lock.unlock(domain.pv()) };
-            };
+        let body = |cpu: u32, domain: &PvDomain<O, 3>, lock: &L, value: &UnsafeCell<u32>| {
+            bind_current_thread(cpu);
+            lock.lock(domain.pv());
+            value.with_mut(|v| {
+                // SAFETY: the lock is held; loom reports any concurrent access.
+                unsafe { *v += 1 };
+            });
+            // SAFETY: this thread holds the lock.
+            unsafe { lock.unlock(domain.pv()) };
+        };
         let others: Vec<_> = (1..threads)
             .map(|cpu| {
                 let (domain, lock, value) = (domain.clone(), lock.clone(), value.clone());
@@ -151,10 +211,14 @@ fn lock_model<L: RawPvLock + Send + Sync + 'static>(
         // SAFETY: every thread has finished.
         assert_eq!(value.with(|v| unsafe { *v }), threads);
         let stats = domain.total_stats();
-        assert_eq!(stats.kicks, domain.ops().stats().kicks);
+        assert_eq!(stats.kicks, domain.ops().host().stats().kicks);
         // A kick needs a published Halted (it may race the halt itself).
         assert!(stats.kicks <= stats.slowpath);
+        if stats.prewakes != 0 {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     });
+    prewoken.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 #[test]
@@ -185,6 +249,17 @@ fn loom_pv_ticket_three_cpus() {
 #[test]
 fn loom_pv_queued_three_cpus() {
     lock_model(3, 0, PvQueuedLock::new);
+}
+
+// The pre-wake needs three CPUs: a holder, the next owner and the waiter behind it.
+#[test]
+fn loom_pv_ticket_three_cpus_prewake() {
+    assert_ne!(lock_model_over::<Fit<3>, _>(3, 0, PvTicketLock::new), 0);
+}
+
+#[test]
+fn loom_pv_queued_three_cpus_prewake() {
+    assert_ne!(lock_model_over::<Fit<3>, _>(3, 0, PvQueuedLock::new), 0);
 }
 
 #[test]

@@ -247,6 +247,7 @@ pub struct PvStats {
     wait_early: AtomicU64,
     preempted: AtomicU64,
     behind_waking: AtomicU64,
+    prewakes: AtomicU64,
 }
 
 impl PvStats {
@@ -260,6 +261,7 @@ impl PvStats {
             wait_early: AtomicU64::new(0),
             preempted: AtomicU64::new(0),
             behind_waking: AtomicU64::new(0),
+            prewakes: AtomicU64::new(0),
         }
     }
 
@@ -292,6 +294,9 @@ impl PvStats {
     pub(crate) fn behind_waking(&self) {
         Self::bump(&self.behind_waking);
     }
+    pub(crate) fn prewake(&self) {
+        Self::bump(&self.prewakes);
+    }
 
     /// A snapshot of the counters.
     pub fn snapshot(&self) -> PvStatsSnapshot {
@@ -305,6 +310,7 @@ impl PvStats {
             wait_early: load(&self.wait_early),
             preempted: load(&self.preempted),
             behind_waking: load(&self.behind_waking),
+            prewakes: load(&self.prewakes),
         }
     }
 }
@@ -335,6 +341,11 @@ pub struct PvStatsSnapshot {
     /// ([`SpinWait::waking`]) while the host said the VM's vCPUs fit its CPUs
     /// ([`PvOps::vcpus_fit`]), and so kept spinning instead of waiting early.
     pub behind_waking: u64,
+    /// pvspin locks: kicks an unlocker sent to the halted waiter queued right behind the new
+    /// holder (the pre-wake, only while the host says the VM's vCPUs fit its CPUs,
+    /// [`PvOps::vcpus_fit`]); also counted in `kicks`. The woken waiter finds the lock still
+    /// held, so each also shows as a spurious wakeup, or as a halt more if it waits again.
+    pub prewakes: u64,
 }
 
 impl PvStatsSnapshot {
@@ -349,6 +360,7 @@ impl PvStatsSnapshot {
             wait_early: self.wait_early.saturating_add(other.wait_early),
             preempted: self.preempted.saturating_add(other.preempted),
             behind_waking: self.behind_waking.saturating_add(other.behind_waking),
+            prewakes: self.prewakes.saturating_add(other.prewakes),
         }
     }
 }

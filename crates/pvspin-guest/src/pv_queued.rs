@@ -23,6 +23,10 @@
 //! Same argument as the ticket lock: the fences make at least one side see the other's write;
 //! a kick racing the halt is remembered by the backend. Checked by the loom model.
 //!
+//! Pre-wake, as the ticket lock's: while the host says the VM's vCPUs fit its CPUs
+//! ([`PvOps::vcpus_fit`]), the unlocker also kicks the successor's successor if its node says
+//! Halted (`cmpxchg(HALTED -> RUNNING)`), so that it spins by the time the lock reaches it.
+//!
 //! No lock stealing and no pending bit (Linux's hybrid unfair trylock): strictly FIFO, so a
 //! preempted or halted successor delays everyone behind it until it runs; that is what the
 //! kick (and the host's directed yield) are for. The holder keeps its node until unlock, so a
@@ -394,17 +398,38 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
             return;
         }
         full_fence();
-        if successor.state.load(Ordering::Relaxed) == HALTED
-            && successor
+        let kicked = Self::kick_if_halted(&pv, successor, next);
+        // The pre-wake (module docs): the waiter behind the new holder, too. A racy read: that
+        // node may have moved on to another wait since, and its waiter then only wakes
+        // spuriously and re-checks.
+        let prewoken = pv.ops.vcpus_fit() && {
+            let behind = successor.next.load(Ordering::Acquire);
+            behind != NONE && Self::kick_if_halted(&pv, Self::node(&pv, behind), behind)
+        };
+        if kicked {
+            cpu.stats.kick();
+        }
+        if prewoken {
+            cpu.stats.kick();
+            cpu.stats.prewake();
+        }
+        if !kicked && !prewoken {
+            cpu.stats.no_kick();
+        }
+    }
+
+    /// Kicks the vCPU of node `code` if the node says it halted (pvspin flavor).
+    fn kick_if_halted<O: PvOps>(pv: &Pv<'_, O>, node: &McsNode, code: u32) -> bool {
+        if node.state.load(Ordering::Relaxed) == HALTED
+            && node
                 .state
                 .compare_exchange(HALTED, RUNNING, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            pv.ops.kick(decode(next).0);
-            cpu.stats.kick();
-        } else {
-            cpu.stats.no_kick();
+            pv.ops.kick(decode(code).0);
+            return true;
         }
+        false
     }
 
     /// Waits for the successor that swapped the tail behind `node` to link itself.
@@ -816,6 +841,12 @@ mod tests {
     #[test]
     fn unlocker_kicks_only_halted_successor_in_queue_order() {
         crate::tests_common::check_kick_order(PvQueuedLock::new(), None);
+    }
+
+    #[test]
+    fn unlocker_prewakes_the_successors_successor_only_when_vcpus_fit() {
+        crate::tests_common::check_prewake(PvQueuedLock::new(), true);
+        crate::tests_common::check_prewake(PvQueuedLock::new(), false);
     }
 
     #[test]

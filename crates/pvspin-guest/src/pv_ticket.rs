@@ -21,6 +21,20 @@
 //! its halt is remembered by the backend ([`PvOps`](crate::PvOps) contract). The loom model in
 //! `loom_tests.rs` checks this.
 //!
+//! # The pre-wake
+//!
+//! When the host says the VM's vCPUs fit the CPUs it gets ([`PvOps::vcpus_fit`]: a kicked
+//! vCPU runs without queueing behind this VM's others, as with pvspin's run slots), the
+//! unlocker also kicks the halted waiter of ticket `t + 1`, the one behind the new owner. With
+//! more waiters than CPUs most waiters halt, and a kick at unlock time puts a whole wake-up
+//! into every hand-over (a convoy that, once started, lasts the run); kicked one hand-over
+//! early, the waiter spins by the time the lock reaches it, and the unlocks after that find
+//! their new owner spinning. It is a kick only: the woken waiter finds the lock still held
+//! (a spurious wakeup, or a halt more if it spins out its budget), and the handshake above
+//! stays what makes the lock correct. Counted in
+//! [`PvStatsSnapshot::prewakes`](crate::PvStatsSnapshot). Without `VCPUS_FIT` a woken waiter
+//! would take a CPU the holder may need, so there is no pre-wake.
+//!
 //! `fence(SeqCst)` here means `sync::full_fence`: loom's fence under loom, a locked OR on
 //! x86-64 (no MFENCE, an SSE2 instruction that KVM's emulator may not handle).
 
@@ -253,37 +267,70 @@ impl PvTicketLock {
             .store(id.saturating_add(1), HintOrdering::Relaxed);
     }
 
+    /// Kicks the halted waiter of ticket `served`, the new owner, and with `prewake` also
+    /// the halted waiter of the ticket after it (module docs, "The pre-wake"). One scan
+    /// finds both.
     #[cold]
-    fn kick_next<O: PvOps>(&self, pv: Pv<'_, O>, ticket: u32) {
+    fn kick_next<O: PvOps>(&self, pv: Pv<'_, O>, served: u32, prewake: bool) {
         let id = self.id();
-        let mut kicked = false;
+        let after = served.wrapping_add(1);
+        let mut owner = None;
+        let mut behind = None;
         for (index, cpu) in pv.cpus.iter().enumerate() {
             let slot = &cpu.ticket;
             if slot.state.load(Ordering::Acquire) != HALTED
                 || slot.lock.load(Ordering::Relaxed) != id
-                || slot.ticket.load(Ordering::Relaxed) != ticket
             {
                 continue;
             }
-            // Exactly one CPU holds `ticket`: whatever happens next, stop scanning.
-            if slot
-                .state
-                .compare_exchange(HALTED, KICKED, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-            {
-                // `index < N <= MAX_CPUS`, so it fits.
-                pv.ops.kick(index as u32);
-                kicked = true;
+            let ticket = slot.ticket.load(Ordering::Relaxed);
+            if ticket == served {
+                owner = Some(index);
+            } else if prewake && ticket == after {
+                behind = Some(index);
+            } else {
+                continue;
             }
-            break;
+            // Exactly one CPU holds each ticket.
+            if !prewake || (owner.is_some() && behind.is_some()) {
+                break;
+            }
         }
+        let kicked = owner.is_some_and(|index| Self::kick_slot(pv, index, served));
+        let prewoken = behind.is_some_and(|index| Self::kick_slot(pv, index, after));
         if let Some((_, me)) = pv.this_cpu() {
             if kicked {
                 me.stats.kick();
-            } else {
+            }
+            if prewoken {
+                me.stats.kick();
+                me.stats.prewake();
+            }
+            if !kicked && !prewoken {
                 me.stats.no_kick();
             }
         }
+    }
+
+    /// Kicks the CPU of wait slot `index` if it still waits halted for `ticket` of this lock.
+    fn kick_slot<O: PvOps>(pv: Pv<'_, O>, index: usize, ticket: u32) -> bool {
+        let Some(slot) = pv.cpus.get(index).map(|cpu| &cpu.ticket) else {
+            return false;
+        };
+        // The scan's loads were not one snapshot: the waiter may have woken and moved on to
+        // another wait since. A kick of a wait other than the one meant only wakes it
+        // spuriously (it re-checks); re-reading the ticket narrows that window.
+        if slot.ticket.load(Ordering::Relaxed) != ticket
+            || slot
+                .state
+                .compare_exchange(HALTED, KICKED, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return false;
+        }
+        // `index < N <= MAX_CPUS`, so it fits.
+        pv.ops.kick(index as u32);
+        true
     }
 }
 
@@ -337,7 +384,7 @@ unsafe impl RawPvLock for PvTicketLock {
         // (at native speed, most of them).
         if self.next.load(Ordering::Relaxed) != served {
             if pv.halting.load(Ordering::Acquire) != 0 {
-                self.kick_next(pv, served);
+                self.kick_next(pv, served, pv.ops.vcpus_fit());
             } else if let Some((_, me)) = pv.this_cpu() {
                 me.stats.no_kick();
             }
@@ -417,6 +464,12 @@ mod tests {
     #[test]
     fn unlocker_kicks_only_halted_waiter_in_ticket_order() {
         crate::tests_common::check_kick_order(PvTicketLock::new(), Some(PvTicketLock::queue_len));
+    }
+
+    #[test]
+    fn unlocker_prewakes_the_waiter_behind_the_next_owner_only_when_vcpus_fit() {
+        crate::tests_common::check_prewake(PvTicketLock::new(), true);
+        crate::tests_common::check_prewake(PvTicketLock::new(), false);
     }
 
     #[test]

@@ -129,6 +129,10 @@ pub struct RunReport {
     /// pvspin guest: spin phases that kept spinning behind a just-kicked next owner because
     /// the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`, `--vm-cpus`); 0 when not said.
     pub pv_behind_waking: u64,
+    /// pvspin guest: kicks sent one hand-over early, to the halted waiter behind the new
+    /// holder, because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`: run slots on
+    /// the userspace and signal-msi paths, or `--vm-cpus`); also in `pv_kicks`.
+    pub pv_prewakes: u64,
     /// Stock guest: vCPUs whose KVM steal-time area KVM kept (version non-zero at the end),
     /// i.e. that registered it; `None` for a pvspin-aware guest.
     pub steal_time_registered: Option<u32>,
@@ -223,6 +227,7 @@ impl RunReport {
             pv_wait_early: result.pv_wait_early,
             pv_preempted: result.pv_preempted,
             pv_behind_waking: result.pv_behind_waking,
+            pv_prewakes: result.pv_prewakes,
             steal_time_registered: None,
             host_kicks_in_userspace: None,
             kvm_halt_wakeups: None,

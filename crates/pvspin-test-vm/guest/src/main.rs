@@ -403,6 +403,7 @@ fn finish(
             pv_wait_early: pv_stats.wait_early,
             pv_preempted: pv_stats.preempted,
             pv_behind_waking: pv_stats.behind_waking,
+            pv_prewakes: pv_stats.prewakes,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

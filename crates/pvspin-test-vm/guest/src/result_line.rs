@@ -85,6 +85,8 @@ pub fn print(params: &BootParams) {
         .num(result.pv_preempted)
         .text(",\"pv_behind_waking\":")
         .num(result.pv_behind_waking)
+        .text(",\"pv_prewakes\":")
+        .num(result.pv_prewakes)
         .text(",\"steal_time_registered\":");
     if stock {
         // KVM bumps an area's version at each update: non-zero means it was registered.

@@ -318,6 +318,9 @@ pub struct RunResult {
     /// pvspin locks: spin phases that kept spinning behind a just-kicked next owner because
     /// the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`).
     pub pv_behind_waking: u64,
+    /// pvspin locks: kicks an unlocker sent early, to the halted waiter behind the new holder,
+    /// because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`); also in `pv_kicks`.
+    pub pv_prewakes: u64,
 }
 
 /// The most kick-to-wake samples the ping-pong workload keeps.
@@ -364,7 +367,7 @@ const _: () = {
     assert!(size_of::<VcpuSlot>() == 32);
     assert!(size_of::<BootParams>() == 96 + size_of::<RunResult>());
     assert!(VIRTIO_MMIO_ADDR + VIRTIO_MMIO_SIZE <= MAPPED_BYTES);
-    assert!(size_of::<RunResult>() == 104 + 16 * CPUID_QUERIES);
+    assert!(size_of::<RunResult>() == 112 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
