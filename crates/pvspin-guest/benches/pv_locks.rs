@@ -19,6 +19,7 @@ fn config() -> SpinConfig {
     SpinConfig {
         spin_threshold: 256,
         halt: true,
+        prewake: SpinConfig::DEFAULT_PREWAKE,
     }
 }
 

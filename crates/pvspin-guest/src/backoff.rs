@@ -447,6 +447,7 @@ mod tests {
         SpinConfig {
             spin_threshold: 4,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         }
     }
 
@@ -598,6 +599,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: 64,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let stats = pv_hammer::<PvBackoffTicketLock>(3, 300, config, 0);
         assert_eq!(
@@ -619,6 +621,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: PvDomain<Timed<1>, 1> = PvDomain::new(Timed::new(budget, false), config);
         bind_current_thread(0);
@@ -659,6 +662,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<Timed<3>, 3>> = Arc::new(PvDomain::new(ops, config));
         let lock = Arc::new(PvBackoffTicketLock::new());

@@ -240,6 +240,7 @@ mod tests_common {
         let config = SpinConfig {
             spin_threshold: 4,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
             Arc::new(PvDomain::new(HostPvOps::new(), config));
@@ -286,15 +287,20 @@ mod tests_common {
         assert_eq!(domain.ops().stats().timeouts, 0);
     }
 
-    /// As [`check_kick_order`], with the host saying the vCPUs fit (`VCPUS_FIT`): the first
-    /// unlock finds the next owner and the waiter behind it both halted and kicks both (the
-    /// pre-wake); every waiter is still served in queue order, and every kick is counted.
-    /// Without the flag nothing is pre-woken.
-    pub(crate) fn check_prewake<L: RawPvLock + Send + Sync + 'static>(lock: L, fit: bool) {
+    /// As [`check_kick_order`], with the host saying the vCPUs fit (`VCPUS_FIT`) or not and
+    /// a pre-wake `depth`: with both, the first unlock finds the next owner and the `depth`
+    /// waiters behind it halted and kicks them all (the pre-wake); every waiter is still
+    /// served in queue order, and every kick is counted. Otherwise nothing is pre-woken.
+    pub(crate) fn check_prewake<L: RawPvLock + Send + Sync + 'static>(
+        lock: L,
+        fit: bool,
+        depth: u8,
+    ) {
         use std::sync::Mutex;
         let config = SpinConfig {
             spin_threshold: 4,
             halt: true,
+            prewake: depth,
         };
         let ops = Timed::new(crate::SpinBudget::UNLIMITED, false);
         ops.set_vcpus_fit(fit);
@@ -332,11 +338,11 @@ mod tests_common {
         let host = domain.ops().inner.stats();
         assert_eq!(host.kicks, stats.kicks, "{stats:?}");
         assert_eq!(host.timeouts, 0);
-        if fit {
-            // CPU 0's unlock kicked CPU 1 and CPU 2; what follows depends on timing (CPU 2
-            // may halt again before its turn, and then is kicked again).
-            assert!(stats.prewakes >= 1, "{stats:?}");
-            assert!(domain.ops().inner.kicks_to(2) >= 1);
+        if fit && depth > 0 {
+            // CPU 0's unlock kicked CPU 1 and the `depth` CPUs behind it (three at most are
+            // queued behind CPU 1); what follows depends on timing (a pre-woken CPU may halt
+            // again before its turn, and then is kicked again).
+            assert!(stats.prewakes >= u64::from(depth.min(3)), "{stats:?}");
             for cpu in 1..5 {
                 assert!(domain.ops().inner.kicks_to(cpu) >= 1, "cpu {cpu}");
             }
@@ -492,6 +498,7 @@ mod tests {
     const TEST_CONFIG: SpinConfig = SpinConfig {
         spin_threshold: 8,
         halt: true,
+        prewake: SpinConfig::DEFAULT_PREWAKE,
     };
 
     // How a guest declares its PV locks: one static domain, a marker naming it, static mutexes.
@@ -524,13 +531,29 @@ mod tests {
         let zero = SpinConfig {
             spin_threshold: 0,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         assert_eq!(zero.validate(), Err(PvConfigError::ZeroSpinThreshold));
         let huge = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD + 1,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         assert_eq!(huge.validate(), Err(PvConfigError::SpinThresholdTooLarge));
+        let deep = SpinConfig {
+            prewake: SpinConfig::MAX_PREWAKE + 1,
+            ..SpinConfig::EMULATED
+        };
+        assert_eq!(deep.validate(), Err(PvConfigError::PrewakeTooDeep));
+        assert!(std::format!("{}", PvConfigError::PrewakeTooDeep).contains("MAX_PREWAKE (4)"));
+        let off = SpinConfig {
+            prewake: 0,
+            ..SpinConfig::EMULATED
+        };
+        assert_eq!(off.validate(), Ok(off));
+        let domain = PvDomain::<_, 1>::new(HostPvOps::<1>::new(), off);
+        assert_eq!(domain.configure(deep), Err(PvConfigError::PrewakeTooDeep));
+        assert_eq!(domain.config(), off, "a refused policy changes nothing");
         assert_eq!(
             PvDomain::<_, 1>::try_new(HostPvOps::<1>::new(), zero).unwrap_err(),
             PvConfigError::ZeroSpinThreshold
@@ -548,6 +571,7 @@ mod tests {
         let zero = SpinConfig {
             spin_threshold: 0,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let _ = PvDomain::<_, 1>::new(HostPvOps::<1>::new(), zero);
     }

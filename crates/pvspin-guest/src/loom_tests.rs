@@ -40,6 +40,7 @@ use crate::{PvBackoffTicketLock, PvQueuedLock, PvTicketLock, StockQueuedLock};
 const CONFIG: SpinConfig = SpinConfig {
     spin_threshold: 1,
     halt: true,
+    prewake: SpinConfig::DEFAULT_PREWAKE,
 };
 
 fn builder() -> loom::model::Builder {

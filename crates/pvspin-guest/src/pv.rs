@@ -157,6 +157,8 @@ pub enum PvConfigError {
     ZeroSpinThreshold,
     /// `spin_threshold` was above [`SpinConfig::MAX_SPIN_THRESHOLD`].
     SpinThresholdTooLarge,
+    /// `prewake` was above [`SpinConfig::MAX_PREWAKE`].
+    PrewakeTooDeep,
     /// The domain had no CPUs.
     NoCpus,
     /// The domain had more than [`MAX_CPUS`] CPUs.
@@ -171,6 +173,7 @@ impl PvConfigError {
             Self::SpinThresholdTooLarge => {
                 "spin_threshold must be at most SpinConfig::MAX_SPIN_THRESHOLD (2^24)"
             }
+            Self::PrewakeTooDeep => "prewake must be at most SpinConfig::MAX_PREWAKE (4)",
             Self::NoCpus => "a PV domain must have at least 1 CPU",
             Self::TooManyCpus => "a PV domain must have at most MAX_CPUS (4096) CPUs",
         }
@@ -199,23 +202,36 @@ pub struct SpinConfig {
     /// Whether waiters halt at all. `false` turns the PV locks into plain spinning locks (the
     /// unlocker then never scans or kicks), for side-by-side comparisons.
     pub halt: bool,
+    /// The pre-wake's depth: how many halted waiters queued behind the new holder an unlocker
+    /// also kicks, nearest first, while the host says the VM's vCPUs fit its CPUs
+    /// ([`PvOps::vcpus_fit`]; `guest-locks.md`, "The pre-wake"). 0 turns it off.
+    pub prewake: u8,
 }
 
 impl SpinConfig {
     /// The largest accepted `spin_threshold`.
     pub const MAX_SPIN_THRESHOLD: u32 = 1 << 24;
 
+    /// The deepest accepted pre-wake ([`SpinConfig::prewake`]): each level may cost an
+    /// unlock one more kick.
+    pub const MAX_PREWAKE: u8 = 4;
+
+    /// The default pre-wake depth (`docs/benchmarks.md` §14.3 compares 1 and 2).
+    pub const DEFAULT_PREWAKE: u8 = 2;
+
     /// For guests whose every instruction is emulated (about 0.5 us each, the development
     /// machines): 128 spins, a few hundred microseconds, about the cost of one halt and kick.
     pub const EMULATED: Self = Self {
         spin_threshold: 128,
         halt: true,
+        prewake: Self::DEFAULT_PREWAKE,
     };
 
     /// For hardware-virtualized guests: Linux's `SPIN_THRESHOLD` (`1 << 15`).
     pub const HARDWARE: Self = Self {
         spin_threshold: 1 << 15,
         halt: true,
+        prewake: Self::DEFAULT_PREWAKE,
     };
 
     /// Checks the rules; returns the config unchanged when it follows them.
@@ -224,6 +240,8 @@ impl SpinConfig {
             Err(PvConfigError::ZeroSpinThreshold)
         } else if self.spin_threshold > Self::MAX_SPIN_THRESHOLD {
             Err(PvConfigError::SpinThresholdTooLarge)
+        } else if self.prewake > Self::MAX_PREWAKE {
+            Err(PvConfigError::PrewakeTooDeep)
         } else {
             Ok(self)
         }
@@ -341,9 +359,9 @@ pub struct PvStatsSnapshot {
     /// ([`SpinWait::waking`]) while the host said the VM's vCPUs fit its CPUs
     /// ([`PvOps::vcpus_fit`]), and so kept spinning instead of waiting early.
     pub behind_waking: u64,
-    /// pvspin locks: kicks an unlocker sent to the halted waiter queued right behind the new
-    /// holder (the pre-wake, only while the host says the VM's vCPUs fit its CPUs,
-    /// [`PvOps::vcpus_fit`]); also counted in `kicks`. The woken waiter finds the lock still
+    /// pvspin locks: kicks an unlocker sent to halted waiters queued behind the new holder
+    /// (the pre-wake, [`SpinConfig::prewake`], only while the host says the VM's vCPUs fit its
+    /// CPUs, [`PvOps::vcpus_fit`]); also counted in `kicks`. The woken waiter finds the lock still
     /// held, so each also shows as a spurious wakeup, or as a halt more if it waits again.
     pub prewakes: u64,
 }
@@ -446,6 +464,7 @@ pub struct PvDomain<O, const N: usize> {
     /// thresholds at boot. Not part of any handshake, so plain `core` atomics.
     spin_threshold: core::sync::atomic::AtomicU32,
     halt: core::sync::atomic::AtomicBool,
+    prewake: core::sync::atomic::AtomicU8,
     cpus: [PvCpu; N],
     /// Slow-path entries by a CPU whose id was not below `N` (it spins instead of halting).
     bad_cpu: AtomicU64,
@@ -484,6 +503,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             ops,
             spin_threshold: core::sync::atomic::AtomicU32::new(config.spin_threshold),
             halt: core::sync::atomic::AtomicBool::new(config.halt),
+            prewake: core::sync::atomic::AtomicU8::new(config.prewake),
             cpus: [const { PvCpu::new() }; N],
             bad_cpu: AtomicU64::new(0),
             halting: SyncU32::new(0),
@@ -500,6 +520,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             ops,
             spin_threshold: core::sync::atomic::AtomicU32::new(config.spin_threshold),
             halt: core::sync::atomic::AtomicBool::new(config.halt),
+            prewake: core::sync::atomic::AtomicU8::new(config.prewake),
             cpus: core::array::from_fn(|_| PvCpu::new()),
             bad_cpu: AtomicU64::new(0),
             halting: SyncU32::new(0),
@@ -533,6 +554,7 @@ impl<O, const N: usize> PvDomain<O, N> {
         SpinConfig {
             spin_threshold: self.spin_threshold.load(CoreOrdering::Relaxed),
             halt: self.halt.load(CoreOrdering::Relaxed),
+            prewake: self.prewake.load(CoreOrdering::Relaxed),
         }
     }
 
@@ -543,6 +565,7 @@ impl<O, const N: usize> PvDomain<O, N> {
         self.spin_threshold
             .store(config.spin_threshold, CoreOrdering::Relaxed);
         self.halt.store(config.halt, CoreOrdering::Relaxed);
+        self.prewake.store(config.prewake, CoreOrdering::Relaxed);
         Ok(())
     }
 

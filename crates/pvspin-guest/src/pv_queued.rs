@@ -24,8 +24,9 @@
 //! a kick racing the halt is remembered by the backend. Checked by the loom model.
 //!
 //! Pre-wake, as the ticket lock's: while the host says the VM's vCPUs fit its CPUs
-//! ([`PvOps::vcpus_fit`]), the unlocker also kicks the successor's successor if its node says
-//! Halted (`cmpxchg(HALTED -> RUNNING)`), so that it spins by the time the lock reaches it.
+//! ([`PvOps::vcpus_fit`]), the unlocker also kicks the [`SpinConfig::prewake`] nodes after the
+//! successor where they say Halted (`cmpxchg(HALTED -> RUNNING)`), so that they spin by the
+//! time the lock reaches them.
 //!
 //! No lock stealing and no pending bit (Linux's hybrid unfair trylock): strictly FIFO, so a
 //! preempted or halted successor delays everyone behind it until it runs; that is what the
@@ -81,7 +82,7 @@
 
 use core::marker::PhantomData;
 
-use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, SpinWait, NODES_PER_CPU};
+use crate::pv::{Pv, PvCpu, PvOps, RawPvLock, SpinConfig, SpinWait, NODES_PER_CPU};
 use crate::sync::{full_fence, spin_loop, AtomicU32, AtomicU8, Ordering};
 
 /// The node's vCPU is running (spinning, or not waiting).
@@ -398,22 +399,29 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
             return;
         }
         full_fence();
-        let kicked = Self::kick_if_halted(&pv, successor, next);
-        // The pre-wake (module docs): the waiter behind the new holder, too. A racy read: that
-        // node may have moved on to another wait since, and its waiter then only wakes
-        // spuriously and re-checks.
-        let prewoken = pv.ops.vcpus_fit() && {
-            let behind = successor.next.load(Ordering::Acquire);
-            behind != NONE && Self::kick_if_halted(&pv, Self::node(&pv, behind), behind)
-        };
-        if kicked {
+        let mut any = Self::kick_if_halted(&pv, successor, next);
+        if any {
             cpu.stats.kick();
         }
-        if prewoken {
-            cpu.stats.kick();
-            cpu.stats.prewake();
+        if pv.ops.vcpus_fit() {
+            // The pre-wake (module docs): the waiters behind the new holder, too. Racy reads:
+            // a node may have moved on to another wait since, and its waiter then only wakes
+            // spuriously and re-checks.
+            let mut node = successor;
+            for _ in 0..pv.config.prewake.min(SpinConfig::MAX_PREWAKE) {
+                let behind = node.next.load(Ordering::Acquire);
+                if behind == NONE {
+                    break;
+                }
+                node = Self::node(&pv, behind);
+                if Self::kick_if_halted(&pv, node, behind) {
+                    any = true;
+                    cpu.stats.kick();
+                    cpu.stats.prewake();
+                }
+            }
         }
-        if !kicked && !prewoken {
+        if !any {
             cpu.stats.no_kick();
         }
     }
@@ -752,6 +760,7 @@ mod tests {
         SpinConfig {
             spin_threshold: 4,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         }
     }
 
@@ -829,6 +838,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: 1,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let stats = pv_hammer::<PvQueuedLock>(3, 100, config, 0);
         assert_eq!(
@@ -844,9 +854,12 @@ mod tests {
     }
 
     #[test]
-    fn unlocker_prewakes_the_successors_successor_only_when_vcpus_fit() {
-        crate::tests_common::check_prewake(PvQueuedLock::new(), true);
-        crate::tests_common::check_prewake(PvQueuedLock::new(), false);
+    fn unlocker_prewakes_the_waiters_behind_the_successor_only_when_vcpus_fit() {
+        for depth in [1, 2, SpinConfig::MAX_PREWAKE] {
+            crate::tests_common::check_prewake(PvQueuedLock::new(), true, depth);
+        }
+        crate::tests_common::check_prewake(PvQueuedLock::new(), true, 0);
+        crate::tests_common::check_prewake(PvQueuedLock::new(), false, 2);
     }
 
     #[test]
@@ -857,6 +870,7 @@ mod tests {
             SpinConfig {
                 spin_threshold: 8,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             },
         ));
         let lock = Arc::new(PvQueuedLock::new());
@@ -902,6 +916,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<HostPvOps<2>, 2>> =
             Arc::new(PvDomain::new(HostPvOps::new(), config));
@@ -1006,6 +1021,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: 1,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let stats = pv_hammer::<StockQueuedLock>(3, 100, config, 0);
         assert_eq!(
@@ -1050,6 +1066,7 @@ mod tests {
             SpinConfig {
                 spin_threshold: 8,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             },
         ));
         let lock = Arc::new(StockQueuedLock::new_stock());
@@ -1076,6 +1093,7 @@ mod tests {
             .configure(SpinConfig {
                 spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             })
             .unwrap();
         let second = spawn(2);
@@ -1108,6 +1126,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<Preempting<2>, 2>> =
             Arc::new(PvDomain::new(Preempting::new(), config));
@@ -1147,6 +1166,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<Preempting<3>, 3>> =
             Arc::new(PvDomain::new(Preempting::new(), config));

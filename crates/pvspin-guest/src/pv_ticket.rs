@@ -25,11 +25,11 @@
 //!
 //! When the host says the VM's vCPUs fit the CPUs it gets ([`PvOps::vcpus_fit`]: a kicked
 //! vCPU runs without queueing behind this VM's others, as with pvspin's run slots), the
-//! unlocker also kicks the halted waiter of ticket `t + 1`, the one behind the new owner. With
-//! more waiters than CPUs most waiters halt, and a kick at unlock time puts a whole wake-up
-//! into every hand-over (a convoy that, once started, lasts the run); kicked one hand-over
-//! early, the waiter spins by the time the lock reaches it, and the unlocks after that find
-//! their new owner spinning. It is a kick only: the woken waiter finds the lock still held
+//! unlocker also kicks the halted waiters of tickets `t + 1 ..= t + d`, those behind the new
+//! owner (`d` is [`SpinConfig::prewake`], default 2). With more waiters than CPUs most
+//! waiters halt, and a kick at unlock time puts a whole wake-up into every hand-over (a convoy
+//! that, once started, lasts the run); kicked a hand-over or two early, a waiter spins by the
+//! time the lock reaches it, and the unlocks after that find their new owner spinning. It is a kick only: the woken waiter finds the lock still held
 //! (a spurious wakeup, or a halt more if it spins out its budget), and the handshake above
 //! stays what makes the lock correct. Counted in
 //! [`PvStatsSnapshot::prewakes`](crate::PvStatsSnapshot). Without `VCPUS_FIT` a woken waiter
@@ -40,7 +40,7 @@
 
 use core::sync::atomic::{AtomicU32 as HintU32, Ordering as HintOrdering};
 
-use crate::pv::{Pv, PvOps, RawPvLock, SpinWait};
+use crate::pv::{Pv, PvOps, RawPvLock, SpinConfig, SpinWait};
 use crate::sync::{full_fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 
 /// How a PV ticket waiter spends one spin phase: the part of its wait before the halt
@@ -267,15 +267,15 @@ impl PvTicketLock {
             .store(id.saturating_add(1), HintOrdering::Relaxed);
     }
 
-    /// Kicks the halted waiter of ticket `served`, the new owner, and with `prewake` also
-    /// the halted waiter of the ticket after it (module docs, "The pre-wake"). One scan
-    /// finds both.
+    /// Kicks the halted waiter of ticket `served`, the new owner, and the halted waiters of
+    /// the `prewake` tickets after it (module docs, "The pre-wake"). One scan finds them all.
     #[cold]
-    fn kick_next<O: PvOps>(&self, pv: Pv<'_, O>, served: u32, prewake: bool) {
+    fn kick_next<O: PvOps>(&self, pv: Pv<'_, O>, served: u32, prewake: u8) {
         let id = self.id();
-        let after = served.wrapping_add(1);
-        let mut owner = None;
-        let mut behind = None;
+        // found[k]: the CPU halted for ticket `served + k`.
+        let mut found = [None; 1 + SpinConfig::MAX_PREWAKE as usize];
+        let wanted = 1 + usize::from(prewake.min(SpinConfig::MAX_PREWAKE));
+        let mut missing = wanted;
         for (index, cpu) in pv.cpus.iter().enumerate() {
             let slot = &cpu.ticket;
             if slot.state.load(Ordering::Acquire) != HALTED
@@ -283,32 +283,38 @@ impl PvTicketLock {
             {
                 continue;
             }
-            let ticket = slot.ticket.load(Ordering::Relaxed);
-            if ticket == served {
-                owner = Some(index);
-            } else if prewake && ticket == after {
-                behind = Some(index);
-            } else {
-                continue;
-            }
+            let behind = slot.ticket.load(Ordering::Relaxed).wrapping_sub(served) as usize;
             // Exactly one CPU holds each ticket.
-            if !prewake || (owner.is_some() && behind.is_some()) {
-                break;
+            if behind < wanted && found[behind].is_none() {
+                found[behind] = Some(index);
+                missing -= 1;
+                if missing == 0 {
+                    break;
+                }
             }
         }
-        let kicked = owner.is_some_and(|index| Self::kick_slot(pv, index, served));
-        let prewoken = behind.is_some_and(|index| Self::kick_slot(pv, index, after));
-        if let Some((_, me)) = pv.this_cpu() {
-            if kicked {
+        let Some((_, me)) = pv.this_cpu() else {
+            // Counted as a bad CPU; the kicks are still due.
+            for (k, index) in found.iter().enumerate() {
+                if let Some(index) = *index {
+                    Self::kick_slot(pv, index, served.wrapping_add(k as u32));
+                }
+            }
+            return;
+        };
+        let mut any = false;
+        for (k, index) in found.iter().enumerate() {
+            let Some(index) = *index else { continue };
+            if Self::kick_slot(pv, index, served.wrapping_add(k as u32)) {
+                any = true;
                 me.stats.kick();
+                if k > 0 {
+                    me.stats.prewake();
+                }
             }
-            if prewoken {
-                me.stats.kick();
-                me.stats.prewake();
-            }
-            if !kicked && !prewoken {
-                me.stats.no_kick();
-            }
+        }
+        if !any {
+            me.stats.no_kick();
         }
     }
 
@@ -384,7 +390,12 @@ unsafe impl RawPvLock for PvTicketLock {
         // (at native speed, most of them).
         if self.next.load(Ordering::Relaxed) != served {
             if pv.halting.load(Ordering::Acquire) != 0 {
-                self.kick_next(pv, served, pv.ops.vcpus_fit());
+                let prewake = if pv.ops.vcpus_fit() {
+                    pv.config.prewake
+                } else {
+                    0
+                };
+                self.kick_next(pv, served, prewake);
             } else if let Some((_, me)) = pv.this_cpu() {
                 me.stats.no_kick();
             }
@@ -409,6 +420,7 @@ mod tests {
         SpinConfig {
             spin_threshold: 4,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         }
     }
 
@@ -418,6 +430,7 @@ mod tests {
         let plain = SpinConfig {
             spin_threshold: 7,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         domain.configure(plain).unwrap();
         assert_eq!(domain.config(), plain);
@@ -425,6 +438,7 @@ mod tests {
         let zero = SpinConfig {
             spin_threshold: 0,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         assert!(domain.configure(zero).is_err());
         assert_eq!(domain.config(), plain, "a refused policy changes nothing");
@@ -467,9 +481,12 @@ mod tests {
     }
 
     #[test]
-    fn unlocker_prewakes_the_waiter_behind_the_next_owner_only_when_vcpus_fit() {
-        crate::tests_common::check_prewake(PvTicketLock::new(), true);
-        crate::tests_common::check_prewake(PvTicketLock::new(), false);
+    fn unlocker_prewakes_the_waiters_behind_the_next_owner_only_when_vcpus_fit() {
+        for depth in [1, 2, SpinConfig::MAX_PREWAKE] {
+            crate::tests_common::check_prewake(PvTicketLock::new(), true, depth);
+        }
+        crate::tests_common::check_prewake(PvTicketLock::new(), true, 0);
+        crate::tests_common::check_prewake(PvTicketLock::new(), false, 2);
     }
 
     #[test]
@@ -478,6 +495,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
             halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let domain: Arc<PvDomain<HostPvOps<2>, 2>> =
             Arc::new(PvDomain::new(HostPvOps::new(), config));
@@ -561,6 +579,7 @@ mod tests {
             SpinConfig {
                 spin_threshold: 10,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             },
         ));
         let lock = Arc::new(PvTicketLock::new());
@@ -613,6 +632,7 @@ mod tests {
             SpinConfig {
                 spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             },
         ));
         let lock = Arc::new(PvTicketLock::new());
@@ -706,6 +726,7 @@ mod tests {
             SpinConfig {
                 spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
                 halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
             },
         ));
         let lock = Arc::new(PvTicketLock::new());
@@ -787,6 +808,7 @@ mod tests {
         let config = SpinConfig {
             spin_threshold: 1,
             halt: false,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
         };
         let stats = pv_hammer::<PvTicketLock>(3, 100, config, 0);
         assert_eq!(

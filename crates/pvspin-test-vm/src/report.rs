@@ -129,8 +129,8 @@ pub struct RunReport {
     /// pvspin guest: spin phases that kept spinning behind a just-kicked next owner because
     /// the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`, `--vm-cpus`); 0 when not said.
     pub pv_behind_waking: u64,
-    /// pvspin guest: kicks sent one hand-over early, to the halted waiter behind the new
-    /// holder, because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`: run slots on
+    /// pvspin guest: kicks sent a hand-over or two early, to halted waiters behind the new
+    /// holder (`SpinConfig::prewake`), because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`: run slots on
     /// the userspace and signal-msi paths, or `--vm-cpus`); also in `pv_kicks`.
     pub pv_prewakes: u64,
     /// Stock guest: vCPUs whose KVM steal-time area KVM kept (version non-zero at the end),

@@ -571,6 +571,7 @@ pub fn configure(spin_threshold: u32, halt: bool) -> bool {
     PV.configure(SpinConfig {
         spin_threshold,
         halt,
+        prewake: SpinConfig::DEFAULT_PREWAKE,
     })
     .is_ok()
 }

@@ -318,7 +318,7 @@ pub struct RunResult {
     /// pvspin locks: spin phases that kept spinning behind a just-kicked next owner because
     /// the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`).
     pub pv_behind_waking: u64,
-    /// pvspin locks: kicks an unlocker sent early, to the halted waiter behind the new holder,
+    /// pvspin locks: kicks an unlocker sent early, to halted waiters behind the new holder,
     /// because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`); also in `pv_kicks`.
     pub pv_prewakes: u64,
 }
