@@ -235,6 +235,11 @@ struct Vcpu {
     /// other thread was runnable on it: `single_task_running`).
     halt_t0: u64,
     poll_cpu: Option<u32>,
+    /// Its thread is being switched onto its CPU until then: its guest runs after.
+    busy_until: u64,
+    /// Its last kick found KVM still polling: the thread never left its CPU, so running it
+    /// again is no context switch.
+    polled_wake: bool,
 }
 
 #[derive(Debug, Default)]
@@ -412,6 +417,8 @@ impl Sim {
                     halt_poll_ns: 0,
                     halt_t0: 0,
                     poll_cpu: None,
+                    busy_until: 0,
+                    polled_wake: false,
                 });
             }
         }
@@ -624,12 +631,14 @@ impl Sim {
         let now = self.now;
         let vc = &mut self.vcpus[v as usize];
         vc.token += 1;
-        vc.act_t0 = now;
+        // A thread being switched in runs its guest once the switch is done.
+        let t0 = now.max(vc.busy_until);
+        vc.act_t0 = t0;
         let token = vc.token;
         let at = if vc.act.timed() {
-            Some(now + vc.left)
+            Some(t0 + vc.left)
         } else if vc.act == Act::Spin && vc.spin_deadline != u64::MAX {
-            Some(vc.spin_deadline.max(now))
+            Some(vc.spin_deadline.max(t0))
         } else {
             None
         };
@@ -648,16 +657,18 @@ impl Sim {
         }
     }
 
-    /// The thread of vCPU `v` got a CPU (called by the scheduler).
-    pub(crate) fn vcpu_dispatched(&mut self, v: u32) {
+    /// The thread of vCPU `v` got a CPU (called by the scheduler); `switched`: another
+    /// thread (or the idle task) ran there before it, so it pays a context switch first,
+    /// unless KVM was still polling its halt (it never left the CPU).
+    pub(crate) fn vcpu_dispatched(&mut self, v: u32, switched: bool) {
+        let now = self.now;
         let cs = self.cost.context_switch_ns;
         let vc = &mut self.vcpus[v as usize];
         vc.on_cpu = true;
         // KVM clears `blocking` when the woken thread runs.
         vc.halted_in_kvm = false;
-        if vc.act.timed() {
-            vc.left += cs;
-        }
+        let polled = std::mem::take(&mut vc.polled_wake);
+        vc.busy_until = if switched && !polled { now + cs } else { now };
         if std::mem::take(&mut vc.signal_pending) {
             // immediate_exit: KVM_RUN returns at once.
             let r = self.cost.resume_ns;
@@ -665,7 +676,15 @@ impl Sim {
             return;
         }
         if vc.act == Act::Spin {
-            self.spin_check(v);
+            if vc.busy_until > now {
+                // It looks at the lock once it is switched in.
+                vc.token += 1;
+                vc.act_t0 = vc.busy_until;
+                let (t, token) = (vc.busy_until, vc.token);
+                self.at(t, Ev::Guest(v, token));
+            } else {
+                self.spin_check(v);
+            }
         } else {
             self.arm(v);
         }
@@ -709,6 +728,8 @@ impl Sim {
                 }
                 self.vcpus[v as usize].saved = None;
             }
+            // Switched in (look at the lock), or the budget ran out (wait).
+            Act::Spin if self.now < self.vcpus[v as usize].spin_deadline => self.spin_check(v),
             Act::Spin => self.wait(v),
             Act::WaitExit => self.wait_exited(v),
             Act::Resume => self.spin_start(v),
@@ -1163,11 +1184,15 @@ impl Sim {
         let polled = self.halt_polled(n);
         let vc = &mut self.vcpus[n as usize];
         if vc.act == Act::Halted {
-            let mut lat =
-                self.cost.kick_to_wake_ns[var.path.index()].saturating_sub(self.cost.resume_ns);
-            if !polled {
-                lat += self.cost.unpolled_wake_extra_ns[var.path.index()];
+            // The measured kick-to-wake less what the woken thread pays on its CPU: the
+            // resume, and the switch where the measurement included one. An unpolled wake
+            // pays the switch when it gets a CPU; a polled one never left it.
+            let p = var.path.index();
+            let mut lat = self.cost.kick_to_wake_ns[p].saturating_sub(self.cost.resume_ns);
+            if self.cost.kick_to_wake_switched[p] {
+                lat = lat.saturating_sub(self.cost.context_switch_ns);
             }
+            vc.polled_wake = polled;
             let token = vc.wake_token;
             self.at(self.now + lat, Ev::Wake(n, token));
         } else {
@@ -1320,13 +1345,15 @@ impl Sim {
         self.vms[m].board.on_enter_run(local);
         let (act, left) = vc.saved.take().unwrap_or((Act::Spin, 0));
         vc.wake_token += 1;
+        // Its KVM_RUN enters the guest again (the resume), then the guest goes on.
+        let resume = self.cost.resume_ns;
         if act == Act::Spin {
             // Back in the guest, it looks at the lock again.
             vc.act = Act::Resume;
-            vc.left = 1;
+            vc.left = resume;
         } else {
             vc.act = act;
-            vc.left = left;
+            vc.left = left + resume;
         }
         self.make_runnable_after(v, latency);
     }
@@ -1355,10 +1382,14 @@ impl Sim {
 
     fn drain(&mut self, m: usize) {
         let granted = std::mem::take(&mut *lock(&self.vms[m].granted));
-        let lat = self.cost.slot_wake_ns;
+        // The measured grant-to-guest less what the granted thread pays on its CPU (the
+        // switch and the resume); `slot_wake_ns` itself paces the queue head's next look.
+        let c = &self.cost;
+        let lat = c.slot_wake_ns;
+        let grant_lat = lat.saturating_sub(c.context_switch_ns + c.resume_ns).max(1);
         for g in granted {
             let v = self.vms[m].base + g as u32;
-            self.slot_granted(v, lat);
+            self.slot_granted(v, grant_lat);
         }
         let heads = std::mem::take(&mut *lock(&self.vms[m].heads));
         for h in heads {
@@ -1620,7 +1651,7 @@ mod tests {
         // vCPU 1 spins on a CPU behind it: taking the lock passes the head to 1, which
         // starts its head spin at once and sets pending.
         sim.vcpus[1].on_cpu = true;
-        sim.vcpu_dispatched(0);
+        sim.vcpu_dispatched(0, false);
         assert_eq!(sim.vms[0].lock.owner, Some(0));
         assert_eq!(sim.vcpus[0].act, Act::Take);
         assert_eq!(sim.vms[0].lock.queue, [1]);
@@ -1707,8 +1738,9 @@ mod tests {
         };
         let c = CostModel::default();
         let base = c.kick_to_wake_ns[0] - c.resume_ns;
+        // The wake-up itself is the same; the unpolled one pays the switch when it runs.
         assert_eq!(wake_at(true), base);
-        assert_eq!(wake_at(false), base + c.unpolled_wake_extra_ns[0]);
+        assert_eq!(wake_at(false), base);
         // Past the window: not polled, and the window grows (the block was short).
         let mut sim = stock_held_by_2();
         sim.vcpus[0].act = Act::Halted;
@@ -1721,6 +1753,78 @@ mod tests {
         sim.now = 10_000;
         sim.idle.remove(&0);
         assert!(!sim.halt_polled(0));
+    }
+
+    /// When the guest event of `v` fires next.
+    fn guest_event_at(sim: &Sim, v: u32) -> Option<u64> {
+        let token = sim.vcpus[v as usize].token;
+        sim.heap
+            .iter()
+            .find_map(|Reverse((t, _, ev))| (*ev == Ev::Guest(v, token)).then_some(*t))
+    }
+
+    /// A vCPU thread switched onto a CPU runs its guest only after the switch: a queue head
+    /// whose lock was released while it was preempted takes it a switch later, a timed act ends a switch
+    /// later; a thread whose halt KVM was still polling, or one picked again on its own CPU,
+    /// pays nothing.
+    #[test]
+    fn a_vcpu_switched_in_pays_the_context_switch_first() {
+        let c = CostModel::default();
+        let h = c.handoff_ns[lock_index(LockKind::Queued, Guest::Stock)];
+        let mut sim = stock_held_by_2();
+        sim.vms[0].lock.queue.push_back(0);
+        sim.vcpus[0].act = Act::Spin;
+        sim.vcpus[0].spin_deadline = u64::MAX;
+        sim.release(2);
+        assert_eq!(sim.vms[0].lock.owner, None, "free for the preempted head");
+        sim.now = 1_000;
+        sim.vcpu_dispatched(0, true);
+        assert_eq!(
+            sim.vms[0].lock.owner, None,
+            "took it before it was switched in"
+        );
+        assert_eq!(guest_event_at(&sim, 0), Some(1_000 + c.context_switch_ns));
+        sim.now = 1_000 + c.context_switch_ns;
+        sim.step_done(0);
+        assert_eq!(sim.vms[0].lock.owner, Some(0));
+        assert_eq!(sim.vcpus[0].act, Act::Take);
+        assert_eq!(guest_event_at(&sim, 0), Some(sim.now + h));
+        // A timed act: its end moves by the switch, and the switch is not charged as work.
+        let mut sim = stock_held_by_2();
+        sim.vcpus[1].act = Act::Ncs;
+        sim.vcpus[1].left = 2_000;
+        sim.vcpu_dispatched(1, true);
+        assert_eq!(guest_event_at(&sim, 1), Some(c.context_switch_ns + 2_000));
+        sim.now = c.context_switch_ns + 500;
+        sim.vcpu_descheduled(1);
+        assert_eq!(sim.vcpus[1].left, 1_500);
+        // Polled, or not switched: at once.
+        sim.now = 50_000;
+        sim.vcpus[1].polled_wake = true;
+        sim.vcpu_dispatched(1, true);
+        assert_eq!(guest_event_at(&sim, 1), Some(50_000 + 1_500));
+        sim.vcpu_descheduled(1);
+        sim.vcpu_dispatched(1, false);
+        assert_eq!(guest_event_at(&sim, 1), Some(50_000 + 1_500));
+    }
+
+    /// The scheduler tells a vCPU whether it was switched in: not when the CPU picks the
+    /// same thread again, yes after another thread or the idle task ran there.
+    #[test]
+    fn the_scheduler_counts_a_switch_only_between_threads() {
+        let mut sim = Sim::new(cfg("ticket:off", 2, 10)).unwrap();
+        sim.vcpus[0].act = Act::Ncs;
+        sim.vcpus[0].left = 1_000_000;
+        sim.make_runnable(0);
+        assert_eq!(
+            sim.vcpus[0].busy_until, sim.cost.context_switch_ns,
+            "from idle"
+        );
+        // Preempted and picked again at once (nothing else queued): no switch.
+        sim.now = 2_000_000;
+        sim.preempt_curr(0);
+        assert_eq!(sim.cpus[0].curr, Some(0));
+        assert_eq!(sim.vcpus[0].busy_until, 2_000_000);
     }
 
     #[test]
