@@ -44,7 +44,8 @@ pub struct CostModel {
     /// Taking a free lock without contention (one atomic on a local cache line). *Estimate.*
     pub uncontended_ns: u64,
     /// A WAIT from guest user mode: the exit to the VMM and back into `KVM_RUN`, paid by the
-    /// waiter before it blocks. Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → userspace exit
+    /// waiter before it blocks. A forced exit (the slot policy's signal, once it lands) costs
+    /// the vCPU the same: `KVM_RUN` returns to the VMM from guest user mode. Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → userspace exit
     /// and back, from CPL 3 (quiet): 36-48 us".
     pub wait_exit: Span,
     /// The kicker's cost on the in-kernel path (an `out` matched by an ioeventfd, no exit).
@@ -74,7 +75,8 @@ pub struct CostModel {
     /// CPU a woken vCPU thread spends before its guest runs again (`KVM_RUN` entry). Source:
     /// kvm-on-these-machines.md, "E4: exit costs", "`KVM_RUN` with immediate_exit preset: 5.0-5.2 us".
     pub resume_ns: u64,
-    /// A forced exit (the interrupter's signal) of a vCPU that runs on a CPU. Source:
+    /// From the interrupter's signal to its landing on a vCPU that runs on a CPU (the guest
+    /// runs on meanwhile; then it pays [`CostModel::wait_exit`]). Source:
     /// kvm-on-these-machines.md, "E5: forcing a vCPU out of KVM_RUN", p50 of the spinning and halted rows: 17.5-25.5 us.
     pub forced_exit: Span,
     /// From a run-slot grant to the granted vCPU's guest running on an idle CPU (a futex wake

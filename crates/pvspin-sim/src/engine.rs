@@ -1427,7 +1427,10 @@ impl Sim {
         ) {
             return;
         }
-        self.interrupt(v, 1);
+        // KVM_RUN returns to the VMM from guest user mode and (if the vCPU keeps its slot)
+        // enters again: a userspace exit from CPL 3, as a WAIT's.
+        let t = draw(&mut self.rng, self.cost.wait_exit);
+        self.interrupt(v, t);
     }
 
     /// Interrupts the running act for a forced exit handled after `cost` ns.
@@ -1825,6 +1828,28 @@ mod tests {
         sim.preempt_curr(0);
         assert_eq!(sim.cpus[0].curr, Some(0));
         assert_eq!(sim.vcpus[0].busy_until, 2_000_000);
+    }
+
+    /// A forced exit (the slot policy's signal) of a vCPU running guest user code costs it a
+    /// userspace exit from CPL 3 before the VMM decides, as a WAIT's exit does; the act it
+    /// interrupted resumes with what it had left.
+    #[test]
+    fn a_forced_exit_costs_a_userspace_exit_from_guest_user_mode() {
+        let c = CostModel::default();
+        let mut sim = Sim::new(cfg("queued:kick/slots:userspace", 4, 10)).unwrap();
+        sim.vcpus[1].act = Act::Ncs;
+        sim.vcpus[1].left = 3_000;
+        sim.vcpus[1].on_cpu = true;
+        sim.arm(1);
+        sim.now = 1_000;
+        sim.forced_exit(1);
+        assert_eq!(sim.vcpus[1].act, Act::SignalExit);
+        assert_eq!(sim.vcpus[1].saved, Some((Act::Ncs, 2_000)));
+        let at = guest_event_at(&sim, 1).unwrap() - 1_000;
+        assert!(
+            (c.wait_exit.lo..=c.wait_exit.hi).contains(&at),
+            "the forced exit took {at} ns"
+        );
     }
 
     #[test]
