@@ -237,6 +237,10 @@ struct Vcpu {
     poll_cpu: Option<u32>,
     /// Its thread is being switched onto its CPU until then: its guest runs after.
     busy_until: u64,
+    /// Stock qspinlock: its MCS node's `state` is not `RUNNING`, from the `HALTED` stored
+    /// before its WAIT's exit until its guest runs again after the wait (the `cmpxchg` back
+    /// to `RUNNING`, or the head's next spin round), which `pv_wait_early` reads.
+    waiting_mark: bool,
     /// Its last kick found KVM still polling: the thread never left its CPU, so running it
     /// again is no context switch.
     polled_wake: bool,
@@ -419,6 +423,7 @@ impl Sim {
                     poll_cpu: None,
                     busy_until: 0,
                     polled_wake: false,
+                    waiting_mark: false,
                 });
             }
         }
@@ -796,6 +801,8 @@ impl Sim {
             }
         };
         let vc = &mut self.vcpus[v as usize];
+        // Its guest runs again: out of a wait, its node says RUNNING.
+        vc.waiting_mark = false;
         vc.act = Act::Spin;
         vc.spin_deadline = deadline;
         if vc.on_cpu {
@@ -919,7 +926,7 @@ impl Sim {
                     wa == Act::SlotWait && !vc.hashed_head
                 } else {
                     // `pv_wait_early`: the predecessor's node is not running (halted).
-                    matches!(wa, Act::Halted | Act::WaitExit)
+                    self.vcpus[w as usize].waiting_mark
                 }
             }
         }
@@ -951,8 +958,13 @@ impl Sim {
         // A backoff waiter stops backing off when it waits; woken, it looks at once.
         vc.backed_off = false;
         vc.wait_t0 = self.now;
+        vc.waiting_mark = var.guest == Guest::Stock;
         let t = draw(&mut self.rng, self.cost.wait_exit);
         self.start(v, Act::WaitExit, t);
+        // A stock node's state says HALTED before the exit: its successor sees it now.
+        if var.guest == Guest::Stock {
+            self.not_running_now(v);
+        }
     }
 
     /// The WAIT reached the VMM: back at once if the lock came or a kick is latched, else
@@ -1714,7 +1726,25 @@ mod tests {
         sim.vcpus[1].act = Act::Spin;
         assert!(!sim.waits_early(1));
         sim.vcpus[0].act = Act::Halted;
+        sim.vcpus[0].waiting_mark = true;
         assert!(sim.waits_early(1));
+        // Woken, its node still says HALTED until its guest runs again.
+        sim.vcpus[0].act = Act::Resume;
+        assert!(
+            sim.waits_early(1),
+            "behind a woken predecessor not yet running"
+        );
+        sim.spin_start(0);
+        assert!(!sim.waits_early(1), "behind a predecessor spinning again");
+        // From the HALTED store before its WAIT's exit: a spinning successor waits at once.
+        sim.vcpus[1].on_cpu = true;
+        sim.vcpus[1].spin_deadline = u64::MAX;
+        sim.wait(0);
+        assert_eq!(
+            sim.vcpus[1].act,
+            Act::WaitExit,
+            "kept spinning behind HALTED"
+        );
         sim.vcpus[2].act = Act::Halted;
         assert!(!sim.waits_early(0));
         sim.vcpus[2].act = Act::SlotWait;
