@@ -85,6 +85,9 @@ pub struct CostModel {
     /// kick-to-wake p50 33-49 us, less the kicker's exit (about 20 us of it): 15 us. The
     /// simulator charges the switch and the resume on the CPU and the rest as the wake-up.
     pub slot_wake_ns: u64,
+    /// The halt watcher's read of one vCPU's `blocking` statistic (one 8-byte `pread`).
+    /// Source: `docs/benchmarks.md`, "How the VMM sees a halt inside KVM": 270-300 ns.
+    pub halt_probe_ns: u64,
     /// One `pause` iteration of a spin loop at native speed. Source: kvm-on-these-machines.md,
     /// "Guest user mode (CPL 3) runs natively", "one `pause; dec; jnz` about 26-30 ns".
     pub pause_ns: u64,
@@ -141,6 +144,7 @@ impl Default for CostModel {
             resume_ns: 5_000,
             forced_exit: Span::new(17_500, 25_500),
             slot_wake_ns: 15_000,
+            halt_probe_ns: 300,
             pause_ns: 28,
             stock_spin_threshold: 1 << 15,
             backoff_unit_spins: (1, 1024),

@@ -81,7 +81,8 @@ pub struct Report {
     pub events: u64,
     /// Whether every VM finished (runs that end by iterations).
     pub finished: bool,
-    /// CPU time each host thread received, ns: the VMs' vCPU threads in order, then the hogs.
+    /// CPU time each host thread received, ns: the VMs' vCPU threads in order, then the hogs,
+    /// then each VM's halt watcher (with slots on a path that halts in KVM).
     pub thread_cpu_ns: Vec<u64>,
     /// Quota periods in which each VM's group was throttled (empty without a CPU limit).
     pub throttled_periods: Vec<u64>,
@@ -282,6 +283,11 @@ struct Vm {
     vcpus_fit: bool,
     watch_armed: bool,
     watch_set: Vec<usize>,
+    /// The halt watcher's host thread (with slots on a path that halts in KVM): a VMM thread
+    /// that needs a CPU for each poll, like any other.
+    watcher: Option<u32>,
+    /// Validates the watcher's pending poll (a preempted poll starts again).
+    watch_token: u64,
     done: u32,
     report: VmReport,
 }
@@ -295,6 +301,7 @@ pub(crate) enum Ev {
     SlotRetry(u32, u64),
     SlotWake(u32, u64),
     SlotPoll(u32),
+    WatchRun(u32, u64),
     Signal(u32),
     BoostEnd(u32, u64),
     Period(u32),
@@ -389,6 +396,8 @@ impl Sim {
                 vcpus_fit: cfg.vcpus_fit(),
                 watch_armed: false,
                 watch_set: Vec::new(),
+                watcher: None,
+                watch_token: 0,
                 done: 0,
                 report: VmReport::default(),
             });
@@ -430,6 +439,17 @@ impl Sim {
         for _ in 0..cfg.hogs {
             let tid = threads.len();
             threads.push(Thread::new(None, (tid % cfg.host_cpus) as u32));
+        }
+        if v.slots && v.path.halts_in_kvm() {
+            for (m, vm) in vms.iter_mut().enumerate() {
+                let tid = threads.len();
+                let group = cfg.cpu_limit.map(|_| m as u32);
+                threads.push(Thread::new(group, (tid % cfg.host_cpus) as u32));
+                if let Some(g) = group {
+                    groups[g as usize].members.push(tid as u32);
+                }
+                vm.watcher = Some(tid as u32);
+            }
         }
         let mut rng = SimRng::new(cfg.seed);
         // Host CPUs' ticks are not in step with each other or with the workload.
@@ -492,8 +512,9 @@ impl Sim {
             vc.left = first;
         }
         for tid in 0..self.threads.len() as u32 {
-            // Before its first KVM_RUN a vCPU asks for a slot.
-            if tid < nv && !self.slot_enter(tid) {
+            // Before its first KVM_RUN a vCPU asks for a slot; a halt watcher sleeps until it
+            // is armed.
+            if (tid < nv && !self.slot_enter(tid)) || self.watcher_vm(tid).is_some() {
                 continue;
             }
             self.make_runnable(tid);
@@ -612,7 +633,13 @@ impl Sim {
                     self.make_runnable(v);
                 }
             }
-            Ev::SlotPoll(m) => self.slot_poll(m as usize),
+            Ev::SlotPoll(m) => self.watch_due(m as usize),
+            Ev::WatchRun(m, token) => {
+                let m = m as usize;
+                if self.vms[m].watch_token == token {
+                    self.watch_run(m);
+                }
+            }
             Ev::Signal(v) => {
                 // The signal lands: at once on a CPU, else when the thread next runs.
                 if self.vcpus[v as usize].on_cpu {
@@ -1480,6 +1507,51 @@ impl Sim {
         self.at(self.now + i, Ev::SlotPoll(m as u32));
     }
 
+    /// The VM whose halt watcher thread `tid` is.
+    pub(crate) fn watcher_vm(&self, tid: u32) -> Option<usize> {
+        let first = self.vcpus.len() + self.cfg.hogs;
+        let m = (tid as usize).checked_sub(first)?;
+        (m < self.vms.len() && self.vms[m].watcher == Some(tid)).then_some(m)
+    }
+
+    /// The watcher's timer fired: its thread becomes runnable and polls once it runs.
+    fn watch_due(&mut self, m: usize) {
+        let Some(tid) = self.vms[m].watcher else {
+            return self.slot_poll(m);
+        };
+        self.make_runnable(tid);
+    }
+
+    /// The watcher thread got a CPU: its poll is done after its switch and one `blocking`
+    /// read per watched vCPU.
+    pub(crate) fn watcher_dispatched(&mut self, m: usize, switched: bool) {
+        let c = &self.cost;
+        let reads = self.vms[m].watch_set.len().max(1) as u64;
+        let t = if switched { c.context_switch_ns } else { 0 } + c.halt_probe_ns * reads;
+        let vm = &mut self.vms[m];
+        vm.watch_token += 1;
+        let token = vm.watch_token;
+        self.at(self.now + t, Ev::WatchRun(m as u32, token));
+    }
+
+    /// The watcher thread lost its CPU before its poll was done: it polls when it runs again.
+    pub(crate) fn watcher_descheduled(&mut self, m: usize) {
+        self.vms[m].watch_token += 1;
+    }
+
+    /// The watcher polled: it reports, re-arms its timer if needed, and sleeps.
+    fn watch_run(&mut self, m: usize) {
+        self.slot_poll(m);
+        if let Some(tid) = self.vms[m].watcher {
+            if self.threads[tid as usize].state == TState::Running {
+                let cpu = self.threads[tid as usize].cpu;
+                self.stop_running(cpu);
+                self.threads[tid as usize].state = TState::Blocked;
+                self.pick_next(cpu);
+            }
+        }
+    }
+
     /// The halt watcher's poll: every watched vCPU's `blocking` state to the policy.
     fn slot_poll(&mut self, m: usize) {
         self.vms[m].watch_armed = false;
@@ -1880,6 +1952,53 @@ mod tests {
             (c.wait_exit.lo..=c.wait_exit.hi).contains(&at),
             "the forced exit took {at} ns"
         );
+    }
+
+    /// The halt watcher is a VMM thread: its poll happens when the host runs it, after its
+    /// switch and one `blocking` read per watched vCPU, not when its timer fires; it sleeps
+    /// again after the poll.
+    #[test]
+    fn the_halt_watcher_polls_only_when_it_gets_a_cpu() {
+        let mut c = cfg("queued:kick/slots:in-kernel@stock", 4, 100);
+        c.hogs = 2;
+        let mut sim = Sim::new(c).unwrap();
+        sim.start_all();
+        let w = sim.vms[0].watcher.expect("a watcher with slots in KVM");
+        assert_eq!(sim.watcher_vm(w), Some(0));
+        assert_eq!(sim.threads[w as usize].state, TState::Blocked);
+        assert!(sim.cpus.iter().all(|c| c.curr.is_some()), "both CPUs busy");
+        let polls = |sim: &Sim| {
+            sim.heap
+                .iter()
+                .filter(|Reverse((_, _, ev))| matches!(ev, Ev::WatchRun(0, _)))
+                .count()
+        };
+        sim.watch_due(0);
+        assert_eq!(sim.threads[w as usize].state, TState::Queued);
+        assert_eq!(polls(&sim), 0, "polled without a CPU");
+        let cpu = sim.threads[w as usize].cpu;
+        sim.now = 5_000_000;
+        sim.cpus[cpu as usize].rq.clear();
+        sim.queued_total = 0;
+        sim.threads[w as usize].state = TState::Blocked;
+        sim.stop_running(cpu);
+        sim.cpus[cpu as usize].curr = None;
+        sim.make_runnable(w);
+        assert_eq!(sim.cpus[cpu as usize].curr, Some(w));
+        let token = sim.vms[0].watch_token;
+        let at = sim
+            .heap
+            .iter()
+            .find_map(|Reverse((t, _, ev))| (*ev == Ev::WatchRun(0, token)).then_some(*t));
+        let cost = &sim.cost;
+        assert_eq!(
+            at,
+            Some(5_000_000 + cost.context_switch_ns + cost.halt_probe_ns)
+        );
+        sim.now = at.unwrap();
+        sim.watch_run(0);
+        assert_eq!(sim.threads[w as usize].state, TState::Blocked);
+        assert_ne!(sim.cpus[cpu as usize].curr, Some(w));
     }
 
     #[test]

@@ -201,6 +201,8 @@ impl Sim {
         }
         if self.is_vcpu(tid) {
             self.vcpu_dispatched(tid, switched);
+        } else if let Some(m) = self.watcher_vm(tid) {
+            self.watcher_dispatched(m, switched);
         }
     }
 
@@ -233,6 +235,8 @@ impl Sim {
         let curr = self.cpus[cpu as usize].curr.take()?;
         if self.is_vcpu(curr) {
             self.vcpu_descheduled(curr);
+        } else if let Some(m) = self.watcher_vm(curr) {
+            self.watcher_descheduled(m);
         }
         Some(curr)
     }
