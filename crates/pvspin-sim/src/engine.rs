@@ -245,6 +245,8 @@ struct Vcpu {
     /// Its last kick found KVM still polling: the thread never left its CPU, so running it
     /// again is no context switch.
     polled_wake: bool,
+    /// A spinner switched in: its next guest event is its first look at the lock.
+    look_pending: bool,
 }
 
 #[derive(Debug, Default)]
@@ -432,6 +434,7 @@ impl Sim {
                     poll_cpu: None,
                     busy_until: 0,
                     polled_wake: false,
+                    look_pending: false,
                     waiting_mark: false,
                 });
             }
@@ -710,6 +713,7 @@ impl Sim {
         if vc.act == Act::Spin {
             if vc.busy_until > now {
                 // It looks at the lock once it is switched in.
+                vc.look_pending = true;
                 vc.token += 1;
                 vc.act_t0 = vc.busy_until;
                 let (t, token) = (vc.busy_until, vc.token);
@@ -727,6 +731,7 @@ impl Sim {
         let now = self.now;
         let vc = &mut self.vcpus[v as usize];
         vc.on_cpu = false;
+        vc.look_pending = false;
         if vc.act.timed() {
             vc.left = vc.left.saturating_sub(now.saturating_sub(vc.act_t0));
         }
@@ -760,8 +765,11 @@ impl Sim {
                 }
                 self.vcpus[v as usize].saved = None;
             }
-            // Switched in (look at the lock), or the budget ran out (wait).
-            Act::Spin if self.now < self.vcpus[v as usize].spin_deadline => self.spin_check(v),
+            // Switched in: it looks at the lock first (its budget may have run out meanwhile:
+            // then it waits after this look); else the budget ran out: wait.
+            Act::Spin if std::mem::take(&mut self.vcpus[v as usize].look_pending) => {
+                self.spin_check(v)
+            }
             Act::Spin => self.wait(v),
             Act::WaitExit => self.wait_exited(v),
             Act::Resume => self.spin_start(v),
@@ -1889,6 +1897,8 @@ mod tests {
             "took it before it was switched in"
         );
         assert_eq!(guest_event_at(&sim, 0), Some(1_000 + c.context_switch_ns));
+        // Its budget ran out while it was off the CPU: it still looks before it waits.
+        sim.vcpus[0].spin_deadline = 500;
         sim.now = 1_000 + c.context_switch_ns;
         sim.step_done(0);
         assert_eq!(sim.vms[0].lock.owner, Some(0));
