@@ -768,7 +768,7 @@ impl Sim {
             // Switched in: it looks at the lock first (its budget may have run out meanwhile:
             // then it waits after this look); else the budget ran out: wait.
             Act::Spin if std::mem::take(&mut self.vcpus[v as usize].look_pending) => {
-                self.spin_check(v)
+                self.spin_check(v);
             }
             Act::Spin => self.wait(v),
             Act::WaitExit => self.wait_exited(v),
