@@ -44,7 +44,8 @@ pub struct CostModel {
     /// Taking a free lock without contention (one atomic on a local cache line). *Estimate.*
     pub uncontended_ns: u64,
     /// A WAIT from guest user mode: the exit to the VMM and back into `KVM_RUN`, paid by the
-    /// waiter before it blocks. Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → userspace exit
+    /// waiter before it blocks. A forced exit (the slot policy's signal, once it lands) costs
+    /// the vCPU the same: `KVM_RUN` returns to the VMM from guest user mode. Source: kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", "`out` → userspace exit
     /// and back, from CPL 3 (quiet): 36-48 us".
     pub wait_exit: Span,
     /// The kicker's cost on the in-kernel path (an `out` matched by an ioeventfd, no exit).
@@ -54,17 +55,17 @@ pub struct CostModel {
     /// kvm-on-these-machines.md, "Guest user mode (CPL 3) runs natively", 36-48 us.
     pub kick_exit: Span,
     /// Kick to woken guest, p50, per path (in-kernel, signal-msi, userspace), on an idle CPU.
-    /// Source: `docs/benchmarks.md`, "Kick-to-wake at native speed, per path" (16.7, 27.8, 43.0 us). The simulator splits it into
-    /// the wake-up (the thread becomes runnable) and [`CostModel::resume_ns`] of CPU.
+    /// Source: `docs/benchmarks.md`, "Kick-to-wake at native speed, per path" (16.7, 27.8, 43.0
+    /// us). The ping-pong's waiter halts in KVM on an otherwise idle CPU and is woken within
+    /// KVM's poll window on the two irqchip paths, so those two include no context switch;
+    /// the userspace path parks the thread in the VMM, so its 43 us include one. The simulator
+    /// splits each into the wake-up (the thread becomes runnable), the switch onto a CPU
+    /// ([`CostModel::context_switch_ns`], unless the halt was still polling) and
+    /// [`CostModel::resume_ns`] of CPU.
     pub kick_to_wake_ns: [u64; 3],
-    /// What a kick-to-wake costs on top of [`CostModel::kick_to_wake_ns`] when KVM did not
-    /// halt-poll (the halted thread's CPU had other work, or the kick came after the poll
-    /// window), per path. Source: `docs/benchmarks.md`, "Kick-to-wake latency, side by side
-    /// with the C probe", pvspin p50 without and with halt polling of 200 us: in-kernel 21.7
-    /// and 12.5 us, signal-msi 25.9 and 16.8 us (9.2 and 9.1 us). The userspace path parks in
-    /// the VMM, where KVM does not poll: 0. (`kick_to_wake_ns` is the polled wake: its
-    /// ping-pong's waiter halts on an otherwise idle CPU within the window.)
-    pub unpolled_wake_extra_ns: [u64; 3],
+    /// Whether each path's [`CostModel::kick_to_wake_ns`] includes a context switch (the
+    /// userspace path's park; the two irqchip paths were measured polled).
+    pub kick_to_wake_switched: [bool; 3],
     /// KVM's halt-polling limit and the window's first step (`halt_poll_ns`,
     /// `halt_poll_ns_grow_start`). Source: kvm-on-these-machines.md, "KVM_CAP_HALT_POLL":
     /// module defaults 200000 and 10000 ns, grow 2, shrink 2 (the VMM keeps the host's).
@@ -74,13 +75,19 @@ pub struct CostModel {
     /// CPU a woken vCPU thread spends before its guest runs again (`KVM_RUN` entry). Source:
     /// kvm-on-these-machines.md, "E4: exit costs", "`KVM_RUN` with immediate_exit preset: 5.0-5.2 us".
     pub resume_ns: u64,
-    /// A forced exit (the interrupter's signal) of a vCPU that runs on a CPU. Source:
+    /// From the interrupter's signal to its landing on a vCPU that runs on a CPU (the guest
+    /// runs on meanwhile; then it pays [`CostModel::wait_exit`]). Source:
     /// kvm-on-these-machines.md, "E5: forcing a vCPU out of KVM_RUN", p50 of the spinning and halted rows: 17.5-25.5 us.
     pub forced_exit: Span,
-    /// From a run-slot grant to the granted vCPU thread being runnable (a futex wake of a
-    /// thread parked on a condition variable). Source: kvm-on-these-machines.md, "E2/E3: HLT and hypercalls", "user
-    /// (futex)" kick-to-wake p50 33-49 us, less the kicker's exit (about 20 us of it): 15 us.
+    /// From a run-slot grant to the granted vCPU's guest running on an idle CPU (a futex wake
+    /// of a thread parked on a condition variable, its switch in and its `KVM_RUN` entry).
+    /// Source: kvm-on-these-machines.md, "E2/E3: HLT and hypercalls", "user (futex)"
+    /// kick-to-wake p50 33-49 us, less the kicker's exit (about 20 us of it): 15 us. The
+    /// simulator charges the switch and the resume on the CPU and the rest as the wake-up.
     pub slot_wake_ns: u64,
+    /// The halt watcher's read of one vCPU's `blocking` statistic (one 8-byte `pread`).
+    /// Source: `docs/benchmarks.md`, "How the VMM sees a halt inside KVM": 270-300 ns.
+    pub halt_probe_ns: u64,
     /// One `pause` iteration of a spin loop at native speed. Source: kvm-on-these-machines.md,
     /// "Guest user mode (CPL 3) runs natively", "one `pause; dec; jnz` about 26-30 ns".
     pub pause_ns: u64,
@@ -108,8 +115,13 @@ pub struct CostModel {
     pub latency_ns: u64,
     /// CFS wake-up preemption granularity before scaling: 1 ms (`sysctl_sched_wakeup_granularity`).
     pub wakeup_granularity_ns: u64,
-    /// A context switch on a host CPU. *Estimate* (a few microseconds with the nested host's
-    /// vcpu_load/put, kvm-on-these-machines.md, "E4: exit costs" "vCPU ioctls are expensive").
+    /// Switching a vCPU thread onto a host CPU (from another thread or from idle), before its
+    /// guest runs: the scheduler's switch and KVM's `vcpu_load` on this nested host. Source:
+    /// `docs/benchmarks.md`, "Kick-to-wake latency, side by side with the C probe", pvspin p50
+    /// without and with halt polling of 200 us: in-kernel 21.7 and 12.5 us, signal-msi 25.9
+    /// and 16.8 us; a polled halt never leaves its CPU, an unpolled one is switched out and
+    /// back in: 9.2 and 9.1 us. The same order as "pvspind at parity"'s `perf` of the daemon's
+    /// worker (46% of 19 us per kick in `finish_task_switch`, about 8.7 us a switch).
     pub context_switch_ns: u64,
     /// How often idle and busy CPUs balance their run queues. Linux balances busy CPUs every
     /// few ticks; *estimate*: 4 ms.
@@ -126,12 +138,13 @@ impl Default for CostModel {
             kick_in_kernel: Span::new(3_700, 5_100),
             kick_exit: Span::new(36_000, 48_000),
             kick_to_wake_ns: [16_700, 27_800, 43_000],
-            unpolled_wake_extra_ns: [9_200, 9_100, 0],
+            kick_to_wake_switched: [false, false, true],
             halt_poll_max_ns: 200_000,
             halt_poll_grow_start_ns: 10_000,
             resume_ns: 5_000,
             forced_exit: Span::new(17_500, 25_500),
             slot_wake_ns: 15_000,
+            halt_probe_ns: 300,
             pause_ns: 28,
             stock_spin_threshold: 1 << 15,
             backoff_unit_spins: (1, 1024),
@@ -141,7 +154,7 @@ impl Default for CostModel {
             min_granularity_ns: 750_000,
             latency_ns: 750_000,
             wakeup_granularity_ns: 1_000_000,
-            context_switch_ns: 2_000,
+            context_switch_ns: 9_200,
             balance_ns: 4_000_000,
         }
     }

@@ -74,6 +74,9 @@ pub(crate) struct Cpu {
     pub(crate) tick_armed: bool,
     /// This CPU's tick phase: ticks fire when `(now + phase) % tick_ns == 0`.
     pub(crate) tick_phase: u64,
+    /// The thread that ran here last, until the CPU went idle: dispatching it again is no
+    /// context switch (a thread preempted and picked again at once).
+    pub(crate) last: Option<u32>,
 }
 
 /// A cgroup with a CPU quota.
@@ -183,6 +186,7 @@ impl Sim {
         let now = self.now;
         let c = &mut self.cpus[cpu as usize];
         c.curr = Some(tid);
+        let switched = c.last.replace(tid) != Some(tid);
         self.idle.remove(&cpu);
         let arm = !c.tick_armed;
         c.tick_armed = true;
@@ -196,7 +200,9 @@ impl Sim {
             self.at(t, Ev::Tick(cpu));
         }
         if self.is_vcpu(tid) {
-            self.vcpu_dispatched(tid);
+            self.vcpu_dispatched(tid, switched);
+        } else if let Some(m) = self.watcher_vm(tid) {
+            self.watcher_dispatched(m, switched);
         }
     }
 
@@ -229,11 +235,13 @@ impl Sim {
         let curr = self.cpus[cpu as usize].curr.take()?;
         if self.is_vcpu(curr) {
             self.vcpu_descheduled(curr);
+        } else if let Some(m) = self.watcher_vm(curr) {
+            self.watcher_descheduled(m);
         }
         Some(curr)
     }
 
-    fn preempt_curr(&mut self, cpu: u32) {
+    pub(crate) fn preempt_curr(&mut self, cpu: u32) {
         if let Some(curr) = self.stop_running(cpu) {
             self.threads[curr as usize].state = TState::Queued;
             self.rq_insert(cpu, curr);
@@ -266,6 +274,8 @@ impl Sim {
             }
         }
         self.idle.insert(cpu);
+        // The idle task runs: the next thread here is switched in.
+        self.cpus[cpu as usize].last = None;
     }
 
     /// The scheduler tick of `cpu`.
