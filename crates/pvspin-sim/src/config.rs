@@ -41,6 +41,12 @@ pub enum ConfigError {
     /// Rule: a CPU limit is more than 0 and at most the host's CPUs.
     #[error("rule: a VM's CPU limit must be in (0, host CPUs], got {0}")]
     CpuLimit(f64),
+    /// Rule: the pre-wake is at most the guest's `SpinConfig::MAX_PREWAKE` waiters deep.
+    #[error("rule: prewake ({0}) must be at most pvspin-guest's SpinConfig::MAX_PREWAKE ({max})", max = pvspin_guest::SpinConfig::MAX_PREWAKE)]
+    PrewakeTooDeep(
+        /// The depth asked for.
+        u8,
+    ),
     /// Rule: run slots are at most the vCPUs per VM.
     #[error("rule: run slots ({slots}) must be at most the vCPUs per VM ({vcpus})")]
     Slots {
@@ -270,8 +276,15 @@ pub struct SimConfig {
     pub seed: u64,
     /// The pvspin guest before ABI 0.4's `VCPUS_FIT` (or a host that never sets it): it also
     /// waits at once behind a next owner that was handed the lock and is still waking, even
-    /// when the VM's vCPUs fit its CPUs. The validation's measurements ran that guest.
+    /// when the VM's vCPUs fit its CPUs. The validation's measurements ran that guest. Such a
+    /// guest is never told `VCPUS_FIT`, so it never pre-wakes either ([`Self::prewake`]).
     pub early_wait_behind_waking: bool,
+    /// The pvspin guest's pre-wake depth (`pvspin_guest::SpinConfig::prewake`; default the
+    /// guest's `DEFAULT_PREWAKE`, at most its `MAX_PREWAKE`, 0 turns it off): while the host
+    /// says the VM's vCPUs fit its CPUs ([`Self::vcpus_fit`]), the unlocker of the PV ticket,
+    /// backoff and MCS locks also kicks the halted waiters of up to this many places behind the
+    /// new holder, so that they spin by the time the lock reaches them. Never the stock guest.
+    pub prewake: u8,
     /// Costs.
     pub cost: CostModel,
 }
@@ -296,6 +309,7 @@ impl SimConfig {
             slots: 0,
             seed: 1,
             early_wait_behind_waking: false,
+            prewake: pvspin_guest::SpinConfig::DEFAULT_PREWAKE,
             cost: CostModel::default(),
         }
     }
@@ -319,6 +333,9 @@ impl SimConfig {
             if !(l > 0.0 && l <= self.host_cpus as f64) {
                 return Err(ConfigError::CpuLimit(l));
             }
+        }
+        if self.prewake > pvspin_guest::SpinConfig::MAX_PREWAKE {
+            return Err(ConfigError::PrewakeTooDeep(self.prewake));
         }
         if self.slots > self.vcpus {
             return Err(ConfigError::Slots {
@@ -359,6 +376,24 @@ impl SimConfig {
             self.vcpus <= entitled.min(self.slot_count())
         } else {
             self.slot_count().min(self.vcpus) <= entitled
+        }
+    }
+
+    /// How many waiters behind the new holder an unlocker pre-wakes: [`Self::prewake`] for the
+    /// pvspin guest's PV ticket, backoff and MCS locks when it is told `VCPUS_FIT` (the host
+    /// says so, [`Self::vcpus_fit`], and the guest is not one that is never told,
+    /// [`Self::early_wait_behind_waking`]); else 0 (the stock guest, TAS, no PV).
+    pub fn prewake_depth(&self) -> usize {
+        let v = self.variant;
+        let lock = matches!(
+            v.lock,
+            LockKind::Ticket | LockKind::Backoff | LockKind::Queued
+        );
+        let told_fit = self.vcpus_fit() && !self.early_wait_behind_waking;
+        if lock && v.pv != PvMode::Off && v.guest == Guest::Pvspin && told_fit {
+            usize::from(self.prewake)
+        } else {
+            0
         }
     }
 }
@@ -422,5 +457,53 @@ mod tests {
         c.slots = 0;
         c.cpu_limit = None;
         assert_eq!(c.slot_count(), 2);
+        c.prewake = pvspin_guest::SpinConfig::MAX_PREWAKE + 1;
+        assert_eq!(c.validate(), Err(ConfigError::PrewakeTooDeep(5)));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("MAX_PREWAKE (4)"));
+        c.prewake = pvspin_guest::SpinConfig::MAX_PREWAKE;
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    /// The pre-wake as the guest gates it: the pvspin guest's PV ticket, backoff and MCS
+    /// locks, told `VCPUS_FIT`, at the guest's default depth; never the stock guest, TAS,
+    /// plain spinning, a guest never told, or a VM whose vCPUs do not fit.
+    #[test]
+    fn the_prewake_depth_follows_the_guests_rule() {
+        let depth = |s: &str, vcpus: usize| {
+            let mut c = SimConfig::new(s.parse().unwrap(), vcpus, 1);
+            let on = c.prewake_depth();
+            c.early_wait_behind_waking = true;
+            (on, c.prewake_depth())
+        };
+        let d = usize::from(pvspin_guest::SpinConfig::DEFAULT_PREWAKE);
+        assert_eq!(d, 2);
+        assert_eq!(
+            SimConfig::new("ticket:kick".parse().unwrap(), 2, 1).prewake,
+            2
+        );
+        for fit in [
+            "ticket:kick/slots:userspace",
+            "backoff:kick/slots:signal-msi",
+            "queued:kick+yield/slots:userspace",
+        ] {
+            assert_eq!(depth(fit, 16), (d, 0), "{fit}");
+        }
+        assert_eq!(depth("ticket:kick", 2), (d, 0), "2 vCPUs on 2 CPUs fit");
+        for never in [
+            "ticket:kick",
+            "ticket:kick/slots:in-kernel",
+            "queued:kick/slots:signal-msi@stock",
+            "ticket:off",
+        ] {
+            assert_eq!(depth(never, 16), (0, 0), "{never}");
+        }
+        assert_eq!(depth("tas:off", 2), (0, 0));
+        let mut c = SimConfig::new("queued:kick/slots:userspace".parse().unwrap(), 8, 1);
+        c.prewake = 0;
+        assert_eq!(c.prewake_depth(), 0);
     }
 }

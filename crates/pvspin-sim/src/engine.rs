@@ -60,8 +60,11 @@ pub struct VmReport {
     pub acquisitions: u64,
     /// Waits that blocked (halts or parks).
     pub halts: u64,
-    /// Kicks sent.
+    /// Kicks sent (pre-wakes included).
     pub kicks: u64,
+    /// Kicks an unlocker sent to halted waiters behind the new holder (the pvspin guest's
+    /// pre-wake, [`SimConfig::prewake`]); also counted in `kicks`.
+    pub prewakes: u64,
     /// Directed-yield boosts.
     pub boosts: u64,
     /// Times two vCPUs were inside the critical section at once (must be 0).
@@ -167,6 +170,8 @@ enum Act {
     Spin,
     /// The kicker's cost after a release.
     Kick,
+    /// The unlocker, back in its guest after a kick, looks at the next waiter to pre-wake.
+    Prewake,
     /// A WAIT's exit, before the thread blocks.
     WaitExit,
     /// Back from a wake-up, before the guest runs.
@@ -189,6 +194,7 @@ impl Act {
                 | Act::Take
                 | Act::Cs
                 | Act::Kick
+                | Act::Prewake
                 | Act::WaitExit
                 | Act::Resume
                 | Act::SignalExit
@@ -247,6 +253,13 @@ struct Vcpu {
     polled_wake: bool,
     /// A spinner switched in: its next guest event is its first look at the lock.
     look_pending: bool,
+    /// pvspin guest: an unlocker kicked it since it last said it halts (its ticket wait slot
+    /// says KICKED, its MCS node RUNNING), so no other unlocker kicks it for this wait.
+    kicked: bool,
+    /// The unlocker's pre-wake still to do: the waiters behind the new holder, the last one
+    /// first, each with its acquisitions then (a waiter that took the lock since is no longer
+    /// the one meant).
+    prewake_pending: Vec<(u32, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -283,6 +296,8 @@ struct Vm {
     trial: BoostTrial,
     /// The host's `VCPUS_FIT` for this VM: its vCPUs fit its entitlement (and its slots).
     vcpus_fit: bool,
+    /// Waiters behind the new holder an unlocker pre-wakes (`SimConfig::prewake_depth`).
+    prewake: usize,
     watch_armed: bool,
     watch_set: Vec<usize>,
     /// The halt watcher's host thread (with slots on a path that halts in KVM): a VMM thread
@@ -396,6 +411,7 @@ impl Sim {
                 board: VcpuBoard::new(cfg.vcpus)?,
                 trial: BoostTrial::new(TrialConfig::default()),
                 vcpus_fit: cfg.vcpus_fit(),
+                prewake: cfg.prewake_depth(),
                 watch_armed: false,
                 watch_set: Vec::new(),
                 watcher: None,
@@ -436,6 +452,8 @@ impl Sim {
                     polled_wake: false,
                     look_pending: false,
                     waiting_mark: false,
+                    kicked: false,
+                    prewake_pending: Vec::new(),
                 });
             }
         }
@@ -754,7 +772,12 @@ impl Sim {
             }
             Act::Cs => self.release(v),
             Act::Kick => {
-                self.after_release(v);
+                // Pre-wakes left: the guest goes on with them (after the exit, if it was one).
+                if self.vcpus[v as usize].prewake_pending.is_empty() {
+                    self.after_release(v);
+                } else {
+                    self.start(v, Act::Prewake, 0);
+                }
                 let vc = &self.vcpus[v as usize];
                 if vc.act == Act::Done || self.cfg.variant.path == KickPath::InKernel {
                     return;
@@ -771,6 +794,7 @@ impl Sim {
                 self.spin_check(v);
             }
             Act::Spin => self.wait(v),
+            Act::Prewake => self.prewake_next(v),
             Act::WaitExit => self.wait_exited(v),
             Act::Resume => self.spin_start(v),
             Act::SignalExit => {
@@ -992,6 +1016,8 @@ impl Sim {
         let vc = &mut self.vcpus[v as usize];
         // A backoff waiter stops backing off when it waits; woken, it looks at once.
         vc.backed_off = false;
+        // Its wait slot (node) says HALTED again: unlockers may kick it.
+        vc.kicked = false;
         vc.wait_t0 = self.now;
         vc.waiting_mark = var.guest == Guest::Stock;
         let t = draw(&mut self.rng, self.cost.wait_exit);
@@ -1171,7 +1197,11 @@ impl Sim {
                         self.vcpus[n as usize].hashed_head = false;
                         self.stock_head_passed(m);
                         if blocked {
-                            kicked = Some(n);
+                            // Not when a pre-wake kicked it already for this wait (its slot
+                            // says KICKED, its node RUNNING): its wake-up is on the way.
+                            if !self.vcpus[n as usize].kicked {
+                                kicked = Some(n);
+                            }
                         } else if n_on_cpu && na == Act::Spin {
                             let late = self.backoff_lateness(n);
                             self.start(n, Act::Take, h + late);
@@ -1180,15 +1210,56 @@ impl Sim {
                 }
             }
         }
+        // The pre-wake (`SimConfig::prewake`): the waiters behind the new holder, looked at
+        // one by one after the new holder's kick, as the guest's unlocker does (each kick on
+        // an exiting path is an exit, and the unlocker looks at the next waiter only when its
+        // guest runs again).
+        let depth = self.vms[m].prewake;
+        if depth > 0 {
+            let mut pending = std::mem::take(&mut self.vcpus[v as usize].prewake_pending);
+            pending.clear();
+            let queue = &self.vms[m].lock.queue;
+            pending.extend(
+                queue
+                    .iter()
+                    .take(depth)
+                    .rev()
+                    .map(|&w| (w, self.vcpus[w as usize].acq)),
+            );
+            self.vcpus[v as usize].prewake_pending = pending;
+        }
         if let Some(n) = kicked.filter(|_| var.pv != PvMode::Off) {
             self.kick(v, n);
-            let c = if var.path == KickPath::InKernel {
-                self.cost.kick_in_kernel
-            } else {
-                self.cost.kick_exit
-            };
-            let t = draw(&mut self.rng, c);
-            self.start(v, Act::Kick, t);
+            self.start_kick(v);
+            return;
+        }
+        self.prewake_next(v);
+    }
+
+    /// The unlocker `v` pays its kick's cost (an exit on the exiting paths).
+    fn start_kick(&mut self, v: u32) {
+        let c = if self.cfg.variant.path == KickPath::InKernel {
+            self.cost.kick_in_kernel
+        } else {
+            self.cost.kick_exit
+        };
+        let t = draw(&mut self.rng, c);
+        self.start(v, Act::Kick, t);
+    }
+
+    /// The unlocker `v` pre-wakes the next waiter still halted for the wait it was in at the
+    /// release (`cmpxchg(HALTED -> KICKED/RUNNING)` and a kick), if any is left; else its
+    /// release is done.
+    fn prewake_next(&mut self, v: u32) {
+        while let Some((w, acq)) = self.vcpus[v as usize].prewake_pending.pop() {
+            let wc = &self.vcpus[w as usize];
+            if wc.acq != acq || wc.kicked || !matches!(wc.act, Act::Halted | Act::WaitExit) {
+                continue;
+            }
+            let m = self.vcpus[v as usize].vm as usize;
+            self.vms[m].report.prewakes += 1;
+            self.kick(v, w);
+            self.start_kick(v);
             return;
         }
         self.after_release(v);
@@ -1230,6 +1301,7 @@ impl Sim {
         }
         let polled = self.halt_polled(n);
         let vc = &mut self.vcpus[n as usize];
+        vc.kicked = true;
         if vc.act == Act::Halted {
             // The measured kick-to-wake less what the woken thread pays on its CPU: the
             // resume, and the switch where the measurement included one. An unpolled wake
@@ -1652,6 +1724,8 @@ mod tests {
             "queued:kick/slots:userspace",
             "ticket:kick/slots:in-kernel",
             "ticket:kick+yield/slots:in-kernel",
+            "ticket:kick/slots:userspace",
+            "backoff:kick/slots:signal-msi",
         ] {
             for (vcpus, hogs, seed) in [(2, 2, 3), (5, 0, 3), (8, 1, 3), (16, 0, 1), (16, 0, 2)] {
                 let mut c = cfg(variant, vcpus, 300);
@@ -1714,6 +1788,180 @@ mod tests {
         // With run slots whose kicks hand a slot over, the slots count; in kernel, all vCPUs.
         assert!(cfg("ticket:kick/slots:userspace", 6, 1).vcpus_fit());
         assert!(!cfg("ticket:kick/slots:in-kernel", 6, 1).vcpus_fit());
+    }
+
+    /// `vcpus` vCPUs of `variant` on `host_cpus` CPUs with nothing scheduled: vCPU 0 holds
+    /// the lock in its critical section, every other vCPU waits halted, in order.
+    fn held_by_0_with_halted_waiters(
+        variant: &str,
+        vcpus: usize,
+        host_cpus: usize,
+        prewake: u8,
+    ) -> Sim {
+        let mut c = cfg(variant, vcpus, 100);
+        c.host_cpus = host_cpus;
+        c.prewake = prewake;
+        let mut sim = Sim::new(c).unwrap();
+        sim.vms[0].lock.owner = Some(0);
+        sim.vms[0].lock.in_cs = true;
+        sim.vcpus[0].act = Act::Cs;
+        for w in 1..vcpus as u32 {
+            sim.vms[0].lock.queue.push_back(w);
+            sim.vcpus[w as usize].act = Act::Halted;
+        }
+        sim
+    }
+
+    /// vCPU `v` releases the lock and finishes its unlock (every kick it sends, in kernel).
+    fn release_fully(sim: &mut Sim, v: u32) {
+        sim.release(v);
+        for _ in 0..10 {
+            if !matches!(sim.vcpus[v as usize].act, Act::Kick | Act::Prewake) {
+                return;
+            }
+            sim.step_done(v);
+        }
+        panic!("the unlock never ended");
+    }
+
+    /// The vCPUs a wake-up is on its way to.
+    fn waking(sim: &Sim) -> Vec<u32> {
+        let mut w: Vec<u32> = sim
+            .heap
+            .iter()
+            .filter_map(|Reverse((_, _, ev))| match ev {
+                Ev::Wake(v, _) => Some(*v),
+                _ => None,
+            })
+            .collect();
+        w.sort_unstable();
+        w
+    }
+
+    /// The pre-wake, as the guest's unlockers do it: when the host says the VM's vCPUs fit its
+    /// CPUs, an unlock with the next owner and the waiters behind it halted kicks the owner and
+    /// the next `prewake` (2) of them; not the one after; one kick when the vCPUs do not fit,
+    /// or at depth 0. The next unlock does not kick a waiter pre-woken for the same wait again
+    /// (its slot says KICKED, its node RUNNING). Both the PV ticket and the pvspin MCS lock.
+    #[test]
+    fn an_unlock_prewakes_the_halted_waiters_behind_the_next_owner_when_vcpus_fit() {
+        for lock in ["ticket:kick", "queued:kick", "backoff:kick"] {
+            // 5 vCPUs on 5 CPUs fit; on 4 they do not.
+            let mut sim = held_by_0_with_halted_waiters(lock, 5, 5, 2);
+            assert!(sim.cfg.vcpus_fit());
+            release_fully(&mut sim, 0);
+            let r = &sim.vms[0].report;
+            assert_eq!((r.kicks, r.prewakes), (3, 2), "{lock}");
+            assert_eq!(waking(&sim), [1, 2, 3], "{lock}");
+            assert_eq!(sim.vcpus[0].act, Act::Ncs, "{lock}: the unlock ended");
+            assert_eq!(sim.vms[0].lock.owner, Some(1));
+            // 1 takes the lock before 2 and 3 have woken: 2 is the next owner, kicked already.
+            sim.vms[0].lock.in_cs = true;
+            sim.vcpus[1].act = Act::Cs;
+            release_fully(&mut sim, 1);
+            let r = &sim.vms[0].report;
+            assert_eq!(
+                (r.kicks, r.prewakes),
+                (4, 3),
+                "{lock}: 2 and 3 kicked twice"
+            );
+            assert_eq!(waking(&sim), [1, 2, 3, 4], "{lock}");
+
+            let mut sim = held_by_0_with_halted_waiters(lock, 5, 4, 2);
+            assert!(!sim.cfg.vcpus_fit());
+            release_fully(&mut sim, 0);
+            let r = &sim.vms[0].report;
+            assert_eq!((r.kicks, r.prewakes), (1, 0), "{lock}: not fit");
+            assert_eq!(waking(&sim), [1]);
+
+            let mut sim = held_by_0_with_halted_waiters(lock, 5, 5, 0);
+            release_fully(&mut sim, 0);
+            let r = &sim.vms[0].report;
+            assert_eq!((r.kicks, r.prewakes), (1, 0), "{lock}: depth 0");
+
+            // A next owner still spinning: the halted waiters behind it are pre-woken anyway.
+            let mut sim = held_by_0_with_halted_waiters(lock, 5, 5, 2);
+            sim.vcpus[1].act = Act::Spin;
+            release_fully(&mut sim, 0);
+            let r = &sim.vms[0].report;
+            assert_eq!((r.kicks, r.prewakes), (2, 2), "{lock}: owner spinning");
+            assert_eq!(waking(&sim), [2, 3]);
+        }
+        // The stock guest never pre-wakes, nor a guest never told VCPUS_FIT.
+        let mut sim = held_by_0_with_halted_waiters("queued:kick:in-kernel@stock", 5, 5, 2);
+        release_fully(&mut sim, 0);
+        assert_eq!(sim.vms[0].report.prewakes, 0);
+        let mut c = cfg("ticket:kick", 5, 100);
+        c.host_cpus = 5;
+        c.early_wait_behind_waking = true;
+        assert_eq!(c.prewake_depth(), 0);
+    }
+
+    /// On an exiting path each kick is an exit: with run slots the first kick hands the
+    /// unlocker's slot to the next owner, and the unlocker pre-wakes the next waiter only once
+    /// its guest runs again, after it gets a slot back.
+    #[test]
+    fn on_an_exiting_path_the_unlocker_prewakes_after_its_kick_exit() {
+        let mut c = cfg("queued:kick/slots:userspace", 4, 100);
+        c.slots = 1;
+        let mut sim = Sim::new(c).unwrap();
+        assert!(sim.cfg.vcpus_fit() && sim.vms[0].prewake == 2);
+        assert!(sim.slot_enter(0), "the free slot");
+        sim.vms[0].lock.owner = Some(0);
+        sim.vms[0].lock.in_cs = true;
+        sim.vcpus[0].act = Act::Cs;
+        for w in 1..4 {
+            sim.vms[0].lock.queue.push_back(w);
+            sim.vcpus[w as usize].act = Act::Halted;
+        }
+        sim.release(0);
+        assert_eq!(sim.vms[0].report.kicks, 1);
+        assert_eq!(sim.vcpus[0].act, Act::Kick);
+        sim.step_done(0);
+        // Its slot went to vCPU 1 with the kick: it waits for one before it goes on.
+        assert_eq!(sim.vcpus[0].act, Act::SlotWait);
+        assert!(matches!(sim.vcpus[0].saved, Some((Act::Prewake, _))));
+        assert_eq!(
+            sim.vms[0].report.kicks, 1,
+            "pre-woke before the exit returned"
+        );
+        // Back in its guest: it pre-wakes vCPU 2.
+        sim.vcpus[0].saved = None;
+        sim.vcpus[0].act = Act::Prewake;
+        sim.step_done(0);
+        let r = &sim.vms[0].report;
+        assert_eq!((r.kicks, r.prewakes), (2, 1));
+        assert_eq!(sim.vcpus[0].act, Act::Kick);
+    }
+
+    /// Whole runs with many more vCPUs than slots: the pre-wake acts, every acquisition is
+    /// counted and exclusion holds; at depth 0, or for a guest never told, nothing is
+    /// pre-woken; a guest never told runs the same with any depth.
+    #[test]
+    fn whole_runs_prewake_only_where_the_guest_is_told_vcpus_fit() {
+        for variant in [
+            "queued:kick/slots:userspace",
+            "ticket:kick/slots:signal-msi",
+        ] {
+            let run = |prewake: u8, never_told: bool| {
+                // cs/ncs 15000: long enough for the slots to rotate and waiters to halt.
+                let mut c = SimConfig::new(variant.parse().unwrap(), 16, 2_000);
+                c.prewake = prewake;
+                c.early_wait_behind_waking = never_told;
+                c.bound_ns = 20_000_000_000;
+                let r = Sim::new(c).unwrap().run();
+                assert!(r.finished, "{variant} prewake {prewake}");
+                assert_eq!(r.acquisitions(), 16 * 2_000);
+                assert_eq!(r.vms[0].exclusion_violations, 0);
+                r
+            };
+            let on = run(2, false);
+            assert!(on.vms[0].prewakes > 0, "{variant}: {:?}", on.vms[0]);
+            assert!(on.vms[0].kicks >= on.vms[0].prewakes);
+            assert_eq!(run(0, false).vms[0].prewakes, 0);
+            assert_eq!(run(2, true), run(0, true), "{variant}: never told");
+            assert_eq!(run(2, true).vms[0].prewakes, 0);
+        }
     }
 
     /// A stock setup of 3 vCPUs with nothing scheduled: vCPU 2 holds the lock.

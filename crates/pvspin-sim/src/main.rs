@@ -34,10 +34,16 @@ enum Cmd {
         /// Override the context-switch cost, ns (to test its sensitivity).
         #[arg(long)]
         context_switch_ns: Option<u64>,
-        /// Simulate today's pvspin guest (no early wait behind a kicked next owner) instead of
-        /// the one the measurements ran.
+        /// Simulate today's pvspin guest (no early wait behind a kicked next owner, and the
+        /// pre-wake, where the host says the VM's vCPUs fit its CPUs) instead of the one the
+        /// measurements ran.
         #[arg(long)]
         current_guest: bool,
+        /// The pre-wake depth of today's guest: for the cells where it is told `VCPUS_FIT`,
+        /// also simulated with it without and with the pre-wake (two more columns; the
+        /// measured guest predates both).
+        #[arg(long, default_value_t = pvspin_guest::SpinConfig::DEFAULT_PREWAKE)]
+        prewake: u8,
     },
     /// Simulate a grid of host CPUs, VMs and vCPUs for each variant; write CSV.
     Sweep {
@@ -81,6 +87,10 @@ enum Cmd {
         /// keeps spinning there when its VM's vCPUs fit its CPUs (docs/simulator.md).
         #[arg(long)]
         early_wait_behind_waking: bool,
+        /// The pvspin guest's pre-wake depth (0 turns it off; it acts only where the guest is
+        /// told `VCPUS_FIT`).
+        #[arg(long, default_value_t = pvspin_guest::SpinConfig::DEFAULT_PREWAKE)]
+        prewake: u8,
     },
 }
 
@@ -133,6 +143,10 @@ struct RunArgs {
     /// spinning there when its VM's vCPUs fit its CPUs (docs/simulator.md).
     #[arg(long)]
     early_wait_behind_waking: bool,
+    /// The pvspin guest's pre-wake depth (0 turns it off; it acts only where the guest is
+    /// told `VCPUS_FIT`).
+    #[arg(long, default_value_t = pvspin_guest::SpinConfig::DEFAULT_PREWAKE)]
+    prewake: u8,
 }
 
 fn main() -> ExitCode {
@@ -144,7 +158,8 @@ fn main() -> ExitCode {
             seeds,
             context_switch_ns,
             current_guest,
-        } => validate(&measured, seeds, context_switch_ns, current_guest),
+            prewake,
+        } => validate(&measured, seeds, context_switch_ns, current_guest, prewake),
         Cmd::Sweep {
             out,
             duration_ms,
@@ -157,6 +172,7 @@ fn main() -> ExitCode {
             seed,
             fair_share,
             early_wait_behind_waking,
+            prewake,
         } => (|| {
             let variants = parse_variants(&variants)?;
             let mut base = SimConfig::new(variants[0], 1, 1);
@@ -164,6 +180,8 @@ fn main() -> ExitCode {
             base.ncs_work = ncs_work;
             base.seed = seed;
             base.early_wait_behind_waking = early_wait_behind_waking;
+            base.prewake = prewake;
+            base.validate().map_err(|e| e.to_string())?;
             let mut f = std::fs::File::create(&out).map_err(|e| format!("{out}: {e}"))?;
             writeln!(f, "{}", sweep::HEADER).map_err(|e| e.to_string())?;
             for &h in &host_cpus {
@@ -233,15 +251,17 @@ fn run(a: &RunArgs) -> Result<(), String> {
             cfg.seed = seed;
             cfg.bound_ns = a.bound_ms * 1_000_000;
             cfg.early_wait_behind_waking = a.early_wait_behind_waking;
+            cfg.prewake = a.prewake;
             let start = std::time::Instant::now();
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
             let wall = start.elapsed().as_secs_f64();
             let halts: u64 = r.vms.iter().map(|v| v.halts).sum();
             let kicks: u64 = r.vms.iter().map(|v| v.kicks).sum();
+            let prewakes: u64 = r.vms.iter().map(|v| v.prewakes).sum();
             let boosts: u64 = r.vms.iter().map(|v| v.boosts).sum();
             let bad: u64 = r.vms.iter().map(|v| v.exclusion_violations).sum();
             println!(
-                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions, {halts} halts, {kicks} kicks, {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
+                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions, {halts} halts, {kicks} kicks ({prewakes} pre-wakes), {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
                 r.guest_seconds(),
                 if r.finished || a.duration_ms.is_some() { "" } else { " (bound)" },
                 r.acquisitions(),
@@ -270,11 +290,14 @@ fn validate(
     seeds: u64,
     context_switch_ns: Option<u64>,
     current_guest: bool,
+    prewake: u8,
 ) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-    println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% | today's guest, no pre-wake: s (sim/measured) | today's guest, pre-wake {prewake}: s (sim/measured) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let (mut hit, mut all) = (0, 0);
+    // Cells where today's guest pre-wakes: how many within 25% without and with it.
+    let (mut told, mut told_off, mut told_on) = (0, 0, 0);
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') || line.starts_with("hogs") {
@@ -304,14 +327,14 @@ fn validate(
             .and_then(|s| s.trim().parse::<f64>().ok())
             .filter(|&b| b > 0.0);
         let at_bound = bound.is_some_and(|b| measured >= b);
-        let mut times = Vec::new();
-        for seed in 1..=seeds.max(1) {
+        let config = |seed: u64, today: bool, prewake: u8| {
             let mut cfg = SimConfig::new(variant, vcpus, iters);
             cfg.hogs = hogs;
             cfg.seed = seed;
-            // The measurements ran the guest before the convoy fix (all of them predate it).
-            cfg.early_wait_behind_waking = !current_guest;
-            cfg.bound_ns = 10_000_000_000;
+            // The measurements ran the guest before the convoy fix and the pre-wake (all of
+            // them predate both): it is never told `VCPUS_FIT`.
+            cfg.early_wait_behind_waking = !today;
+            cfg.prewake = prewake;
             if let Some(l) = f.get(6).and_then(|s| s.trim().parse::<f64>().ok()) {
                 cfg.cpu_limit = Some(l);
             }
@@ -328,27 +351,53 @@ fn validate(
             if let Some(ns) = context_switch_ns {
                 cfg.cost.context_switch_ns = ns;
             }
-            let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
-            times.push(r.guest_seconds());
-        }
-        times.sort_by(f64::total_cmp);
-        let sim = times[times.len() / 2];
-        let ratio = sim / measured;
-        let ok = if at_bound {
-            ratio >= 0.75
-        } else {
-            (0.75..=1.25).contains(&ratio)
+            cfg
         };
+        let median = |today: bool, prewake: u8| -> Result<f64, String> {
+            let mut times = Vec::new();
+            for seed in 1..=seeds.max(1) {
+                let cfg = config(seed, today, prewake);
+                let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
+                times.push(r.guest_seconds());
+            }
+            times.sort_by(f64::total_cmp);
+            Ok(times[times.len() / 2])
+        };
+        let within = |sim: f64| {
+            let ratio = sim / measured;
+            if at_bound {
+                ratio >= 0.75
+            } else {
+                (0.75..=1.25).contains(&ratio)
+            }
+        };
+        let sim = median(current_guest, prewake)?;
+        let ratio = sim / measured;
+        let ok = within(sim);
         let gt = if at_bound { ">=" } else { "" };
         all += 1;
         hit += usize::from(ok);
+        // Today's guest pre-wakes where it is told `VCPUS_FIT`; it takes a third vCPU (a
+        // holder, the next owner and one behind it) for the pre-wake to find anyone.
+        let (mut off_cell, mut on_cell) = (String::new(), String::new());
+        if vcpus >= 3 && config(1, true, prewake).prewake_depth() > 0 {
+            let (off, on) = (median(true, 0)?, median(true, prewake)?);
+            told += 1;
+            told_off += usize::from(within(off));
+            told_on += usize::from(within(on));
+            off_cell = format!("{off:.3} ({:.2})", off / measured);
+            on_cell = format!("{on:.3} ({:.2})", on / measured);
+        }
         let limit = f.get(6).map_or("", |s| s.trim());
         let cs = f.get(7).map_or("15000", |s| s.trim());
         println!(
-            "| {vcpus} | {hogs} | {limit} | {cs} | `{variant}` | {gt}{measured:.3} | {sim:.3} | {ratio:.2} | {} |",
+            "| {vcpus} | {hogs} | {limit} | {cs} | `{variant}` | {gt}{measured:.3} | {sim:.3} | {ratio:.2} | {} | {off_cell} | {on_cell} |",
             if ok { "yes" } else { "**no**" }
         );
     }
     println!("\n{hit} of {all} cells within 25%");
+    println!(
+        "where today's guest pre-wakes ({told} cells): {told_off} within 25% without the pre-wake, {told_on} with it"
+    );
     Ok(())
 }

@@ -22,7 +22,7 @@ pub struct Point {
 }
 
 /// The CSV header [`row`] writes under.
-pub const HEADER: &str = "host_cpus,vms,vcpus_per_vm,total_vcpus,overcommit,vm_cpu_limit,variant,sim_ms,acquisitions,ns_per_acquisition,acq_per_vcpu_s,halts,kicks,boosts,slot_preemptions,slot_lends,events,wall_ms";
+pub const HEADER: &str = "host_cpus,vms,vcpus_per_vm,total_vcpus,overcommit,vm_cpu_limit,variant,sim_ms,acquisitions,ns_per_acquisition,acq_per_vcpu_s,halts,kicks,prewakes,boosts,slot_preemptions,slot_lends,events,wall_ms";
 
 /// Simulates `p` for `duration_ns` with `base`'s workload and seed; returns its CSV row.
 pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimError> {
@@ -58,7 +58,7 @@ pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimE
     let mut s = String::new();
     let _ = write!(
         s,
-        "{},{},{},{},{:.2},{},{},{:.1},{},{:.0},{:.0},{},{},{},{},{},{},{:.0}",
+        "{},{},{},{},{:.2},{},{},{:.1},{},{:.0},{:.0},{},{},{},{},{},{},{},{:.0}",
         p.host_cpus,
         p.vms,
         p.vcpus,
@@ -72,6 +72,7 @@ pub fn row(base: &SimConfig, p: &Point, duration_ns: u64) -> Result<String, SimE
         acq as f64 / total as f64 / (duration_ns as f64 / 1e9),
         sum(|v| v.halts),
         sum(|v| v.kicks),
+        sum(|v| v.prewakes),
         sum(|v| v.boosts),
         slot(|s| s.preemptions),
         slot(|s| s.lends),
