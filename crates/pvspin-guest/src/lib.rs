@@ -11,7 +11,7 @@
 //! | [`PvTicketLock`], [`PvBackoffTicketLock`] | PV tickets: a waiter past the threshold halts; the unlocker kicks the halted holder of the next ticket |
 //! | [`PvQueuedLock`] | PV MCS lock: the unlocker hands over, and kicks its successor only if it halted, only at unlock |
 //! | [`StockQueuedLock`] | Linux's pv qspinlock as a stock KVM guest runs it (pending byte, one steal, `pv_wait_early`, `SLOW` locks kicked at unlock) |
-//! | [`PvOps`], [`SpinConfig`], [`SpinBudget`], [`SpinWait`] | the backend contract (wait, kick, CPU id, spin notifications, time budgets) and the spin threshold |
+//! | [`PvOps`], [`SpinConfig`], [`SpinBudget`], [`SpinWait`] | the backend contract (wait, kick, CPU id, spin notifications, time budgets), the spin threshold and the pre-wake depth |
 //! | [`PvDomain`], [`PvStatic`], [`pv_static!`], [`StaticPv`] | the per-vCPU state of `N` vCPUs, no allocation; PV locks bound to a `static` domain are [`RawSpinLock`]s |
 //! | [`PvDomain::cpu_stats`], [`PvDomain::total_stats`] | counters: slow paths, halts, spurious wake-ups, kicks, unlocks that needed no kick |
 //! | [`x86`] | the x86-64 guest backend: [`x86::HaltPvOps`] (`cli; hlt` only while the value matches) around the guest's [`x86::PvPlatform`] |
