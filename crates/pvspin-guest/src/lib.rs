@@ -228,23 +228,20 @@ mod tests_common {
         }
     }
 
-    /// A holder (CPU 0) lets four waiters (CPUs 1..=4) queue one by one, each halting before
-    /// the next queues, then unlocks: they must be served in queue order, each unlock kicking
-    /// exactly the next waiter once. `queue_len`, for locks that count, is the lock's own
-    /// racy count of holder and waiters.
-    pub(crate) fn check_kick_order<L: RawPvLock + Send + Sync + 'static>(
-        lock: L,
-        queue_len: Option<fn(&L) -> u32>,
-    ) {
+    /// A holder (CPU 0, this thread) lets four waiters (CPUs 1..=4) queue one by one, each
+    /// halting (`parked` says so, bounded wait) before the next queues, runs `before_unlock`
+    /// and unlocks; returns the order in which the waiters took the lock.
+    fn serve_four_halted_waiters<O, L>(
+        domain: &Arc<PvDomain<O, 5>>,
+        lock: &Arc<L>,
+        parked: fn(&O, u32) -> u64,
+        before_unlock: impl FnOnce(&L),
+    ) -> Vec<u32>
+    where
+        O: PvOps + Send + Sync + 'static,
+        L: RawPvLock + Send + Sync + 'static,
+    {
         use std::sync::Mutex;
-        let config = SpinConfig {
-            spin_threshold: 4,
-            halt: true,
-            prewake: SpinConfig::DEFAULT_PREWAKE,
-        };
-        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
-            Arc::new(PvDomain::new(HostPvOps::new(), config));
-        let lock = Arc::new(lock);
         let order = Arc::new(Mutex::new(Vec::new()));
         bind_current_thread(0);
         lock.lock(domain.pv());
@@ -260,23 +257,45 @@ mod tests_common {
                     unsafe { lock.unlock(domain.pv()) };
                 })
             });
-            // Wait (bounded) until this waiter has halted before letting the next one queue.
             let mut tries = 0;
-            while domain.ops().parked(id) != 1 {
+            while parked(domain.ops(), id) != 1 {
                 tries += 1;
                 assert!(tries < 20_000, "waiter {id} never halted");
                 std::thread::sleep(std::time::Duration::from_micros(100));
             }
         }
-        if let Some(queue_len) = queue_len {
-            assert_eq!(queue_len(&lock), 5);
-        }
+        before_unlock(lock);
         // SAFETY: the main thread holds the lock.
         unsafe { lock.unlock(domain.pv()) };
         for thread in threads {
             thread.join().unwrap();
         }
-        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+        let order = order.lock().unwrap().clone();
+        order
+    }
+
+    /// A holder (CPU 0) lets four waiters (CPUs 1..=4) queue one by one, each halting before
+    /// the next queues, then unlocks: they must be served in queue order, each unlock kicking
+    /// exactly the next waiter once. `queue_len`, for locks that count, is the lock's own
+    /// racy count of holder and waiters.
+    pub(crate) fn check_kick_order<L: RawPvLock + Send + Sync + 'static>(
+        lock: L,
+        queue_len: Option<fn(&L) -> u32>,
+    ) {
+        let config = SpinConfig {
+            spin_threshold: 4,
+            halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
+        };
+        let domain: Arc<PvDomain<HostPvOps<5>, 5>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), config));
+        let lock = Arc::new(lock);
+        let order = serve_four_halted_waiters(&domain, &lock, HostPvOps::parked, |lock| {
+            if let Some(queue_len) = queue_len {
+                assert_eq!(queue_len(lock), 5);
+            }
+        });
+        assert_eq!(order, [1, 2, 3, 4]);
         let stats = domain.total_stats();
         // Unlocks by 0, 1, 2, 3 kick 1, 2, 3, 4; the last unlock has no waiter and scans nothing.
         assert_eq!((stats.kicks, stats.halts), (4, 4), "{stats:?}");
@@ -296,7 +315,6 @@ mod tests_common {
         fit: bool,
         depth: u8,
     ) {
-        use std::sync::Mutex;
         let config = SpinConfig {
             spin_threshold: 4,
             halt: true,
@@ -306,34 +324,13 @@ mod tests_common {
         ops.set_vcpus_fit(fit);
         let domain: Arc<PvDomain<Timed<5>, 5>> = Arc::new(PvDomain::new(ops, config));
         let lock = Arc::new(lock);
-        let order = Arc::new(Mutex::new(Vec::new()));
-        bind_current_thread(0);
-        lock.lock(domain.pv());
-        let mut threads = Vec::new();
-        for id in 1..5u32 {
-            threads.push({
-                let (domain, lock, order) = (domain.clone(), lock.clone(), order.clone());
-                std::thread::spawn(move || {
-                    bind_current_thread(id);
-                    lock.lock(domain.pv());
-                    order.lock().unwrap().push(id);
-                    // SAFETY: this thread holds the lock.
-                    unsafe { lock.unlock(domain.pv()) };
-                })
-            });
-            let mut tries = 0;
-            while domain.ops().inner.parked(id) != 1 {
-                tries += 1;
-                assert!(tries < 20_000, "waiter {id} never halted");
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-        }
-        // SAFETY: the main thread holds the lock.
-        unsafe { lock.unlock(domain.pv()) };
-        for thread in threads {
-            thread.join().unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+        let order = serve_four_halted_waiters(
+            &domain,
+            &lock,
+            |ops: &Timed<5>, id| ops.inner.parked(id),
+            |_| {},
+        );
+        assert_eq!(order, [1, 2, 3, 4]);
         let stats = domain.total_stats();
         let host = domain.ops().inner.stats();
         assert_eq!(host.kicks, stats.kicks, "{stats:?}");
