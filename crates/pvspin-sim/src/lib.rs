@@ -28,6 +28,7 @@
 pub mod config;
 pub mod cost;
 pub mod engine;
+pub mod measured;
 pub mod rng;
 pub(crate) mod sched;
 pub mod sweep;

@@ -5,6 +5,7 @@ use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use pvspin_sim::measured::MeasuredRow;
 use pvspin_sim::sweep::{self, Point};
 use pvspin_sim::{Sim, SimConfig, Variant};
 
@@ -25,7 +26,8 @@ enum Cmd {
     /// Simulate every row of a CSV of measured runs and compare (target: within 25%).
     Validate {
         /// CSV: hogs,vcpus,iterations,variant,median_s,slowest_s[,cpu_limit,cs_work,ncs_work,
-        /// source,bound_s]; a median at bound_s is compared as a lower bound.
+        /// source,bound_s,guest_prewake,halts]; a median at bound_s is compared as a lower
+        /// bound; guest_prewake (empty: the guest before `VCPUS_FIT`) is the measured guest's.
         #[arg(long)]
         measured: String,
         /// Seeds per row (the median is compared).
@@ -35,8 +37,8 @@ enum Cmd {
         #[arg(long)]
         context_switch_ns: Option<u64>,
         /// Simulate today's pvspin guest (no early wait behind a kicked next owner, and the
-        /// pre-wake, where the host says the VM's vCPUs fit its CPUs) instead of the one the
-        /// measurements ran.
+        /// pre-wake, where the host says the VM's vCPUs fit its CPUs) in every row instead of
+        /// the one each row measured (its guest_prewake column).
         #[arg(long)]
         current_guest: bool,
         /// The pre-wake depth of today's guest: for the cells where it is told `VCPUS_FIT`,
@@ -298,70 +300,36 @@ fn validate(
     let (mut hit, mut all) = (0, 0);
     // Cells where today's guest pre-wakes: how many within 25% without and with it.
     let (mut told, mut told_off, mut told_on) = (0, 0, 0);
+    // Rows measured with the pre-wake guest: (hit, all), and their halts, measured and simulated.
+    let (mut pw_hit, mut pw_all) = (0, 0);
+    let mut halts_rows = Vec::new();
     for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') || line.starts_with("hogs") {
+        let Some(row) = MeasuredRow::parse(line).map_err(|e| format!("{path}:{}: {e}", n + 1))?
+        else {
             continue;
-        }
-        let f: Vec<&str> = line.split(',').collect();
-        if f.len() < 6 {
-            return Err(format!(
-                "{path}:{}: want hogs,vcpus,iterations,variant,median_s,slowest_s",
-                n + 1
-            ));
-        }
-        let num = |i: usize| {
-            f[i].trim()
-                .parse::<f64>()
-                .map_err(|e| format!("{path}:{}: {e}", n + 1))
         };
-        let (hogs, vcpus, iters) = (num(0)? as usize, num(1)? as usize, num(2)? as u64);
-        let variant: Variant = f[3]
-            .trim()
-            .parse()
-            .map_err(|e: pvspin_sim::ConfigError| e.to_string())?;
-        let measured = num(4)?;
-        // A measured median at the bench's bound (`--timeout-ms`) is a lower bound only.
-        let bound = f
-            .get(10)
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|&b| b > 0.0);
-        let at_bound = bound.is_some_and(|b| measured >= b);
-        let config = |seed: u64, today: bool, prewake: u8| {
-            let mut cfg = SimConfig::new(variant, vcpus, iters);
-            cfg.hogs = hogs;
-            cfg.seed = seed;
-            // The measurements ran the guest before the convoy fix and the pre-wake (all of
-            // them predate both): it is never told `VCPUS_FIT`.
-            cfg.early_wait_behind_waking = !today;
-            cfg.prewake = prewake;
-            if let Some(l) = f.get(6).and_then(|s| s.trim().parse::<f64>().ok()) {
-                cfg.cpu_limit = Some(l);
-            }
-            if let Some(c) = f.get(7).and_then(|s| s.trim().parse::<u64>().ok()) {
-                cfg.cs_work = c;
-            }
-            if let Some(c) = f.get(8).and_then(|s| s.trim().parse::<u64>().ok()) {
-                cfg.ncs_work = c;
-            }
-            cfg.bound_ns = 60_000_000_000;
-            if let Some(b) = bound {
-                cfg.bound_ns = (b * 1e9) as u64;
-            }
+        let measured = row.median_s;
+        let at_bound = row.at_bound();
+        let config = |seed: u64, today: Option<u8>| {
+            let mut cfg = row.config(seed, today);
             if let Some(ns) = context_switch_ns {
                 cfg.cost.context_switch_ns = ns;
             }
             cfg
         };
-        let median = |today: bool, prewake: u8| -> Result<f64, String> {
-            let mut times = Vec::new();
+        // The median guest seconds over the seeds, and the median of the VM's halts.
+        let median = |today: Option<u8>| -> Result<(f64, u64), String> {
+            let (mut times, mut halts) = (Vec::new(), Vec::new());
             for seed in 1..=seeds.max(1) {
-                let cfg = config(seed, today, prewake);
-                let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
+                let r = Sim::new(config(seed, today))
+                    .map_err(|e| e.to_string())?
+                    .run();
                 times.push(r.guest_seconds());
+                halts.push(r.vms.iter().map(|v| v.halts).sum::<u64>());
             }
             times.sort_by(f64::total_cmp);
-            Ok(times[times.len() / 2])
+            halts.sort_unstable();
+            Ok((times[times.len() / 2], halts[halts.len() / 2]))
         };
         let within = |sim: f64| {
             let ratio = sim / measured;
@@ -371,25 +339,36 @@ fn validate(
                 (0.75..=1.25).contains(&ratio)
             }
         };
-        let sim = median(current_guest, prewake)?;
+        // The measured guest (the row's `guest_prewake`), or today's with `--current-guest`.
+        let (sim, sim_halts) = median(current_guest.then_some(prewake))?;
         let ratio = sim / measured;
         let ok = within(sim);
         let gt = if at_bound { ">=" } else { "" };
         all += 1;
         hit += usize::from(ok);
+        if row.guest_prewake.is_some() {
+            pw_all += 1;
+            pw_hit += usize::from(ok);
+        }
+        if let Some(h) = row.halts {
+            halts_rows.push((row.vcpus, row.variant, h, sim_halts));
+        }
         // Today's guest pre-wakes where it is told `VCPUS_FIT`; it takes a third vCPU (a
         // holder, the next owner and one behind it) for the pre-wake to find anyone.
         let (mut off_cell, mut on_cell) = (String::new(), String::new());
-        if vcpus >= 3 && config(1, true, prewake).prewake_depth() > 0 {
-            let (off, on) = (median(true, 0)?, median(true, prewake)?);
+        if row.vcpus >= 3 && config(1, Some(prewake)).prewake_depth() > 0 {
+            let (off, on) = (median(Some(0))?.0, median(Some(prewake))?.0);
             told += 1;
             told_off += usize::from(within(off));
             told_on += usize::from(within(on));
             off_cell = format!("{off:.3} ({:.2})", off / measured);
             on_cell = format!("{on:.3} ({:.2})", on / measured);
         }
-        let limit = f.get(6).map_or("", |s| s.trim());
-        let cs = f.get(7).map_or("15000", |s| s.trim());
+        let limit = row.cpu_limit.map_or(String::new(), |l| l.to_string());
+        let cs = row.cs_work.unwrap_or(15_000);
+        let variant = row.variant;
+        let vcpus = row.vcpus;
+        let hogs = row.hogs;
         println!(
             "| {vcpus} | {hogs} | {limit} | {cs} | `{variant}` | {gt}{measured:.3} | {sim:.3} | {ratio:.2} | {} | {off_cell} | {on_cell} |",
             if ok { "yes" } else { "**no**" }
@@ -399,5 +378,18 @@ fn validate(
     println!(
         "where today's guest pre-wakes ({told} cells): {told_off} within 25% without the pre-wake, {told_on} with it"
     );
+    if pw_all > 0 {
+        println!("rows measured with the pre-wake guest: {pw_hit} of {pw_all} within 25%");
+    }
+    if !halts_rows.is_empty() {
+        println!("\n| vCPUs | variant | measured halts (median) | simulated halts (median) | sim/measured |");
+        println!("|---|---|---|---|---|");
+        for (vcpus, variant, measured, sim) in halts_rows {
+            println!(
+                "| {vcpus} | `{variant}` | {measured} | {sim} | {:.2} |",
+                sim as f64 / measured.max(1) as f64
+            );
+        }
+    }
     Ok(())
 }

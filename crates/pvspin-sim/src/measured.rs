@@ -1,0 +1,274 @@
+//! The measured runs the simulator is validated against (`validation/measured.csv`,
+//! `pvspin-sim validate`): one row per measured median, and the simulation that reproduces it.
+//!
+//! Columns: `hogs,vcpus,iterations,variant,median_s,slowest_s[,cpu_limit,cs_work,ncs_work,
+//! source,bound_s,guest_prewake,halts]`. `guest_prewake` says which pvspin guest was measured:
+//! empty for the guest before `VCPUS_FIT` (it waits at once behind a waking next owner and
+//! never pre-wakes: every row before source D), a depth (`2`) for the guest that is told
+//! `VCPUS_FIT` and pre-wakes that many waiters. `halts` is the measured median of the VM's
+//! halts, when the runs counted them.
+
+use thiserror::Error;
+
+use crate::config::{ConfigError, SimConfig, Variant};
+
+/// A row the validation cannot read; each names the rule.
+#[derive(Debug, Error, PartialEq)]
+pub enum MeasuredError {
+    /// Rule: a row has at least the six leading columns.
+    #[error(
+        "rule: a row is hogs,vcpus,iterations,variant,median_s,slowest_s[,...], got {0} columns"
+    )]
+    Columns(
+        /// The columns found.
+        usize,
+    ),
+    /// Rule: numeric columns are numbers.
+    #[error("rule: column {column} must be a number, got {value:?}")]
+    Number {
+        /// The column's name.
+        column: &'static str,
+        /// What it holds.
+        value: String,
+    },
+    /// Rule: the variant is one the simulator knows.
+    #[error(transparent)]
+    Variant(#[from] ConfigError),
+}
+
+/// One measured median.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MeasuredRow {
+    /// CPU hogs beside the VM.
+    pub hogs: usize,
+    /// The VM's vCPUs.
+    pub vcpus: usize,
+    /// Acquisitions per vCPU.
+    pub iterations: u64,
+    /// What ran.
+    pub variant: Variant,
+    /// Median guest seconds.
+    pub median_s: f64,
+    /// Slowest guest seconds.
+    pub slowest_s: f64,
+    /// The VM's CPU limit, CPUs.
+    pub cpu_limit: Option<f64>,
+    /// Work units inside a critical section (default 15000).
+    pub cs_work: Option<u64>,
+    /// Work units between critical sections (default 15000).
+    pub ncs_work: Option<u64>,
+    /// The table it comes from (`A`, `B`, ...).
+    pub source: String,
+    /// The bench's bound, s: a median at it is a lower bound only.
+    pub bound_s: Option<f64>,
+    /// The measured guest's pre-wake depth; `None`: the guest before `VCPUS_FIT`.
+    pub guest_prewake: Option<u8>,
+    /// The measured median of the VM's halts.
+    pub halts: Option<u64>,
+}
+
+impl MeasuredRow {
+    /// Reads one line of the CSV; `Ok(None)` for blank lines, comments and the header.
+    pub fn parse(line: &str) -> Result<Option<Self>, MeasuredError> {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with("hogs") {
+            return Ok(None);
+        }
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        if f.len() < 6 {
+            return Err(MeasuredError::Columns(f.len()));
+        }
+        const NAMES: [&str; 13] = [
+            "hogs",
+            "vcpus",
+            "iterations",
+            "variant",
+            "median_s",
+            "slowest_s",
+            "cpu_limit",
+            "cs_work",
+            "ncs_work",
+            "source",
+            "bound_s",
+            "guest_prewake",
+            "halts",
+        ];
+        // An empty or missing optional column is absent; anything else must parse.
+        fn opt<T: std::str::FromStr>(
+            f: &[&str],
+            i: usize,
+            names: &[&'static str],
+        ) -> Result<Option<T>, MeasuredError> {
+            match f.get(i).copied().filter(|s| !s.is_empty()) {
+                None => Ok(None),
+                Some(s) => s.parse().map(Some).map_err(|_| MeasuredError::Number {
+                    column: names.get(i).copied().unwrap_or("extra"),
+                    value: s.to_string(),
+                }),
+            }
+        }
+        let req = |i: usize| -> Result<f64, MeasuredError> {
+            opt::<f64>(&f, i, &NAMES)?.ok_or(MeasuredError::Number {
+                column: NAMES[i],
+                value: String::new(),
+            })
+        };
+        let int = |i: usize| -> Result<u64, MeasuredError> {
+            opt::<u64>(&f, i, &NAMES)?.ok_or(MeasuredError::Number {
+                column: NAMES[i],
+                value: String::new(),
+            })
+        };
+        Ok(Some(Self {
+            hogs: int(0)? as usize,
+            vcpus: int(1)? as usize,
+            iterations: int(2)?,
+            variant: f[3].parse()?,
+            median_s: req(4)?,
+            slowest_s: req(5)?,
+            cpu_limit: opt(&f, 6, &NAMES)?,
+            cs_work: opt(&f, 7, &NAMES)?,
+            ncs_work: opt(&f, 8, &NAMES)?,
+            source: f.get(9).copied().unwrap_or("").to_string(),
+            bound_s: opt::<f64>(&f, 10, &NAMES)?.filter(|&b| b > 0.0),
+            guest_prewake: opt(&f, 11, &NAMES)?,
+            halts: opt(&f, 12, &NAMES)?,
+        }))
+    }
+
+    /// Whether the measured median sits at the bench's bound (then only a lower bound).
+    pub fn at_bound(&self) -> bool {
+        self.bound_s.is_some_and(|b| self.median_s >= b)
+    }
+
+    /// The simulation of this row with `seed`. It simulates the guest that was measured
+    /// ([`Self::guest_prewake`]) unless `today` asks for today's guest with pre-wake depth
+    /// `prewake` (the `--current-guest` columns).
+    pub fn config(&self, seed: u64, today: Option<u8>) -> SimConfig {
+        let mut cfg = SimConfig::new(self.variant, self.vcpus, self.iterations);
+        cfg.hogs = self.hogs;
+        cfg.seed = seed;
+        match today.or(self.guest_prewake) {
+            Some(depth) => {
+                cfg.early_wait_behind_waking = false;
+                cfg.prewake = depth;
+            }
+            // The guest before `VCPUS_FIT`: never told, so it never pre-wakes either.
+            None => cfg.early_wait_behind_waking = true,
+        }
+        cfg.cpu_limit = self.cpu_limit;
+        if let Some(c) = self.cs_work {
+            cfg.cs_work = c;
+        }
+        if let Some(c) = self.ncs_work {
+            cfg.ncs_work = c;
+        }
+        cfg.bound_ns = self.bound_s.map_or(60_000_000_000, |b| (b * 1e9) as u64);
+        cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_before_source_d_simulate_the_guest_before_vcpus_fit() {
+        let r =
+            MeasuredRow::parse("0,8,10000,queued:kick/slots:userspace,0.560,0.621,,15000,15000,A")
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            (r.guest_prewake, r.halts, r.source.as_str()),
+            (None, None, "A")
+        );
+        let c = r.config(1, None);
+        assert!(c.early_wait_behind_waking);
+        assert_eq!(c.prewake_depth(), 0, "the measured guest never pre-wakes");
+        // Asked for today's guest, it pre-wakes where told `VCPUS_FIT`.
+        let today = r.config(1, Some(2));
+        assert!(!today.early_wait_behind_waking);
+        assert_eq!(today.prewake_depth(), 2);
+        assert_eq!(r.config(1, Some(0)).prewake_depth(), 0);
+    }
+
+    #[test]
+    fn a_row_measured_with_the_prewake_simulates_it() {
+        let r = MeasuredRow::parse(
+            "0,64,1250,ticket:kick/slots:userspace,0.430,0.499,,15000,15000,D,,2,1085",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (r.guest_prewake, r.halts, r.bound_s),
+            (Some(2), Some(1085), None)
+        );
+        let c = r.config(3, None);
+        assert!(!c.early_wait_behind_waking);
+        assert_eq!((c.prewake_depth(), c.seed, c.vcpus), (2, 3, 64));
+        assert_eq!(c.iterations, Some(1250));
+        // The row's guest, not the command line's, unless today's guest is asked for.
+        assert_eq!(r.config(1, Some(1)).prewake_depth(), 1);
+    }
+
+    #[test]
+    fn the_old_columns_read_as_before() {
+        let r = MeasuredRow::parse("2,2,300000,backoff:off,7.0476,29.7169,,5000,5000,B,60")
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.bound_s, Some(60.0));
+        assert!(!r.at_bound());
+        let c = r.config(1, None);
+        assert_eq!(
+            (c.cs_work, c.ncs_work, c.hogs, c.bound_ns),
+            (5000, 5000, 2, 60_000_000_000)
+        );
+        let r = MeasuredRow::parse("0,4,25000,ticket:off,20.0,20.0,,5000,5000,C,20")
+            .unwrap()
+            .unwrap();
+        assert!(r.at_bound());
+        let r = MeasuredRow::parse("0,4,20000,ticket:kick:in-kernel,4.614,5.555,1,15000,15000,A")
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.config(1, None).cpu_limit, Some(1.0));
+        assert_eq!(r.config(1, None).bound_ns, 60_000_000_000);
+    }
+
+    #[test]
+    fn comments_and_bad_rows() {
+        assert_eq!(MeasuredRow::parse("# Source D").unwrap(), None);
+        assert_eq!(MeasuredRow::parse("hogs,vcpus").unwrap(), None);
+        assert_eq!(MeasuredRow::parse("  ").unwrap(), None);
+        assert_eq!(
+            MeasuredRow::parse("0,4,1,ticket:off"),
+            Err(MeasuredError::Columns(4))
+        );
+        assert_eq!(
+            MeasuredRow::parse("0,4,1,ticket:off,0.1,0.2,,,,D,,two"),
+            Err(MeasuredError::Number {
+                column: "guest_prewake",
+                value: "two".into()
+            })
+        );
+        assert!(matches!(
+            MeasuredRow::parse("0,4,1,nope,0.1,0.2"),
+            Err(MeasuredError::Variant(_))
+        ));
+    }
+
+    #[test]
+    fn the_shipped_table_reads_and_marks_its_guests() {
+        let rows: Vec<MeasuredRow> = include_str!("../validation/measured.csv")
+            .lines()
+            .filter_map(|l| MeasuredRow::parse(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 107);
+        for r in &rows {
+            // Only source D ran the pre-wake guest, and only it counted halts.
+            let d = r.source == "D";
+            assert_eq!(r.guest_prewake, d.then_some(2), "{r:?}");
+            assert_eq!(r.halts.is_some(), d, "{r:?}");
+        }
+        assert_eq!(rows.iter().filter(|r| r.source == "D").count(), 14);
+    }
+}
