@@ -303,9 +303,11 @@ fn lock_workload_at_the_daemons_vcpu_limit() {
         let socket = scratch.path("vm.sock");
         let daemon = Daemon::start(&[&socket], &scratch.path("control.sock"), vcpus);
         // Critical sections of a few microseconds (user mode runs natively): waiters queue
-        // behind up to 30 others and halt, so kicks go through the daemon.
+        // behind up to 30 others and halt, so kicks go through the daemon. Each vCPU's share
+        // (about 7 ms) outlasts a host time slice: with 100 acquisitions each (under 1 ms) the
+        // 31 vCPUs once ran one after another on a quiet host, and nobody waited.
         let config = RunConfig {
-            iterations: 100,
+            iterations: 1_000,
             cs_work: 20_000,
             watchdog_ms: 60_000,
             ..lock_config(&socket, LockKind::Queued, PvMode::KickYield, vcpus, true)
