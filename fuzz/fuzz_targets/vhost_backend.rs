@@ -21,7 +21,7 @@ use pvspin_vhost::config::{BackendConfig, WorkerPriority, YieldMode};
 use pvspin_vhost::sched::RunState;
 use pvspin_vhost::telemetry::DaemonVmTelemetry;
 use pvspin_vhost::testing::{control_chain, DriverQueue, FakeSched, FakeThreads};
-use vhost_user_backend::{VhostUserBackend, VringT};
+use vhost_user_backend::VringT;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -48,7 +48,7 @@ fuzz_target!(|data: &[u8]| {
         yield_mode: mode,
         // Pacing sleeps (it has its own unit test); a fuzz run must not.
         max_events_per_sec: u32::MAX,
-        // handle_event would make the fuzzing thread SCHED_FIFO.
+        // handle_notification would make the fuzzing thread SCHED_FIFO.
         worker_priority: WorkerPriority::Inherit,
         // Samples with and without NOT_RUNNING flags (opt-in in the daemon).
         flag_not_running: data[11] & 0x40 != 0,
@@ -68,10 +68,10 @@ fuzz_target!(|data: &[u8]| {
     let mem: BackendMemory = GuestMemoryAtomic::new(
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap(),
     );
-    backend.update_memory(mem.clone()).unwrap();
+    backend.set_memory(mem.clone());
     // The driver's queues borrow the guest memory: a handle on the same mappings.
     let guest: GuestMemoryMmap = (*mem.memory()).clone();
-    backend.acked_features(acked);
+    backend.set_acked_features(acked);
 
     let nq = backend.num_queues();
     let vrings: Vec<Vring> = (0..nq)
@@ -122,12 +122,11 @@ fuzz_target!(|data: &[u8]| {
                 if q < nq {
                     notified[q] += 1;
                 }
-                let _ =
-                    backend.handle_event(q as u16, vmm_sys_util::epoll::EventSet::IN, &vrings, 0);
+                let _ = backend.handle_notification(q, &vrings);
             }
             // A configuration read.
             1 => {
-                let got = backend.get_config(u32::from(a) % 32, (word % 32) as u32);
+                let got = backend.config_read(u32::from(a) % 32, (word % 32) as u32);
                 assert!(got.len() <= virtio::config::SIZE);
             }
             // A guest write of 8 bytes anywhere (hint pages, rings, requests).

@@ -522,7 +522,14 @@ pub mod virtio {
     //! |---|---|---|
     //! | 0 ([`CONTROL_QUEUE`]) | control requests ([`ControlRequest`]), answered in a device-writable `u32` status | yes |
     //! | 1 + i ([`kick_queue`]) | KICK vCPU i: notifying this queue is the kick | never read |
-    //! | 1 + M + i ([`spin_queue`]) | SPIN from vCPU i: the notification; what it waits for is in its hint page (`WAITING_FOR`), which must also say it spins or waits (`SPIN_STATE`): other notifications are ignored | never read |
+    //! | 1 + M + i ([`spin_queue`]), i < S | SPIN from vCPU i: the notification; what it waits for is in its hint page (`WAITING_FOR`), which must also say it spins or waits (`SPIN_STATE`): other notifications are ignored | never read |
+    //!
+    //! S = [`spin_queues`]`(M)` = min(M, 255 - M): every vCPU has a spin queue up to M = 127,
+    //! and the layout never needs more than [`MAX_QUEUES`] = 256 queues, which every transport
+    //! can name (vhost-user names a queue in 8 bits). Above 127 vCPUs the vCPUs S..M have no
+    //! spin queue (at M = 255, none has): their spins are not reported to the device, which
+    //! therefore cannot yield to the vCPUs they wait for; kicks, hint pages and budgets serve
+    //! all M.
     //!
     //! A kick queue carries no descriptors: the queue notification itself (on virtio-mmio a
     //! 32-bit write of the queue index to `QueueNotify`, on virtio-pci a write to the queue's
@@ -559,9 +566,9 @@ pub mod virtio {
     pub const FEATURES_DEFINED: u64 = (1 << F_SPIN_NOTIFY) | (1 << F_HINT_PAGES);
 
     /// The most vCPUs a device may serve: the ABI's [`crate::MAX_VCPUS`] (kicks are REMRD
-    /// MSIs to 8-bit xAPIC IDs, 0xFF being broadcast), which also keeps the `1 + 2 * M`
-    /// queue indices within 16 bits. Transports may serve fewer: vhost-user names a vring in
-    /// 8 bits (`SET_VRING_KICK`/`CALL`), so a vhost-user device has at most 256 queues.
+    /// MSIs to 8-bit xAPIC IDs, 0xFF being broadcast). The queue layout keeps every device
+    /// within [`MAX_QUEUES`] queues, so that vhost-user, which names a vring in 8 bits
+    /// (`SET_VRING_KICK`/`CALL`), can carry a device of 255 vCPUs.
     pub const MAX_VCPUS: u32 = crate::MAX_VCPUS;
 
     /// Index of the control queue.
@@ -576,18 +583,36 @@ pub mod virtio {
         }
     }
 
-    /// Index of vCPU `vcpu`'s spin-notification queue (`None` outside `max_vcpus`).
+    /// The most queues a device has: a device serving [`MAX_VCPUS`] vCPUs has the control
+    /// queue and one kick queue per vCPU, no spin queue ([`spin_queues`]).
+    pub const MAX_QUEUES: usize = 256;
+
+    /// How many vCPUs have a spin queue, for a device serving `max_vcpus` vCPUs: vCPUs
+    /// `0..spin_queues(max_vcpus)`. All of them up to 127 vCPUs, then fewer, so that the
+    /// device never has more than [`MAX_QUEUES`] queues (0 outside the ABI's limit).
+    pub const fn spin_queues(max_vcpus: u32) -> u32 {
+        if max_vcpus > MAX_VCPUS {
+            0
+        } else if max_vcpus <= MAX_VCPUS - max_vcpus {
+            max_vcpus
+        } else {
+            MAX_VCPUS - max_vcpus
+        }
+    }
+
+    /// Index of vCPU `vcpu`'s spin-notification queue (`None` outside `max_vcpus`, and for
+    /// the vCPUs that have none: see [`spin_queues`]).
     pub const fn spin_queue(max_vcpus: u32, vcpu: u32) -> Option<u16> {
-        if vcpu < max_vcpus && max_vcpus <= MAX_VCPUS {
+        if vcpu < spin_queues(max_vcpus) {
             Some(1 + max_vcpus as u16 + vcpu as u16)
         } else {
             None
         }
     }
 
-    /// Number of queues of a device serving `max_vcpus` vCPUs.
+    /// Number of queues of a device serving `max_vcpus` vCPUs (at most [`MAX_QUEUES`]).
     pub const fn num_queues(max_vcpus: u32) -> usize {
-        1 + 2 * max_vcpus as usize
+        1 + max_vcpus as usize + spin_queues(max_vcpus) as usize
     }
 
     /// What a queue index means, for a device serving `max_vcpus` vCPUs.
@@ -610,7 +635,7 @@ pub mod virtio {
             Some(QueueRole::Control)
         } else if queue <= m {
             Some(QueueRole::Kick((queue - 1) as u32))
-        } else if queue <= 2 * m {
+        } else if queue <= m + spin_queues(max_vcpus) as usize {
             Some(QueueRole::Spin((queue - 1 - m) as u32))
         } else {
             None
@@ -626,7 +651,7 @@ pub mod virtio {
         //! | 0 | 4 | [`MAX_VCPUS`]: M, the vCPUs the device has queues for (the driver uses vCPUs `0..min(M, its own)`) |
         //! | 4 | 4 | [`ABI_VERSION`]: pvspin's ABI version word ([`crate::ABI_VERSION`]) |
         //! | 8 | 4 | [`SPIN_QUEUE_BASE`]: index of vCPU 0's spin queue (1 + M) |
-        //! | 12 | 4 | reserved, 0 |
+        //! | 12 | 4 | [`SPIN_QUEUES`]: S, how many vCPUs (`0..S`) have a spin queue ([`super::spin_queues`]) |
 
         /// u32: the vCPUs the device has queues for.
         pub const MAX_VCPUS: usize = 0;
@@ -634,6 +659,8 @@ pub mod virtio {
         pub const ABI_VERSION: usize = 4;
         /// u32: index of vCPU 0's spin queue.
         pub const SPIN_QUEUE_BASE: usize = 8;
+        /// u32: how many vCPUs have a spin queue.
+        pub const SPIN_QUEUES: usize = 12;
         /// Size of the configuration space in bytes.
         pub const SIZE: usize = 16;
 
@@ -643,11 +670,13 @@ pub mod virtio {
             let m = max_vcpus.to_le_bytes();
             let v = crate::ABI_VERSION.to_le_bytes();
             let s = (1 + max_vcpus).to_le_bytes();
+            let n = super::spin_queues(max_vcpus).to_le_bytes();
             let mut i = 0;
             while i < 4 {
                 out[MAX_VCPUS + i] = m[i];
                 out[ABI_VERSION + i] = v[i];
                 out[SPIN_QUEUE_BASE + i] = s[i];
+                out[SPIN_QUEUES + i] = n[i];
                 i += 1;
             }
             out
@@ -1009,14 +1038,24 @@ mod tests {
     #[test]
     fn virtio_queue_layout_round_trips() {
         use crate::virtio::*;
-        for m in [1u32, 4, 16, MAX_VCPUS] {
+        for m in 1..=MAX_VCPUS {
+            let spinners = spin_queues(m);
+            assert_eq!(spinners, if m <= 127 { m } else { 255 - m });
+            assert!(num_queues(m) <= MAX_QUEUES, "{m} vCPUs");
             assert_eq!(queue_role(m, 0), Some(QueueRole::Control));
-            for i in [0, m - 1] {
+            // Every queue index below num_queues has exactly one role, and each vCPU's
+            // queues decode back to it.
+            for i in 0..m {
                 let k = kick_queue(m, i).unwrap();
-                let s = spin_queue(m, i).unwrap();
                 assert_eq!(queue_role(m, k as usize), Some(QueueRole::Kick(i)));
-                assert_eq!(queue_role(m, s as usize), Some(QueueRole::Spin(i)));
-                assert!((s as usize) < num_queues(m));
+                match spin_queue(m, i) {
+                    Some(s) => {
+                        assert!(i < spinners);
+                        assert_eq!(queue_role(m, s as usize), Some(QueueRole::Spin(i)));
+                        assert!((s as usize) < num_queues(m));
+                    }
+                    None => assert!(i >= spinners, "{m} vCPUs, vCPU {i}"),
+                }
             }
             assert_eq!(kick_queue(m, m), None);
             assert_eq!(spin_queue(m, m), None);
@@ -1024,7 +1063,12 @@ mod tests {
             let c = config::encode(m);
             assert_eq!(u32::from_le_bytes(c[0..4].try_into().unwrap()), m);
             assert_eq!(u32::from_le_bytes(c[8..12].try_into().unwrap()), 1 + m);
+            assert_eq!(u32::from_le_bytes(c[12..16].try_into().unwrap()), spinners);
         }
+        assert_eq!(num_queues(127), 255);
+        assert_eq!(num_queues(128), 256);
+        assert_eq!(num_queues(MAX_VCPUS), MAX_QUEUES);
+        assert_eq!(spin_queue(MAX_VCPUS, 0), None);
         assert_eq!(kick_queue(MAX_VCPUS + 1, 0), None);
         assert_eq!(queue_role(MAX_VCPUS + 1, 0), None);
         let r = ControlRequest {

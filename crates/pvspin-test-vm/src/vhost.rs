@@ -47,13 +47,10 @@ pub const RECONNECT_EVERY: Duration = Duration::from_millis(100);
 const QUEUE_NUM_MAX: u16 = 256;
 /// The most queues a vhost-user device can have: `SET_VRING_KICK`, `SET_VRING_CALL` and
 /// `SET_VRING_ERR` carry the vring index in bits 0..7 of their payload (bit 8 says "no
-/// descriptor"), so a queue index past 255 cannot be given its eventfds. With the device's
-/// `1 + 2 * M` queues that is M <= 127 vCPUs.
+/// descriptor"), so a queue index past 255 cannot be given its eventfds. The device's layout
+/// fits that at every size up to the ABI's 255 vCPUs (`virtio::spin_queues`).
 const VHOST_USER_MAX_QUEUES: usize = 256;
-const _: () = assert!(
-    virtio::num_queues(127) <= VHOST_USER_MAX_QUEUES
-        && virtio::num_queues(128) > VHOST_USER_MAX_QUEUES
-);
+const _: () = assert!(virtio::num_queues(virtio::MAX_VCPUS) <= VHOST_USER_MAX_QUEUES);
 
 const VIRTIO_F_VERSION_1: u64 = 1 << virtio::F_VERSION_1;
 
@@ -256,7 +253,7 @@ impl VhostPvspin {
         }
         if virtio::num_queues(max_vcpus) > VHOST_USER_MAX_QUEUES {
             return Err(VhostError::Backend(format!(
-                "its device has {} queues for {max_vcpus} vCPUs, and vhost-user names a vring in 8 bits (at most {VHOST_USER_MAX_QUEUES} queues, 127 vCPUs)",
+                "its device has {} queues for {max_vcpus} vCPUs, and vhost-user names a vring in 8 bits (at most {VHOST_USER_MAX_QUEUES} queues)",
                 virtio::num_queues(max_vcpus)
             )));
         }

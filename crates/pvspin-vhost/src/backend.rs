@@ -24,7 +24,6 @@
 //! process, where only vCPUs the VMM parks are flagged).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -36,14 +35,10 @@ use pvspin_hints::sched as thread_sched;
 use pvspin_hints::{HintPage, HintPages, PageBudgets};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserVirtioFeatures;
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{
     Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
-};
-use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
 use crate::config::{BackendConfig, WorkerPriority, YieldMode};
@@ -197,10 +192,6 @@ struct Inner {
     /// Wakes the restore timer when a new deadline exists or the backend stops.
     timer: Condvar,
     stopping: AtomicBool,
-    /// The read ends of the worker threads' exit events. vhost-user-backend hands them to
-    /// its epoll as raw descriptors and never closes them; the server closes them once the
-    /// workers are gone ([`PvspinBackend::close_exit_events`]).
-    exit_consumers: Mutex<Vec<RawFd>>,
     /// The VM's event rate: the time its handled events have used up.
     pacing: Mutex<Pacing>,
 }
@@ -220,8 +211,8 @@ const PACING_BURST: Duration = Duration::from_millis(10);
 /// What a paced VM's worker sleeps for at least: until 1 ms worth of events may be handled.
 const PACING_RESUME: Duration = Duration::from_millis(1);
 
-/// The pvspin device backend for one frontend. Cheap to clone (shared state): the
-/// vhost-user-backend daemon clones it into its worker threads.
+/// The pvspin device backend for one frontend. Cheap to clone (shared state): the transport's
+/// request handler, its queue worker, the restore timer and the sampler each hold one.
 #[derive(Clone)]
 pub struct PvspinBackend {
     inner: Arc<Inner>,
@@ -241,8 +232,8 @@ thread_local! {
     static PRIORITY_SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Sets the calling worker thread's priority once (vhost-user-backend creates the thread; its
-/// first event is the first time this code runs on it). A failure is logged, once.
+/// Sets the calling worker thread's priority once (at its first event). A failure is logged,
+/// once.
 fn set_worker_priority(priority: WorkerPriority, vm: &str) {
     if priority == WorkerPriority::Inherit || PRIORITY_SET.with(|s| s.replace(true)) {
         return;
@@ -359,7 +350,6 @@ impl PvspinBackend {
                 yields: Mutex::new(policy),
                 timer: Condvar::new(),
                 stopping: AtomicBool::new(false),
-                exit_consumers: Mutex::new(Vec::new()),
                 pacing: Mutex::new(Pacing {
                     earned: Instant::now(),
                 }),
@@ -626,17 +616,6 @@ impl PvspinBackend {
         }
     }
 
-    /// Closes the exit-event descriptors vhost-user-backend leaves open. Call it only after
-    /// the worker threads exited and the daemon was dropped: until then its epoll uses them.
-    pub fn close_exit_events(&self) {
-        for fd in lock(&self.inner.exit_consumers).drain(..) {
-            // SAFETY: `fd` came from an EventConsumer that vhost-user-backend turned into a
-            // raw descriptor and registered in an epoll that no longer exists (the caller's
-            // contract); nothing else owns or closes it.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
-    }
-
     fn acked(&self, bit: u32) -> bool {
         lock(&self.inner.state).acked_features & (1 << bit) != 0
     }
@@ -737,8 +716,8 @@ impl PvspinBackend {
         // One read of each guest field.
         let guest = page.guest_hints();
         // The ABI: a notifying vCPU has said in its page that it spins (or waits). An event
-        // without that is vhost-user-backend's one pass over each queue it enables, or a
-        // stray notify: acting on it would deboost a vCPU that waits for nothing.
+        // without that is a stray notify: acting on it would deboost a vCPU that waits for
+        // nothing.
         if guest.spin_state != hint::SPIN_SPINNING && guest.spin_state != hint::SPIN_WAITING {
             tel.spin_not_spinning();
             return;
@@ -970,75 +949,39 @@ impl PvspinBackend {
     }
 }
 
-impl VhostUserBackend for PvspinBackend {
-    type Bitmap = ();
-    type Vring = Vring;
-
-    fn num_queues(&self) -> usize {
+/// What the transport ([`crate::transport`]) asks of the device.
+impl PvspinBackend {
+    /// Number of virtqueues of the device ([`virtio::num_queues`]).
+    pub fn num_queues(&self) -> usize {
         self.inner.config.num_queues()
     }
 
-    fn max_queue_size(&self) -> usize {
-        MAX_QUEUE_SIZE
-    }
-
-    fn features(&self) -> u64 {
+    /// The virtio feature bits the device offers ([`DEVICE_FEATURES`]).
+    pub fn features(&self) -> u64 {
         DEVICE_FEATURES
     }
 
-    fn acked_features(&self, features: u64) {
-        self.set_acked_features(features);
-    }
-
-    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+    /// The vhost-user protocol features the device offers: configuration reads, multiple
+    /// queues, reply acks.
+    pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
     }
 
-    fn reset_device(&self) {
+    /// A device reset: forgets hint pages and acked features, restores priorities.
+    pub fn reset_device(&self) {
         self.forget();
     }
 
-    fn set_event_idx(&self, _enabled: bool) {
-        // EVENT_IDX is not offered.
-    }
-
-    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        self.config_read(offset, size)
-    }
-
-    fn update_memory(&self, mem: BackendMemory) -> io::Result<()> {
-        self.set_memory(mem);
-        Ok(())
-    }
-
-    fn queues_per_thread(&self) -> Vec<u64> {
-        // One worker thread for every queue (the default mask covers only 32).
-        let n = self.num_queues().min(64) as u32;
-        vec![u64::MAX >> (64 - n)]
-    }
-
-    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        let (consumer, notifier) =
-            new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()?;
-        lock(&self.inner.exit_consumers).push(consumer.as_raw_fd());
-        Some((consumer, notifier))
-    }
-
-    fn handle_event(
-        &self,
-        device_event: u16,
-        _evset: EventSet,
-        vrings: &[Vring],
-        _thread_id: usize,
-    ) -> io::Result<()> {
+    /// Handles one notification on `queue` on the worker thread: the worker's priority
+    /// ([`BackendConfig::worker_priority`]), the queue's work, then the VM's event rate (the
+    /// worker sleeps, never spins, while the VM is over it: its notifications wait in their
+    /// eventfds).
+    pub fn handle_notification(&self, queue: usize, vrings: &[Vring]) -> io::Result<()> {
         set_worker_priority(self.inner.config.worker_priority, self.inner.telemetry.vm());
-        let result = self
-            .handle_queue_event(usize::from(device_event), vrings)
-            .map(|_| ());
+        let result = self.handle_queue_event(queue, vrings).map(|_| ());
         if let Some(pause) = self.pace(Instant::now()) {
-            // Sleeps, never spins: this VM's notifications wait in their eventfds.
             std::thread::sleep(pause);
         }
         result
@@ -1841,25 +1784,27 @@ mod tests {
     #[test]
     fn config_reads_are_bounds_checked() {
         let rig = Rig::new(YieldMode::Off, false, 0);
-        let full = rig.backend.get_config(0, virtio::config::SIZE as u32);
+        let full = rig.backend.config_read(0, virtio::config::SIZE as u32);
         assert_eq!(full, virtio::config::encode(4).to_vec());
-        assert_eq!(rig.backend.get_config(8, 4), 5u32.to_le_bytes().to_vec());
+        assert_eq!(rig.backend.config_read(8, 4), 5u32.to_le_bytes().to_vec());
         for (off, size) in [(0, 17), (16, 1), (15, 2), (u32::MAX, 4), (4, u32::MAX)] {
-            assert!(rig.backend.get_config(off, size).is_empty(), "{off} {size}");
+            assert!(
+                rig.backend.config_read(off, size).is_empty(),
+                "{off} {size}"
+            );
         }
-        assert_eq!(rig.backend.get_config(16, 0), Vec::<u8>::new());
+        assert_eq!(rig.backend.config_read(16, 0), Vec::<u8>::new());
         assert_eq!(rig.backend.telemetry().bad_inputs(BadInput::ConfigRead), 5);
     }
 
     #[test]
-    fn offers_the_device_features_and_queue_masks() {
+    fn offers_the_device_features_and_queues() {
         let rig = Rig::new(YieldMode::Off, false, 0);
         let f = rig.backend.features();
         assert_ne!(f & (1 << virtio::F_VERSION_1), 0);
         assert_ne!(f & (1 << virtio::F_SPIN_NOTIFY), 0);
         assert_ne!(f & (1 << virtio::F_HINT_PAGES), 0);
         assert_eq!(rig.backend.num_queues(), 9);
-        assert_eq!(rig.backend.queues_per_thread(), vec![0x1ff]);
         assert!(rig
             .backend
             .protocol_features()

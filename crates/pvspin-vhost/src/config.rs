@@ -6,22 +6,13 @@ use std::time::Duration;
 use pvspin_abi::virtio;
 use pvspin_yield::{BudgetConfig, BudgetError};
 
-/// The most vCPUs this daemon serves per device: `1 + 2 * 31 = 63` queues.
+/// The most vCPUs this daemon serves per device: the ABI's limit, 255.
 ///
-/// `vhost-user-backend` (0.24) hands each worker thread the queues of a 64-bit mask whose bit
-/// `i` is queue `i` itself, not the `i`-th queue of that thread, so no queue past index 63 can
-/// be served by any worker, however many workers
-/// (`VhostUserBackend::queues_per_thread`); a device with more queues even makes it panic
-/// (in a debug build) or alias queue `i` to `i % 64` (release) when it builds the workers.
-/// Past that, vhost-user itself names a vring in 8 bits in `SET_VRING_KICK`, `SET_VRING_CALL`
-/// and `SET_VRING_ERR` (bit 8 is the "no descriptor" flag), so no vhost-user device has more
-/// than 256 queues: with this device's `1 + 2 * M` layout, M <= 127. Serving the ABI's 255
-/// would need a queue layout of at most 256 queues as well as a transport without the mask.
-pub const TRANSPORT_MAX_VCPUS: u32 = 31;
-
-/// The most vCPUs any vhost-user device with the `1 + 2 * M` queue layout can have:
-/// vhost-user's vring-descriptor messages carry the vring index in 8 bits (256 queues).
-pub const VHOST_USER_MAX_VCPUS: u32 = 127;
+/// The device's queue layout fits 256 queues at every size ([`virtio::spin_queues`]): the
+/// most vhost-user can name (its vring-descriptor messages carry the index in 8 bits), and
+/// pvspind's own transport ([`crate::transport`]) serves them all. (Up to 0.1 pvspind ran on
+/// vhost-user-backend's daemon, whose worker masks reach queues 0..=63 only: 31 vCPUs.)
+pub const TRANSPORT_MAX_VCPUS: u32 = virtio::MAX_VCPUS;
 
 // `DaemonConfigError::AboveAbiLimit`'s message names the limit.
 const _: () = assert!(virtio::MAX_VCPUS == 255);
@@ -34,10 +25,6 @@ pub enum DaemonConfigError {
     /// max_vcpus {0} is above the ABI's limit of 255 (pvspin_abi::MAX_VCPUS: a kick is a REMRD
     /// MSI to the vCPU's 8-bit xAPIC ID and 0xFF is broadcast; x2APIC IDs are not supported)
     AboveAbiLimit(u32),
-    /// max_vcpus {0} is above this daemon's limit of {TRANSPORT_MAX_VCPUS:}: the device needs 1 +
-    /// 2 * max_vcpus queues and vhost-user-backend's worker masks reach queue indices 0..=63 only
-    /// (vhost-user itself caps a device at 256 queues, 127 vCPUs)
-    AboveTransportLimit(u32),
     /// budgets: {0}
     Budgets(#[from] BudgetError),
     /// max_events_per_sec must be at least 1000 (one event per 1 ms window), got {0}
@@ -256,9 +243,6 @@ impl BackendConfig {
         if self.max_vcpus > virtio::MAX_VCPUS {
             return Err(DaemonConfigError::AboveAbiLimit(self.max_vcpus));
         }
-        if self.max_vcpus > TRANSPORT_MAX_VCPUS {
-            return Err(DaemonConfigError::AboveTransportLimit(self.max_vcpus));
-        }
         self.budgets.to_config().validate()?;
         if self.max_events_per_sec < 1000 {
             return Err(DaemonConfigError::EventRate(self.max_events_per_sec));
@@ -298,14 +282,10 @@ mod tests {
         let e = c.validate().unwrap_err();
         assert!(e.to_string().contains("MAX_VCPUS"), "{e}");
         assert!(e.to_string().contains("xAPIC"), "{e}");
-        c.max_vcpus = TRANSPORT_MAX_VCPUS + 1;
-        assert_eq!(
-            c.validate(),
-            Err(DaemonConfigError::AboveTransportLimit(32))
-        );
+        c.max_vcpus = TRANSPORT_MAX_VCPUS;
+        assert_eq!(c.validate(), Ok(()));
         // vhost-user's 8-bit vring index: at most 256 queues.
-        assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS) <= 256);
-        assert!(virtio::num_queues(VHOST_USER_MAX_VCPUS + 1) > 256);
+        assert!(virtio::num_queues(TRANSPORT_MAX_VCPUS) <= 256);
         c.max_vcpus = 0;
         assert_eq!(c.validate(), Err(DaemonConfigError::NoVcpus));
         c.max_vcpus = 4;

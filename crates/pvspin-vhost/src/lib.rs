@@ -2,10 +2,13 @@
 //! vhost-user, for VMMs (QEMU, crosvm, Cloud Hypervisor...) that cannot link pvspin but can
 //! attach a vhost-user device backend.
 //!
-//! - [`backend`]: the device for one frontend ([`backend::PvspinBackend`], a
-//!   `vhost_user_backend::VhostUserBackend`): KICK queues answered on the same queue's call
-//!   eventfd, SPIN queues read the notifier's hint page and hand the decision to the
-//!   [`yield_policy`], the control queue registers hint pages and writes their host line.
+//! - [`backend`]: the device for one frontend ([`backend::PvspinBackend`]): KICK queues
+//!   answered on the same queue's call eventfd, SPIN queues read the notifier's hint page and
+//!   hand the decision to the [`yield_policy`], the control queue registers hint pages and
+//!   writes their host line.
+//! - [`transport`]: vhost-user for one frontend (the `vhost` crate's request handler over
+//!   pvspind's own, and one queue worker thread over every queue's kick eventfd): 256
+//!   queues, 255 vCPUs.
 //! - [`yield_policy`]: directed yield from outside the VMM (deboost the spinner, boost the
 //!   waited-for vCPU only when the frontend is confined to its own cpu cgroup), restored at
 //!   deadlines.
@@ -28,11 +31,10 @@
 //! no live migration or device-state transfer; no run slots (an out-of-process backend cannot
 //! gate the VMM's vCPU threads: `docs/vhost-user.md`, "What an out-of-process backend cannot
 //! do"); `NOT_RUNNING` is a sample up to one period old, not exact; at most
-//! [`config::TRANSPORT_MAX_VCPUS`] vCPUs per device (vhost-user-backend's workers reach queues
-//! 0..=63 only; vhost-user itself allows 256 queues, 127 vCPUs); boosts need the daemon to be
-//! allowed to lower nice values (`CAP_SYS_NICE` or `RLIMIT_NICE`); enabling a kick queue may
-//! deliver one spurious wake-up to its vCPU (vhost-user-backend processes every queue once
-//! when it is enabled; the ABI allows spurious wake-ups).
+//! [`config::TRANSPORT_MAX_VCPUS`] (255) vCPUs per device, and above 127 only the first
+//! `255 - M` have spin queues (`pvspin_abi::virtio::spin_queues`: the layout fits
+//! vhost-user's 256 queues); boosts need the daemon to be allowed to lower nice values
+//! (`CAP_SYS_NICE` or `RLIMIT_NICE`).
 #![deny(missing_docs)]
 
 pub mod backend;
@@ -43,6 +45,7 @@ pub mod server;
 pub mod telemetry;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
+pub mod transport;
 pub mod yield_policy;
 
 pub use backend::PvspinBackend;

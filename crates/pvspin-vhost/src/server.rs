@@ -1,14 +1,15 @@
 //! The daemon's sockets: each vhost-user socket serves one frontend at a time on a thread of
-//! its own, with a fresh [`PvspinBackend`] per connection; a control socket answers telemetry
-//! requests; [`Server::shutdown`] stops everything and restores every changed priority.
+//! its own, with a fresh [`PvspinBackend`] and [`Connection`] per frontend; a control socket
+//! answers telemetry requests; [`Server::shutdown`] stops everything and restores every
+//! changed priority.
 //!
-//! A socket keeps its own thread because serving a frontend blocks it:
-//! vhost-user-backend's `VhostUserDaemon::wait` returns only when that frontend goes. Between
-//! connections each thread sleeps in a vmm-sys-util `Epoll` over its listener and the server's
-//! exit `EventFd`, so shutdown wakes it at once and an idle daemon makes no wake-ups.
+//! A socket's thread answers its frontend's requests itself until the frontend goes (or
+//! shutdown hangs up its socket). Between connections it sleeps in a vmm-sys-util `Epoll`
+//! over its listener and the server's exit `EventFd`, so shutdown wakes it at once and an
+//! idle daemon makes no wake-ups.
 
 use std::io::{self, BufRead, BufReader, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -17,15 +18,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use vhost::vhost_user::Listener;
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vhost::vhost_user::Error as VhostUserError;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::PvspinBackend;
 use crate::config::{BackendConfig, DaemonConfigError};
 use crate::telemetry::{DaemonVmTelemetry, HostTelemetry};
+use crate::transport::{Connection, TransportError};
 
 /// Longest a control-socket client may take to send its request or read the answer.
 const CONTROL_IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -62,12 +62,10 @@ pub enum ServerError {
 enum ConnectionError {
     /// {0}
     Backend(#[from] crate::backend::BackendError),
-    /// creating the vhost-user daemon: {0}
-    Daemon(vhost_user_backend::Error),
-    /// duplicating the listening socket: {0}
-    Listener(#[source] io::Error),
+    /// {0}
+    Transport(#[from] TransportError),
     /// accepting a frontend: {0}
-    Accept(vhost_user_backend::Error),
+    Accept(#[source] io::Error),
 }
 
 /// What the daemon serves.
@@ -162,23 +160,8 @@ impl ListenWait {
     }
 }
 
-fn sockopt_int(fd: &OwnedFd, name: libc::c_int) -> Option<libc::c_int> {
-    let mut value: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: value and len point to an int and its size, as getsockopt expects.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            name,
-            (&mut value as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(value)
-}
-
-fn peer_pid(fd: &OwnedFd) -> Option<u32> {
+/// The pid of a connected socket's peer, from its credentials (`SO_PEERCRED`).
+fn peer_pid(fd: BorrowedFd<'_>) -> Option<u32> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -198,59 +181,11 @@ fn peer_pid(fd: &OwnedFd) -> Option<u32> {
     (rc == 0 && cred.pid > 0).then_some(cred.pid as u32)
 }
 
-/// The pid of the frontend connected on `path`, from its peer credentials.
-///
-/// vhost-user-backend accepts the connection itself and keeps the stream private, so the
-/// accepted socket is found among this process's descriptors: a connected (not listening)
-/// stream socket whose local address is `path`. Each socket serves one frontend at a time,
-/// so all such descriptors (the handler's and its duplicates) share one peer; when they do
-/// not, the answer is `None`.
-pub fn find_peer_pid(path: &Path) -> Option<u32> {
-    let mut found = None;
-    for entry in std::fs::read_dir("/proc/self/fd").ok()? {
-        let Some(fd) = entry
-            .ok()
-            .and_then(|e| e.file_name().to_str().and_then(|s| s.parse::<RawFd>().ok()))
-        else {
-            continue;
-        };
-        // Duplicate it first: the original may be closed by another thread at any time.
-        // SAFETY: F_DUPFD_CLOEXEC only reads the descriptor number; failure is reported.
-        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            continue;
-        }
-        // SAFETY: `dup` is a descriptor this function just created and nothing else owns.
-        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
-        if sockopt_int(&owned, libc::SO_ACCEPTCONN) != Some(0) {
-            continue;
-        }
-        let Ok(clone) = owned.try_clone() else {
-            continue;
-        };
-        let stream = UnixStream::from(clone);
-        let ours = stream
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_pathname().map(|p| p == path))
-            .unwrap_or(false);
-        if !ours {
-            continue;
-        }
-        match (found, peer_pid(&owned)) {
-            (_, None) => {}
-            (None, Some(pid)) => found = Some(pid),
-            (Some(a), Some(b)) if a != b => return None,
-            _ => {}
-        }
-    }
-    found
-}
-
 /// One socket's shared state.
 struct Slot {
     path: PathBuf,
-    active: Mutex<Option<ShutdownHandle>>,
+    /// The connected frontend's socket (a clone), for shutdown to hang up.
+    active: Mutex<Option<UnixStream>>,
 }
 
 /// The running daemon.
@@ -351,13 +286,13 @@ impl Server {
             log::error!("waking the socket threads: {err}");
         }
         for slot in &self.slots {
-            if let Some(h) = slot
+            if let Some(stream) = slot
                 .active
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .as_ref()
             {
-                h.shutdown();
+                hang_up(stream);
             }
         }
         for t in self.threads {
@@ -408,6 +343,11 @@ fn serve_socket(
     log::info!("{label}: stopped");
 }
 
+/// Ends a frontend's connection from another thread: its request loop reads end of file.
+fn hang_up(stream: &UnixStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
 fn serve_connection(
     slot: &Slot,
     listener: &UnixListener,
@@ -417,21 +357,8 @@ fn serve_connection(
     label: &str,
     path_text: &str,
 ) -> Result<(), ConnectionError> {
-    let vm = Arc::new(DaemonVmTelemetry::new(label, path_text, config.max_vcpus));
-    let backend = PvspinBackend::new(config.clone(), vm.clone())?;
-    let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-    let mut daemon = VhostUserDaemon::new(label.to_owned(), backend.clone(), memory)
-        .map_err(ConnectionError::Daemon)?;
-    let clone = listener.try_clone().map_err(ConnectionError::Listener)?;
-    let mut vhost_listener = Listener::from(clone);
-    if let Err(e) = daemon.start(&mut vhost_listener) {
-        if stop_workers(&daemon) {
-            drop(daemon);
-            backend.close_exit_events();
-        }
-        return Err(ConnectionError::Accept(e));
-    }
-    let pid = find_peer_pid(&slot.path);
+    let (stream, _) = listener.accept().map_err(ConnectionError::Accept)?;
+    let pid = peer_pid(stream.as_fd());
     match pid {
         Some(pid) => log::info!("{label}: frontend pid {pid} connected"),
         None => {
@@ -440,7 +367,11 @@ fn serve_connection(
             );
         }
     }
+    let hangup = stream.try_clone().map_err(ConnectionError::Accept)?;
+    let vm = Arc::new(DaemonVmTelemetry::new(label, path_text, config.max_vcpus));
+    let backend = PvspinBackend::new(config.clone(), vm.clone())?;
     backend.set_peer_pid(pid);
+    let mut connection = Connection::new(backend.clone(), stream, format!("{label}-queues"))?;
     host.connected(path_text, vm);
     let timer_backend = backend.clone();
     let timer = std::thread::Builder::new()
@@ -454,49 +385,25 @@ fn serve_connection(
         .ok();
     {
         let mut active = slot.active.lock().unwrap_or_else(PoisonError::into_inner);
-        *active = daemon.shutdown_handle();
         if stop.load(Ordering::Acquire) {
-            if let Some(h) = active.as_ref() {
-                h.shutdown();
-            }
+            hang_up(&hangup);
         }
+        *active = Some(hangup);
     }
-    let result = daemon.wait();
+    let end = connection.serve();
     *slot.active.lock().unwrap_or_else(PoisonError::into_inner) = None;
-    let workers_gone = stop_workers(&daemon);
-    drop(daemon);
-    if workers_gone {
-        backend.close_exit_events();
-    } else {
-        log::warn!("{label}: a vring worker did not stop; its descriptors stay open");
-    }
+    // Stops and joins the queue worker before the backend forgets its state.
+    drop(connection);
     backend.stop();
     for t in [timer, sampler].into_iter().flatten() {
         let _ = t.join();
     }
     host.disconnected(path_text);
-    match result {
-        Ok(()) => log::info!("{label}: frontend disconnected"),
-        Err(e) => log::info!("{label}: frontend gone: {e}"),
+    match end {
+        VhostUserError::Disconnected => log::info!("{label}: frontend disconnected"),
+        e => log::info!("{label}: frontend gone: {e}"),
     }
     Ok(())
-}
-
-/// Tells the vring worker threads to exit and waits (bounded) until they did: a worker holds
-/// one reference to its handler, the daemon one and this function one.
-fn stop_workers(daemon: &VhostUserDaemon<PvspinBackend>) -> bool {
-    let handlers = daemon.get_epoll_handlers();
-    for h in &handlers {
-        h.send_exit_event();
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while handlers.iter().any(|h| Arc::strong_count(h) > 2) {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    true
 }
 
 fn serve_control(

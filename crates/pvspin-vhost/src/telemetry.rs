@@ -279,8 +279,8 @@ impl DaemonVmTelemetry {
         add(&self.paced);
     }
 
-    /// Counts a spin-queue event whose vCPU's hint page does not say it spins or waits (the
-    /// one event vhost-user-backend raises on every queue it enables, or a stray notify).
+    /// Counts a spin-queue event whose vCPU's hint page does not say it spins or waits (a
+    /// stray notify).
     pub fn spin_not_spinning(&self) {
         add(&self.spins_not_spinning);
     }

@@ -64,6 +64,14 @@ pub fn halt_forever() -> ! {
     }
 }
 
+/// Halts this vCPU once with interrupts off (CPL 0 only): returns when a kick (a REMRD MSI,
+/// which KVM remembers when it arrives before the halt) or any other wake-up ends it.
+pub fn halt_until_kicked() {
+    // SAFETY: CPL 0 (the caller's contract): cli; hlt stops this vCPU until KVM wakes it, and
+    // touches no memory.
+    unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+}
+
 /// Drops to user mode (CPL 3, IOPL 3, interrupts still off) on the same stack, and returns
 /// there. The GDT's user code and data selectors are 0x23 and 0x1b; the page tables map
 /// everything user-accessible. There is no TSS or IDT: any exception in user mode is a triple

@@ -192,12 +192,28 @@ pub fn setup(
         GENERATION.store(read(base, CONFIG_GENERATION), Ordering::Relaxed);
         let ok = bring_up(base, vcpus) && register_pages(vcpus, tsc_khz, &hint_page);
         STATE.store(if ok { STATE_UP } else { STATE_FAILED }, Ordering::Release);
+        if ok {
+            // The others halt until now (below): one kick each, after the state they read.
+            let (notify_addr, max_vcpus) = (
+                NOTIFY.load(Ordering::Relaxed),
+                MAX_VCPUS.load(Ordering::Relaxed),
+            );
+            for other in 1..vcpus {
+                if let Some(queue) = kick_queue(max_vcpus, other) {
+                    notify(notify_addr, queue);
+                }
+            }
+        }
     }
     loop {
         match STATE.load(Ordering::Acquire) {
             STATE_UP => break,
             STATE_FAILED => return None,
-            _ => core::hint::spin_loop(),
+            // Halted, not spinning: with hundreds of vCPUs, spinning waiters (kernel mode, which
+            // some hosts emulate) would leave vCPU 0 a sliver of the host while it sets up up to
+            // 256 queues and registers every page. A failed bring-up ends the run with vCPU
+            // 0's status, so nobody waits for a kick that never comes.
+            _ => crate::arch::halt_until_kicked(),
         }
     }
     let features = FEATURES.load(Ordering::Relaxed);
@@ -252,11 +268,10 @@ fn bring_up(base: u64, vcpus: u32) -> bool {
         if !setup_queue(base, kick, ring) {
             return false;
         }
-        if wanted & (1 << F_SPIN_NOTIFY) != 0 {
-            let (Some(spin), Some(ring)) = (
-                spin_queue(max_vcpus, i),
-                DOORBELL_RINGS.get((MAX_PV_VCPUS + i) as usize),
-            ) else {
+        // Above 127 vCPUs only vCPUs 0..spin_queues(M) have a spin queue (the layout fits
+        // vhost-user's 256 queues): the others send no spin notifications.
+        if let (true, Some(spin)) = (wanted & (1 << F_SPIN_NOTIFY) != 0, spin_queue(max_vcpus, i)) {
+            let Some(ring) = DOORBELL_RINGS.get((MAX_PV_VCPUS + i) as usize) else {
                 return false;
             };
             if !setup_queue(base, spin, ring) {
