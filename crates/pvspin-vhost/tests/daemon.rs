@@ -245,6 +245,16 @@ impl<'m> Vm<'m> {
         readable(call.as_raw_fd(), timeout) && call.read().is_ok()
     }
 
+    /// The whole configuration space, read through GET_CONFIG.
+    fn config_space(&mut self) -> Vec<u8> {
+        let size = virtio::config::SIZE;
+        let (_, payload) = self
+            .frontend
+            .get_config(0, size as u32, VhostUserConfigFlags::empty(), &[0; 16])
+            .unwrap();
+        payload
+    }
+
     /// Sends a control request and returns its status.
     fn control(&mut self, r: ControlRequest) -> u32 {
         self.mem
@@ -367,15 +377,7 @@ fn a_device_of_255_vcpus_serves_all_256_queues() {
     };
     assert_eq!(vm.control(r), STATUS_OK);
     assert_eq!(vm.host::<u32>(hint::HOST_SEQ), 1);
-    let (_, payload) = vm
-        .frontend
-        .get_config(
-            0,
-            virtio::config::SIZE as u32,
-            VhostUserConfigFlags::empty(),
-            &[0; 16],
-        )
-        .unwrap();
+    let payload = vm.config_space();
     assert_eq!(payload, virtio::config::encode(255).to_vec());
     assert_eq!(
         u32::from_le_bytes(payload[12..16].try_into().unwrap()),
@@ -428,15 +430,7 @@ fn kicks_registration_config_and_telemetry() {
     );
 
     // The configuration space.
-    let (_, payload) = vm
-        .frontend
-        .get_config(
-            0,
-            virtio::config::SIZE as u32,
-            VhostUserConfigFlags::empty(),
-            &[0; 16],
-        )
-        .unwrap();
+    let payload = vm.config_space();
     assert_eq!(payload, virtio::config::encode(4).to_vec());
 
     // Telemetry, JSON and Prometheus.
