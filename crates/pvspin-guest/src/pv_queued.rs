@@ -194,7 +194,13 @@ fn decode(code: u32) -> (u32, usize) {
 ///
 /// `lock` and `try_lock` panic if the backend's CPU id is not below the domain's `N`, or if
 /// this vCPU already holds or awaits [`NODES_PER_CPU`](crate::NODES_PER_CPU) queued locks.
+///
+/// # Layout
+///
+/// 16 bytes, aligned to 16: its words never straddle two cache lines, as for
+/// [`PvTicketLock`](crate::PvTicketLock).
 #[derive(Debug)]
+#[repr(C, align(16))]
 pub struct PvQueuedLock<F = PvspinFlavor> {
     /// The last queued node's code, or `NONE` (pvspin flavor: `NONE` when free).
     tail: AtomicU32,
@@ -753,6 +759,22 @@ mod tests {
     use super::*;
     use crate::host::{bind_current_thread, HostPvOps};
     use crate::pv::{PvDomain, SpinConfig};
+
+    #[test]
+    fn both_flavors_fit_in_one_cache_line() {
+        for (size, align) in [
+            (
+                core::mem::size_of::<PvQueuedLock>(),
+                core::mem::align_of::<PvQueuedLock>(),
+            ),
+            (
+                core::mem::size_of::<StockQueuedLock>(),
+                core::mem::align_of::<StockQueuedLock>(),
+            ),
+        ] {
+            assert_eq!((size, align), (16, 16));
+        }
+    }
     use crate::sync::AtomicU8;
     use crate::tests_common::pv_hammer;
 

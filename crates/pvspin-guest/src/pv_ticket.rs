@@ -122,7 +122,17 @@ impl TicketWaitSlot {
 ///
 /// A vCPU whose id is not below the domain's `N` never halts: it spins (counted in
 /// [`PvDomain::bad_cpu_count`](crate::PvDomain::bad_cpu_count)).
+///
+/// # Layout
+///
+/// 16 bytes, aligned to 16, so its words never straddle two cache lines (a hand-over then
+/// moves one line). Put the data the lock guards on the same line when it is small and
+/// written in every critical section: a lock and its value that straddle two lines move both
+/// on every hand-over: in the example guest that made the PV ticket lock 26-35% slower at 1x
+/// than a plain ticket lock that happened to share a line with its value (docs/benchmarks.md
+/// §14.4).
 #[derive(Debug)]
+#[repr(C, align(16))]
 pub struct PvTicketLock {
     /// The next ticket to hand out.
     next: AtomicU32,
@@ -412,6 +422,18 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+
+    #[test]
+    fn the_lock_fits_in_one_cache_line_wherever_it_is_placed() {
+        assert_eq!(core::mem::size_of::<PvTicketLock>(), 16);
+        assert_eq!(core::mem::align_of::<PvTicketLock>(), 16);
+        // 16-aligned and 16 bytes: never across a 64-byte boundary, in any array or struct.
+        let locks: [PvTicketLock; 8] = core::array::from_fn(|_| PvTicketLock::new());
+        for lock in &locks {
+            let start = lock as *const PvTicketLock as usize;
+            assert_eq!(start / 64, (start + 15) / 64);
+        }
+    }
     use crate::host::{bind_current_thread, HostPvOps};
     use crate::pv::{PvDomain, SpinConfig};
     use crate::tests_common::pv_hammer;
