@@ -294,7 +294,8 @@ fn direct_kicks_stay_in_kvm_and_the_daemon_serves_the_rest() {
 /// TRANSPORT_MAX_VCPUS`: 256 queues, every index vhost-user can name, none of them spin
 /// queues), served to a 255-vCPU guest: all 256 queues set up, 255 hint pages registered
 /// through the control queue, kicks past queue 63 (which vhost-user-backend's workers never
-/// reached) delivered, counts exact.
+/// reached) delivered, counts exact, and spins reported on the control queue
+/// (`OP_SPIN_NOTIFY`: no vCPU has a spin queue at this size).
 #[test]
 fn lock_workload_at_the_daemons_vcpu_limit() {
     const TEST: &str = "lock_workload_at_the_daemons_vcpu_limit";
@@ -339,6 +340,16 @@ fn lock_workload_at_the_daemons_vcpu_limit() {
             "{json}"
         );
         assert!(daemon_kicks(&json) > 0, "{json}");
+        // No vCPU has a spin queue at this size: every spin notification came through the
+        // control queue. (The VM's per-vCPU counters leave the daemon's table with the VM.)
+        let spins = json["host"]["totals"]["spin_notifications"].as_u64();
+        eprintln!("{TEST}: {spins:?} spins reported on the control queue");
+        assert!(spins > Some(0), "{json}");
+        assert_eq!(
+            json["host"]["totals"]["bad_inputs"].as_u64(),
+            Some(0),
+            "{json}"
+        );
     });
 }
 

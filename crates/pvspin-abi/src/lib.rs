@@ -527,9 +527,10 @@ pub mod virtio {
     //! S = [`spin_queues`]`(M)` = min(M, 255 - M): every vCPU has a spin queue up to M = 127,
     //! and the layout never needs more than [`MAX_QUEUES`] = 256 queues, which every transport
     //! can name (vhost-user names a queue in 8 bits). Above 127 vCPUs the vCPUs S..M have no
-    //! spin queue (at M = 255, none has): their spins are not reported to the device, which
-    //! therefore cannot yield to the vCPUs they wait for; kicks, hint pages and budgets serve
-    //! all M.
+    //! spin queue (at M = 255, none has): they report a spin with the control request
+    //! [`OP_SPIN_NOTIFY`] instead, on the one control queue they share (a driver that finds
+    //! it busy skips the report: spin notifications are hints). Kicks, hint pages and budgets
+    //! serve all M.
     //!
     //! A kick queue carries no descriptors: the queue notification itself (on virtio-mmio a
     //! 32-bit write of the queue index to `QueueNotify`, on virtio-pci a write to the queue's
@@ -690,7 +691,7 @@ pub mod virtio {
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
     pub struct ControlRequest {
-        /// [`OP_REGISTER_HINT_PAGE`].
+        /// [`OP_REGISTER_HINT_PAGE`] or [`OP_SPIN_NOTIFY`].
         pub op: u32,
         /// The vCPU the request is about.
         pub vcpu: u32,
@@ -739,9 +740,17 @@ pub mod virtio {
     /// Needs [`F_HINT_PAGES`]. The page must lie in guest RAM the device can map.
     pub const OP_REGISTER_HINT_PAGE: u32 = 1;
 
+    /// Control op: vCPU `vcpu` spins (or waits); the device acts as on a notification of its
+    /// spin queue: it reads what `vcpu`'s hint page says it waits for (the page must say it
+    /// spins or waits, else the report is ignored and counted). For the vCPUs that have no spin
+    /// queue ([`spin_queues`]); any vCPU may use it. `gpa` and `arg` must be 0. Needs
+    /// [`F_SPIN_NOTIFY`] and [`F_HINT_PAGES`] ([`STATUS_UNSUPPORTED`] otherwise); a device
+    /// older than this op answers [`STATUS_BAD_REQUEST`], and a driver then stops sending it.
+    pub const OP_SPIN_NOTIFY: u32 = 2;
+
     /// Status: done.
     pub const STATUS_OK: u32 = 0;
-    /// Status: malformed chain or unknown op.
+    /// Status: malformed chain, unknown op, or an op's argument out of its range.
     pub const STATUS_BAD_REQUEST: u32 = 1;
     /// Status: `vcpu` is not below `max_vcpus`.
     pub const STATUS_BAD_VCPU: u32 = 2;

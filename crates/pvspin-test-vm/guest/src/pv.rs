@@ -354,13 +354,15 @@ impl PvPlatform for Platform {
             // notification of its spin queue.
             let cpu = self.cpu_id();
             let max = VIRTIO_MAX_VCPUS.load(Ordering::Relaxed);
-            if let (true, Some(page), Some(queue)) =
-                (VIRTIO_SPIN.load(Ordering::Relaxed), page(cpu), spin_queue(max, cpu))
-            {
+            if let (true, Some(page)) = (VIRTIO_SPIN.load(Ordering::Relaxed), page(cpu)) {
                 registration_check(cpu);
                 page.store32(hint::WAITING_FOR, encode(wait));
                 page.store32(hint::SPIN_STATE, hint::SPIN_SPINNING);
-                crate::virtio::notify(notify, queue);
+                match spin_queue(max, cpu) {
+                    Some(queue) => crate::virtio::notify(notify, queue),
+                    // Above 127 vCPUs, vCPUs without a spin queue report on the control queue.
+                    None => crate::virtio::report_spin(cpu),
+                }
             }
             return;
         }

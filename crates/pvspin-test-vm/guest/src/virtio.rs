@@ -12,7 +12,7 @@ use core::sync::atomic::{fence, AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ord
 
 use pvspin_abi::virtio::{
     config, kick_queue, spin_queue, ControlRequest, CONTROL_QUEUE, DEVICE_ID, F_HINT_PAGES,
-    F_SPIN_NOTIFY, F_VERSION_1, OP_REGISTER_HINT_PAGE, STATUS_OK,
+    F_SPIN_NOTIFY, F_VERSION_1, OP_REGISTER_HINT_PAGE, OP_SPIN_NOTIFY, STATUS_OK,
 };
 use pvspin_test_vm_proto::MAX_PV_VCPUS;
 
@@ -157,6 +157,14 @@ static VCPUS: AtomicU32 = AtomicU32::new(0);
 static TSC_KHZ: AtomicU64 = AtomicU64::new(0);
 /// Held by the vCPU using the control queue (one request in flight at a time).
 static CONTROL_BUSY: AtomicBool = AtomicBool::new(false);
+/// The device takes spin reports on the control queue (`OP_SPIN_NOTIFY`, for vCPUs without a
+/// spin queue): set at bring-up when spin notifications and hint pages were negotiated,
+/// cleared when the device refuses one (a device older than the op).
+static SPIN_REPORTS: AtomicBool = AtomicBool::new(false);
+/// A spin report holds the control queue until answered: `REPORT_PENDING` | the used index
+/// that answers it; 0 when none is in flight.
+static REPORT_IN_FLIGHT: AtomicU32 = AtomicU32::new(0);
+const REPORT_PENDING: u32 = 1 << 16;
 
 fn read(base: u64, offset: usize) -> u32 {
     // SAFETY: `base` is the device's MMIO window (identity-mapped, uncached by the VMM's
@@ -287,6 +295,8 @@ fn bring_up(base: u64, vcpus: u32) -> bool {
     NOTIFY.store(base + QUEUE_NOTIFY as u64, Ordering::Relaxed);
     MAX_VCPUS.store(max_vcpus, Ordering::Relaxed);
     FEATURES.store(wanted, Ordering::Relaxed);
+    let both = (1 << F_SPIN_NOTIFY) | (1 << F_HINT_PAGES);
+    SPIN_REPORTS.store(wanted & both == both, Ordering::Relaxed);
     true
 }
 
@@ -311,6 +321,21 @@ fn setup_queue<const N: usize>(base: u64, queue: u16, ring: &'static Ring<N>) ->
 
 /// Sends one control request and waits (bounded) for its status.
 fn control(request: ControlRequest) -> Option<u32> {
+    let used_before = post(request);
+    // The backend answers from another host thread; the bound keeps a dead backend from
+    // hanging the boot (on emulating hosts this loop runs ~2 us per round: seconds in all).
+    for _ in 0..2_000_000u32 {
+        if CONTROL_RING.used.idx.load(Ordering::Acquire) != used_before {
+            fence(Ordering::SeqCst);
+            return Some(CONTROL_BUFFERS.status.load(Ordering::Acquire));
+        }
+        core::hint::spin_loop();
+    }
+    None
+}
+
+/// Posts one control request and notifies the queue; returns the used index before it.
+fn post(request: ControlRequest) -> u16 {
     let bytes = request.to_bytes();
     for (i, word) in CONTROL_BUFFERS.request.iter().enumerate() {
         let mut w = [0u8; 8];
@@ -341,23 +366,61 @@ fn control(request: ControlRequest) -> Option<u32> {
     avail.idx.store(idx.wrapping_add(1), Ordering::Release);
     fence(Ordering::SeqCst);
     notify(NOTIFY.load(Ordering::Relaxed), CONTROL_QUEUE);
-    // The backend answers from another host thread; the bound keeps a dead backend from
-    // hanging the boot (on emulating hosts this loop runs ~2 us per round: seconds in all).
-    for _ in 0..2_000_000u32 {
-        if CONTROL_RING.used.idx.load(Ordering::Acquire) != used_before {
-            fence(Ordering::SeqCst);
-            return Some(CONTROL_BUFFERS.status.load(Ordering::Acquire));
-        }
-        core::hint::spin_loop();
+    used_before
+}
+
+/// Takes the control queue: free, or held only by a spin report the device has answered
+/// (whose status this checks). A report is not awaited by its sender, so it keeps the queue
+/// until the next user finds it answered.
+fn take_control() -> bool {
+    if !CONTROL_BUSY.swap(true, Ordering::Acquire) {
+        return true;
     }
-    None
+    let pending = REPORT_IN_FLIGHT.load(Ordering::Acquire);
+    if pending == 0 || CONTROL_RING.used.idx.load(Ordering::Acquire) != pending as u16 {
+        return false;
+    }
+    if REPORT_IN_FLIGHT
+        .compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Relaxed)
+        .is_err()
+    {
+        return false;
+    }
+    fence(Ordering::SeqCst);
+    if CONTROL_BUFFERS.status.load(Ordering::Acquire) != STATUS_OK {
+        // A device older than the op: no more reports.
+        SPIN_REPORTS.store(false, Ordering::Relaxed);
+    }
+    true
+}
+
+/// Reports that `vcpu` (one without a spin queue) spins: one `OP_SPIN_NOTIFY` on the control
+/// queue. Not awaited (a round trip through the backend's thread, with hundreds of vCPUs on
+/// a few CPUs, would hold up a waiter that may be the lock's next owner), and skipped while
+/// the queue is in use or the previous report unanswered: reports are hints. Stopped for good
+/// when the device refuses the op.
+pub fn report_spin(vcpu: u32) {
+    if !SPIN_REPORTS.load(Ordering::Relaxed) || !take_control() {
+        return;
+    }
+    let used_before = post(ControlRequest {
+        op: OP_SPIN_NOTIFY,
+        vcpu,
+        gpa: 0,
+        arg: 0,
+    });
+    // The queue stays taken until a later user finds this answered (`take_control`).
+    REPORT_IN_FLIGHT.store(
+        REPORT_PENDING | u32::from(used_before.wrapping_add(1)),
+        Ordering::Release,
+    );
 }
 
 fn register_pages(vcpus: u32, tsc_khz: u64, hint_page: &impl Fn(u32) -> u64) -> bool {
     if FEATURES.load(Ordering::Relaxed) & (1 << F_HINT_PAGES) == 0 {
         return true;
     }
-    if CONTROL_BUSY.swap(true, Ordering::Acquire) {
+    if !take_control() {
         return false;
     }
     let ok = (0..vcpus).all(|vcpu| {
