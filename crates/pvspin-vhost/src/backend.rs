@@ -868,22 +868,34 @@ impl PvspinBackend {
         }
     }
 
+    /// What every control op checks first: the driver acked the features it `needs` (named,
+    /// for the log), and its vCPU is one of the device's. `Err` holds the status to answer.
+    fn control_checks(&self, r: &ControlRequest, needs: &[(&str, u32)]) -> Result<(), u32> {
+        let tel = &self.inner.telemetry;
+        if let Some((name, _)) = needs.iter().find(|(_, bit)| !self.acked(*bit)) {
+            tel.bad_input(
+                BadInput::ControlUnsupported,
+                format_args!("op {}: {name} not acked", r.op),
+            );
+            return Err(virtio::STATUS_UNSUPPORTED);
+        }
+        if r.vcpu >= self.inner.config.max_vcpus {
+            tel.bad_input(BadInput::ControlVcpu, format_args!("vCPU {}", r.vcpu));
+            return Err(virtio::STATUS_BAD_VCPU);
+        }
+        Ok(())
+    }
+
     /// [`virtio::OP_SPIN_NOTIFY`]: a spin report from a vCPU without a spin queue (above 127
     /// vCPUs), handled as a notification of its spin queue would be. It gives a vCPU nothing
     /// it could not do before: its spin queue (where it has one) says the same, and what the
     /// device acts on is in the hint page, which the guest writes anyway.
     fn control_spin(&self, r: &ControlRequest) -> u32 {
         let tel = &self.inner.telemetry;
-        if !self.acked(virtio::F_SPIN_NOTIFY) || !self.acked(virtio::F_HINT_PAGES) {
-            tel.bad_input(
-                BadInput::ControlUnsupported,
-                format_args!("spin report without F_SPIN_NOTIFY and F_HINT_PAGES acked"),
-            );
-            return virtio::STATUS_UNSUPPORTED;
-        }
-        if r.vcpu >= self.inner.config.max_vcpus {
-            tel.bad_input(BadInput::ControlVcpu, format_args!("vCPU {}", r.vcpu));
-            return virtio::STATUS_BAD_VCPU;
+        if let Err(status) =
+            self.control_checks(r, &[("F_SPIN_NOTIFY", virtio::F_SPIN_NOTIFY), HINT_PAGES])
+        {
+            return status;
         }
         if r.gpa != 0 || r.arg != 0 {
             tel.bad_input(
@@ -899,16 +911,8 @@ impl PvspinBackend {
     /// [`virtio::OP_REGISTER_HINT_PAGE`].
     fn register_hint_page(&self, r: &ControlRequest, mem: &GuestMemoryMmap<()>) -> u32 {
         let tel = &self.inner.telemetry;
-        if !self.acked(virtio::F_HINT_PAGES) {
-            tel.bad_input(
-                BadInput::ControlUnsupported,
-                format_args!("F_HINT_PAGES not acked"),
-            );
-            return virtio::STATUS_UNSUPPORTED;
-        }
-        if r.vcpu >= self.inner.config.max_vcpus {
-            tel.bad_input(BadInput::ControlVcpu, format_args!("vCPU {}", r.vcpu));
-            return virtio::STATUS_BAD_VCPU;
+        if let Err(status) = self.control_checks(r, &[HINT_PAGES]) {
+            return status;
         }
         let v = r.vcpu as usize;
         if r.gpa == 0 {
@@ -985,6 +989,9 @@ impl PvspinBackend {
         lock(&self.inner.state).acked_features = features;
     }
 }
+
+/// The hint-page feature, named for control ops' refusals.
+const HINT_PAGES: (&str, u32) = ("F_HINT_PAGES", virtio::F_HINT_PAGES);
 
 /// What the transport ([`crate::transport`]) asks of the device.
 impl PvspinBackend {
