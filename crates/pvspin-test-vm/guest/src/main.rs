@@ -160,7 +160,7 @@ pub fn run(vcpu: u32, params: *mut BootParams) -> ! {
                 exit(status::BAD_PARAMS);
             }
             prepare(vcpu, &boot, true);
-            start_barrier(&boot);
+            start_barrier(vcpu, &boot);
             pingpong::run(vcpu, &boot, || heartbeat(vcpu));
             finish(
                 vcpu,
@@ -172,7 +172,7 @@ pub fn run(vcpu: u32, params: *mut BootParams) -> ! {
         Some(Workload::Burn) | Some(Workload::Abuse) => {
             let abuse = boot.workload == Workload::Abuse as u32;
             prepare(vcpu, &boot, abuse);
-            start_barrier(&boot);
+            start_barrier(vcpu, &boot);
             for round in 0..boot.iterations {
                 work(boot.cs_work);
                 // vCPU 0 computes without exiting; the others keep naming it.
@@ -327,7 +327,7 @@ fn lock_workload<L: RawSpinLock + Sync>(
     params: *mut BootParams,
     counter: &SpinMutex<L, u64>,
 ) -> ! {
-    start_barrier(boot);
+    start_barrier(vcpu, boot);
     let acquisitions = slot_field(&slot(vcpu).acquisitions);
     let mark_cs = boot.pv_flags & PV_FLAG_CS_DEPTH != 0;
     for _ in 0..boot.iterations {
@@ -358,12 +358,24 @@ fn lock_workload<L: RawSpinLock + Sync>(
 
 /// Starts every vCPU together (so all contend from the first acquisition) and stamps the
 /// start time.
-fn start_barrier(boot: &BootParams) {
-    if ARRIVED.fetch_add(1, Ordering::AcqRel) + 1 == boot.vcpus {
+///
+/// A waiting vCPU beats its heartbeat whenever another one arrives: the start is progressing,
+/// and the VMM's watchdog must not stop it. With hundreds of vCPUs on a few CPUs that emulate
+/// the set-up code before the barrier, the last ones arrive more than the watchdog's 10 s
+/// after the first (176-200 vCPUs here), and the runs were stopped as hung. A vCPU that never
+/// arrives still stops the run: nobody beats once arrivals stop.
+fn start_barrier(vcpu: u32, boot: &BootParams) {
+    let mut arrived = ARRIVED.fetch_add(1, Ordering::AcqRel) + 1;
+    if arrived == boot.vcpus {
         START_TSC.store(rdtsc(), Ordering::Release);
     }
-    while ARRIVED.load(Ordering::Acquire) != boot.vcpus {
+    while arrived != boot.vcpus {
         core::hint::spin_loop();
+        let now = ARRIVED.load(Ordering::Acquire);
+        if now != arrived {
+            arrived = now;
+            heartbeat(vcpu);
+        }
     }
 }
 
