@@ -81,7 +81,7 @@ pub fn exit(code: u32) -> ! {
 }
 
 /// vCPU `vcpu` runs the workload the boot parameters at `params` describe.
-pub fn run(vcpu: u32, params: *mut BootParams) -> ! {
+pub(crate) fn run(vcpu: u32, params: *mut BootParams) -> ! {
     // SAFETY: the VMM (direct boot) or the boot vCPU (PVH) put the boot parameters at this
     // address before starting any other vCPU, and nothing writes them while the guest runs
     // except `report` below (the last vCPU only).

@@ -57,7 +57,7 @@ pub fn run(vcpu: u32, boot: &BootParams, heartbeat: impl Fn()) {
     ) else {
         return;
     };
-    let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ (u64::from(vcpu) + 1) * 0x2545_f491_4f6c_dd1d);
+    let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ ((u64::from(vcpu) + 1) * 0x2545_f491_4f6c_dd1d));
     if vcpu == 0 {
         my_token.store(1, Ordering::Release);
     }
