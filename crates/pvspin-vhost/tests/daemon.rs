@@ -319,6 +319,16 @@ fn json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&control_query(path, "json")).expect("control JSON")
 }
 
+/// The control request registering `vcpu`'s hint page at [`PAGE`], with guest TSC `khz`.
+fn register_page(vcpu: u32, khz: u64) -> ControlRequest {
+    ControlRequest {
+        op: OP_REGISTER_HINT_PAGE,
+        vcpu,
+        gpa: PAGE,
+        arg: khz,
+    }
+}
+
 fn vm_entry<'a>(doc: &'a serde_json::Value, vm: &str) -> &'a serde_json::Value {
     doc["vms"]
         .as_array()
@@ -369,13 +379,7 @@ fn a_device_of_255_vcpus_serves_all_256_queues() {
             }
         }
     }
-    let r = ControlRequest {
-        op: OP_REGISTER_HINT_PAGE,
-        vcpu: 254,
-        gpa: PAGE,
-        arg: 1_000_000,
-    };
-    assert_eq!(vm.control(r), STATUS_OK);
+    assert_eq!(vm.control(register_page(254, 1_000_000)), STATUS_OK);
     assert_eq!(vm.host::<u32>(hint::HOST_SEQ), 1);
     let payload = vm.config_space();
     assert_eq!(payload, virtio::config::encode(255).to_vec());
@@ -410,13 +414,7 @@ fn kicks_registration_config_and_telemetry() {
     assert!(!vm.called_within(vm.kick_queue(0), Duration::from_millis(10)));
 
     // Hint page registration writes the host line.
-    let r = ControlRequest {
-        op: OP_REGISTER_HINT_PAGE,
-        vcpu: 0,
-        gpa: PAGE,
-        arg: 1_000_000,
-    };
-    assert_eq!(vm.control(r), STATUS_OK);
+    assert_eq!(vm.control(register_page(0, 1_000_000)), STATUS_OK);
     assert_eq!(vm.host::<u32>(hint::LAYOUT), hint::LAYOUT_VERSION);
     // The in-process host's defaults: a 100 us window (1 GHz guest TSC: cycles are ns).
     assert_eq!(vm.host::<u64>(hint::SPIN_WINDOW_TSC), 100 * 1000);
@@ -425,7 +423,7 @@ fn kicks_registration_config_and_telemetry() {
     assert_eq!(vm.host::<u32>(hint::HOST_SEQ), 1);
     // A bad vCPU gets its status.
     assert_eq!(
-        vm.control(ControlRequest { vcpu: 4, ..r }),
+        vm.control(register_page(4, 1_000_000)),
         virtio::STATUS_BAD_VCPU
     );
 
@@ -474,13 +472,7 @@ fn two_frontends_one_dies_the_other_lives_and_the_socket_takes_a_new_one() {
     let vm_b = Vm::standard(&b, &vm_b_mem, 2, 2);
     assert!(vm_a.kick_ok(0));
     assert!(vm_b.kick_ok(1));
-    let r = ControlRequest {
-        op: OP_REGISTER_HINT_PAGE,
-        vcpu: 1,
-        gpa: PAGE,
-        arg: 0,
-    };
-    assert_eq!(vm_a.control(r), STATUS_OK);
+    assert_eq!(vm_a.control(register_page(1, 0)), STATUS_OK);
 
     // A goes away without a word (as a crashed VMM would).
     drop(vm_a);
@@ -635,13 +627,7 @@ fn a_descheduled_vcpu_thread_is_flagged_not_running() {
     let mut vm = Vm::connect(&sock, &mem, 2);
     vm.set_up(0, 0x1000, 8);
     // Only vCPU 0 registers a page.
-    let r = ControlRequest {
-        op: OP_REGISTER_HINT_PAGE,
-        vcpu: 0,
-        gpa: PAGE,
-        arg: 1_000_000,
-    };
-    assert_eq!(vm.control(r), STATUS_OK);
+    assert_eq!(vm.control(register_page(0, 1_000_000)), STATUS_OK);
     // vCPU 0's thread is descheduled about half the time; the sampler must see it at least
     // once (bounded).
     wait_for("NOT_RUNNING on vCPU 0's page", || {
@@ -712,13 +698,7 @@ fn spin_notification_deboosts_the_spinners_thread_then_restores_it() {
     let spin0 = virtio::spin_queue(2, 0).unwrap() as usize;
     vm.set_up(spin0, 0x4_0000, 1);
     vm.drain_calls();
-    let r = ControlRequest {
-        op: OP_REGISTER_HINT_PAGE,
-        vcpu: 0,
-        gpa: PAGE,
-        arg: 1_000_000,
-    };
-    assert_eq!(vm.control(r), STATUS_OK);
+    assert_eq!(vm.control(register_page(0, 1_000_000)), STATUS_OK);
     let waiting = pvspin_abi::doorbell::SpinNotify {
         waiting_for: Some(1),
         next_owner: false,

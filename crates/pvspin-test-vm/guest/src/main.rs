@@ -41,7 +41,7 @@ static FINISHED: AtomicU32 = AtomicU32::new(0);
 static START_TSC: AtomicU64 = AtomicU64::new(0);
 
 /// Gives each lock workload's counter (its lock and the value it guards) a cache line of its
-/// own, as a lock embedded in a kernel structure usually has: placed by the linker, a 24-byte
+/// own, as a lock embedded in a kernel structure usually has: placed by the linker, a 12-byte
 /// PV lock and its value straddled two lines, so every hand-over moved both and the PV locks
 /// looked slower than they are (issue 19, part 4), and counters of different lock kinds shared
 /// a line.
