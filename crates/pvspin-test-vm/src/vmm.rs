@@ -128,6 +128,8 @@ enum Ending {
 struct RunControl {
     ending: Mutex<Option<Ending>>,
     ended: EventFd,
+    /// Lets the vCPUs run, all together.
+    start: StartGate,
 }
 
 impl RunControl {
@@ -137,6 +139,7 @@ impl RunControl {
             ending: Mutex::new(None),
             ended: EventFd::new(libc::EFD_NONBLOCK)
                 .map_err(|err| RunError::Setup(format!("eventfd: {err}")))?,
+            start: StartGate::default(),
         })
     }
 
@@ -182,16 +185,23 @@ struct Watchdog {
     control: Arc<RunControl>,
     memory: VmMemory,
     vcpus: Vec<Arc<VcpuShared>>,
+    /// Per vCPU: heartbeat and exits last seen, and when they last changed (empty until the
+    /// vCPUs start).
     last_progress: Vec<(u64, u64, Instant)>,
     limit: Duration,
-    started: Instant,
     timeout: Duration,
 }
 
 impl Watchdog {
     fn check(&mut self) {
+        let Some(started) = self.control.start.opened_at() else {
+            return;
+        };
+        if self.last_progress.is_empty() {
+            self.last_progress = vec![(0, 0, started); self.vcpus.len()];
+        }
         let now = Instant::now();
-        if now.duration_since(self.started) > self.timeout {
+        if now.duration_since(started) > self.timeout {
             self.control.end(Ending::Timeout);
             return;
         }
@@ -472,12 +482,14 @@ fn run_vm(config: &RunConfig, filters: Option<&Filters>) -> Result<RunReport, Ru
     );
     let control = Arc::new(RunControl::new()?);
     let mut events = event_loop(&control, virtio.as_ref())?;
-    let started = attach_watchdog(&mut events, config, &control, &guest.memory, &shared)?;
+    attach_watchdog(&mut events, config, &control, &guest.memory, &shared)?;
     attach_console_input(&mut events, &bus);
 
     let hogs = Hogs::start(config.hogs, filters)?;
     let stopping = Arc::new(AtomicBool::new(false));
     let threads = start_vcpu_threads(config, filters, vcpus, &shared, &bus, &control, &stopping);
+    // The run, and the watchdog's clock, start when the vCPUs do, all together.
+    let started = control.start.open(control.ending().is_none());
     // Setup is over: from here on this thread only runs the event loop, stops and joins the
     // threads, and reports.
     confine_vmm_thread(filters, &control);
@@ -863,26 +875,24 @@ fn event_loop(
 }
 
 /// Attaches the watchdog, which ends the run when a vCPU stalls or the run outlasts its
-/// bound; returns when the run started (the watchdog's and the report's clock).
+/// bound, counting from when the vCPUs start.
 fn attach_watchdog(
     events: &mut EventLoop,
     config: &RunConfig,
     control: &Arc<RunControl>,
     memory: &VmMemory,
     shared: &[Arc<VcpuShared>],
-) -> Result<Instant, RunError> {
-    let started = Instant::now();
+) -> Result<(), RunError> {
     events.add_subscriber(Box::new(Watchdog {
         timer: TimerFd::new().map_err(|err| RunError::Setup(format!("timerfd: {err}")))?,
         control: control.clone(),
         memory: memory.clone(),
         vcpus: shared.to_vec(),
-        last_progress: vec![(0, 0, started); shared.len()],
+        last_progress: Vec::new(),
         limit: Duration::from_millis(config.watchdog_ms),
-        started,
         timeout: Duration::from_millis(config.timeout_ms),
     }));
-    Ok(started)
+    Ok(())
 }
 
 /// Attaches the console's input (stdin to the guest's UART), when stdin is a terminal.
@@ -890,6 +900,63 @@ fn attach_console_input(events: &mut EventLoop, bus: &Arc<IoBus>) {
     // SAFETY: isatty only inspects the descriptor.
     if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
         events.add_subscriber(Box::new(ConsoleInput { bus: bus.clone() }));
+    }
+}
+
+/// Holds every vCPU thread until all of them exist, then lets them go together.
+///
+/// Started one by one, the first vCPUs ran (and spun in the guest's start barrier) while this
+/// thread was still creating the rest; it got a shrinking share of the host's CPUs, creating
+/// 200 vCPU threads on 2 CPUs took 14 s, and the watchdog (which this thread runs) first
+/// looked after that, finding the last vCPUs "silent" since before their threads existed
+/// (issue 19). Cloud Hypervisor starts its vCPU threads behind a barrier too.
+#[derive(Debug, Default)]
+struct StartGate {
+    state: Mutex<GateState>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+enum GateState {
+    /// The vCPU threads wait.
+    #[default]
+    Closed,
+    /// The vCPUs run, since this instant.
+    Open(Instant),
+    /// The run ended before it started: the threads end without running their vCPUs.
+    Cancelled,
+}
+
+impl StartGate {
+    /// Opens the gate, letting the vCPUs run when `run`, or ending their threads; returns when
+    /// it opened.
+    fn open(&self, run: bool) -> Instant {
+        let now = Instant::now();
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = if run {
+            GateState::Open(now)
+        } else {
+            GateState::Cancelled
+        };
+        self.changed.notify_all();
+        now
+    }
+
+    /// When the vCPUs started, if they did.
+    fn opened_at(&self) -> Option<Instant> {
+        match *self.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            GateState::Open(at) => Some(at),
+            GateState::Closed | GateState::Cancelled => None,
+        }
+    }
+
+    /// Waits until the gate opens; whether the vCPU may run.
+    fn wait(&self) -> bool {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = self
+            .changed
+            .wait_while(state, |state| matches!(state, GateState::Closed))
+            .unwrap_or_else(PoisonError::into_inner);
+        matches!(*state, GateState::Open(_))
     }
 }
 
@@ -944,6 +1011,9 @@ fn spawn_vcpu_thread(
     spawn_confined(format!("vcpu{}", runner.shared.index), filter, move || {
         if violation {
             crate::seccomp::violate();
+        }
+        if !control.start.wait() {
+            return runner.vcpu;
         }
         runner.run(|vcpu, end| match end {
             VcpuEnd::GuestExit(status) => control.end(Ending::GuestExit(*status)),
@@ -1193,5 +1263,47 @@ pub fn lock_name(lock: LockKind) -> &'static str {
         LockKind::Tas => "tas",
         LockKind::Queued => "queued",
         LockKind::Backoff => "backoff",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Starts `count` threads that wait at `gate` and report whether they may run.
+    fn waiters(gate: &Arc<StartGate>, count: usize) -> Vec<JoinHandle<bool>> {
+        (0..count)
+            .map(|_| {
+                let gate = gate.clone();
+                std::thread::spawn(move || gate.wait())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_start_gate_holds_every_thread_until_it_opens() {
+        let gate = Arc::new(StartGate::default());
+        let threads = waiters(&gate, 8);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(threads.iter().all(|t| !t.is_finished()));
+        assert!(
+            gate.opened_at().is_none(),
+            "closed: the watchdog's clock has not started"
+        );
+        let opened = gate.open(true);
+        assert_eq!(gate.opened_at(), Some(opened));
+        assert!(threads.into_iter().all(|t| t.join().unwrap()));
+        // A thread that comes late finds it open.
+        assert!(gate.wait());
+    }
+
+    #[test]
+    fn a_cancelled_start_ends_the_threads_without_running_their_vcpus() {
+        let gate = Arc::new(StartGate::default());
+        let threads = waiters(&gate, 4);
+        gate.open(false);
+        assert!(threads.into_iter().all(|t| !t.join().unwrap()));
+        assert!(gate.opened_at().is_none());
+        assert!(!gate.wait());
     }
 }

@@ -360,10 +360,9 @@ fn lock_workload<L: RawSpinLock + Sync>(
 /// start time.
 ///
 /// A waiting vCPU beats its heartbeat whenever another one arrives: the start is progressing,
-/// and the VMM's watchdog must not stop it. With hundreds of vCPUs on a few CPUs that emulate
-/// the set-up code before the barrier, the last ones arrive more than the watchdog's 10 s
-/// after the first (176-200 vCPUs here), and the runs were stopped as hung. A vCPU that never
-/// arrives still stops the run: nobody beats once arrivals stop.
+/// and the VMM's watchdog must not stop it while hundreds of vCPUs on a few host CPUs finish
+/// their emulated set-up. A vCPU that never arrives still stops the run: nobody beats once
+/// arrivals stop.
 fn start_barrier(vcpu: u32, boot: &BootParams) {
     let mut arrived = ARRIVED.fetch_add(1, Ordering::AcqRel) + 1;
     if arrived == boot.vcpus {
