@@ -568,6 +568,149 @@ fn backend_killed_mid_run_the_guest_keeps_running_and_kicks_resume() {
     });
 }
 
+/// A request the lost backend took (its notification read) but never answered is still in
+/// the ring past the used index the next backend starts from; with no notification left, the
+/// next backend must still answer it. The guest's control queue depends on it: a request in
+/// flight holds the queue, so the driver sends nothing that would notify it again, and its
+/// hint pages are never registered with the new backend. The test plays the driver through
+/// the device's registers and posts the request without notifying: to the backends, the same
+/// as a notification the first one read before it died.
+#[test]
+fn a_request_the_lost_backend_took_is_answered_by_the_next() {
+    const TEST: &str = "a_request_the_lost_backend_took_is_answered_by_the_next";
+    let Some(kvm) = kvm_or_skip(TEST) else {
+        return;
+    };
+    with_watchdog(TEST, Duration::from_secs(120), || {
+        use event_manager::SubscriberOps;
+        use pvspin_abi::virtio::{self, ControlRequest};
+        use pvspin_test_vm::vhost::{BackendWatch, VhostPvspin};
+        use vm_memory::{Bytes, GuestAddress};
+
+        const BASE: u64 = 0xd000_0000;
+        const DESC: u64 = 0x1_0000;
+        const AVAIL: u64 = 0x1_1000;
+        const USED: u64 = 0x1_2000;
+        const REQUEST: u64 = 0x1_3000;
+        const STATUS: u64 = 0x1_4000;
+        let scratch = Scratch::new("taken");
+        let socket = scratch.path("vm.sock");
+        let control = scratch.path("control.sock");
+        let daemon = Daemon::start(&[&socket], &control, 4);
+        let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+        vm.create_irq_chip().expect("KVM_CREATE_IRQCHIP");
+        let memory = pvspin_test_vm::memory::create_shared(1 << 20).expect("guest memory");
+        let device = VhostPvspin::connect(&socket, BASE, 1, memory.clone(), &vm, false)
+            .expect("connecting to pvspind");
+        let reg = |offset: u64, value: u32| device.write(BASE + offset, &value.to_le_bytes());
+        let used_idx = || {
+            memory
+                .read_obj::<u16>(GuestAddress(USED + 2))
+                .expect("used.idx")
+        };
+
+        // The driver: VERSION_1 only; the control queue (4 entries) only.
+        reg(0x070, 1);
+        reg(0x070, 1 | 2);
+        reg(0x024, 1);
+        reg(0x020, 1 << (virtio::F_VERSION_1 - 32));
+        reg(0x070, 1 | 2 | 8);
+        reg(0x030, u32::from(virtio::CONTROL_QUEUE));
+        reg(0x038, 4);
+        reg(0x080, DESC as u32);
+        reg(0x090, AVAIL as u32);
+        reg(0x0a0, USED as u32);
+        reg(0x044, 1);
+        reg(0x070, 1 | 2 | 8 | 4);
+        assert_eq!(device.summary().start_failures, 0, "{:?}", device.summary());
+
+        // One request (an op the device does not know: any answer will do), posted and not
+        // notified.
+        let request = ControlRequest {
+            op: 0x7fff,
+            vcpu: 0,
+            gpa: 0,
+            arg: 0,
+        };
+        memory
+            .write_slice(&request.to_bytes(), GuestAddress(REQUEST))
+            .expect("request");
+        memory
+            .write_obj(u32::MAX, GuestAddress(STATUS))
+            .expect("status");
+        let descriptor = |addr: u64, len: u32, flags: u16, next: u16| {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&addr.to_le_bytes());
+            bytes[8..12].copy_from_slice(&len.to_le_bytes());
+            bytes[12..14].copy_from_slice(&flags.to_le_bytes());
+            bytes[14..].copy_from_slice(&next.to_le_bytes());
+            bytes
+        };
+        let request_len = ControlRequest::SIZE as u32;
+        memory
+            .write_slice(&descriptor(REQUEST, request_len, 1, 1), GuestAddress(DESC))
+            .expect("descriptor 0");
+        memory
+            .write_slice(&descriptor(STATUS, 4, 2, 0), GuestAddress(DESC + 16))
+            .expect("descriptor 1");
+        memory
+            .write_obj(0u16, GuestAddress(AVAIL + 4))
+            .expect("avail.ring[0]");
+        memory
+            .write_obj(1u16, GuestAddress(AVAIL + 2))
+            .expect("avail.idx");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            used_idx(),
+            0,
+            "the first backend answered without a notification"
+        );
+
+        // The backend dies; the VMM's event loop notices, and reconnects to the next one.
+        let mut events =
+            event_manager::EventManager::<Box<dyn event_manager::MutEventSubscriber + Send>>::new()
+                .expect("event loop");
+        events.add_subscriber(Box::new(
+            BackendWatch::new(device.clone()).expect("the backend watch"),
+        ));
+        let run_until =
+            |events: &mut event_manager::EventManager<_>, what: &str, done: &dyn Fn() -> bool| {
+                let start = Instant::now();
+                while !done() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(20),
+                        "{what}: {:?}",
+                        device.summary()
+                    );
+                    events.run_with_timeout(50).expect("event loop");
+                }
+            };
+        daemon.kill();
+        run_until(&mut events, "the loss was not noticed", &|| {
+            device.summary().backend_losses == 1
+        });
+        let _ = std::fs::remove_file(&control);
+        let daemon = Daemon::start(&[&socket], &control, 4);
+        run_until(&mut events, "no reconnection", &|| {
+            device.summary().connects == 2
+        });
+
+        let start = Instant::now();
+        while used_idx() != 1 {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the new backend never answered the request the lost one took: {:?}",
+                device.summary()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let status: u32 = memory.read_obj(GuestAddress(STATUS)).expect("status");
+        assert_eq!(status, virtio::STATUS_BAD_REQUEST);
+        assert!(device.summary().replayed_notifications >= 1);
+        drop(daemon);
+    });
+}
+
 /// Kills `daemon` once it has served this guest 2,000 kicks (not after a fixed time:
 /// the run's speed depends on the host), leaves the guest without a backend for 300 ms (the
 /// frontend relays kicks and fails to reconnect every 100 ms), then starts a new daemon on the

@@ -13,7 +13,8 @@
 //! itself (kick eventfd -> call eventfd) and wakes every vCPU once (a kick the backend had
 //! read but not answered is not lost: the guest re-checks after any wake), and tries to
 //! reconnect every [`RECONNECT_EVERY`]. After a reconnection it replays the device state
-//! (features, memory table, every ready queue) and stops relaying. A new backend has no
+//! (features, memory table, every ready queue), notifies each queue once (a request the lost
+//! backend took but did not answer is answered by the new one) and stops relaying. A new backend has no
 //! hint-page registrations: the budgets already published stay in guest memory, and the VMM
 //! changes the device's `ConfigGeneration`, which tells the guest to register again (until
 //! it does, the backend ignores its spin notifications).
@@ -105,6 +106,9 @@ pub struct FrontendStats {
     pub backend_losses: AtomicU64,
     /// Kicks the VMM relayed itself while no backend was connected.
     pub relayed_kicks: AtomicU64,
+    /// Notifications the VMM sent a new backend, one per queue it serves, so that it looks at
+    /// requests posted before it came.
+    pub replayed_notifications: AtomicU64,
     /// Device starts (`DRIVER_OK`) that failed.
     pub start_failures: AtomicU64,
     /// Guest accesses to the window that no register takes (wrong width, unknown offset).
@@ -120,6 +124,8 @@ pub struct FrontendSummary {
     pub backend_losses: u64,
     /// See [`FrontendStats::relayed_kicks`].
     pub relayed_kicks: u64,
+    /// See [`FrontendStats::replayed_notifications`].
+    pub replayed_notifications: u64,
     /// See [`FrontendStats::start_failures`].
     pub start_failures: u64,
     /// See [`FrontendStats::bad_accesses`].
@@ -357,6 +363,7 @@ impl VhostPvspin {
             connects: s.connects.load(Ordering::Relaxed),
             backend_losses: s.backend_losses.load(Ordering::Relaxed),
             relayed_kicks: s.relayed_kicks.load(Ordering::Relaxed),
+            replayed_notifications: s.replayed_notifications.load(Ordering::Relaxed),
             start_failures: s.start_failures.load(Ordering::Relaxed),
             bad_accesses: s.bad_accesses.load(Ordering::Relaxed),
         }
@@ -482,6 +489,32 @@ impl VhostPvspin {
         Ok(())
     }
 
+    /// Notifies every queue the backend serves once (a spurious notification, which virtio
+    /// allows): a request the lost backend had taken, its notification read, but not answered
+    /// is still in the ring past the used index the new backend starts from, and with no
+    /// notification left it would wait there for the guest's next one. The guest's control
+    /// queue has no next one: a request in flight holds it.
+    fn notify_all(&self, state: &State) {
+        for (index, _) in state.regs.ready_queues() {
+            let kick_queue = matches!(
+                virtio::queue_role(self.max_vcpus, index),
+                Some(QueueRole::Kick(_))
+            );
+            if self.direct_kicks && kick_queue {
+                // Not the backend's: this eventfd is the kicked vCPU's irqfd.
+                continue;
+            }
+            let Some((kick, _)) = state.fds.get(index).and_then(Option::as_ref) else {
+                continue;
+            };
+            if kick.write(1).is_ok() {
+                self.stats
+                    .replayed_notifications
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Wakes every vCPU once through its kick queue's irqfd (a spurious wake-up, which the
     /// ABI allows): covers a kick a lost backend had taken but not answered.
     fn wake_all(&self, state: &State) {
@@ -569,6 +602,7 @@ impl VhostPvspin {
         // The new backend has none of the driver's hint-page registrations: a new
         // ConfigGeneration tells the driver to register again.
         state.regs.bump_config_generation();
+        self.notify_all(&state);
         self.wake_all(&state);
         log::info!(
             "pvspin virtio device: reconnected to {}",
