@@ -14,10 +14,10 @@
 //! read but not answered is not lost: the guest re-checks after any wake), and tries to
 //! reconnect every [`RECONNECT_EVERY`]. After a reconnection it replays the device state
 //! (features, memory table, every ready queue), notifies each queue once (a request the lost
-//! backend took but did not answer is answered by the new one) and stops relaying. A new backend has no
-//! hint-page registrations: the budgets already published stay in guest memory, and the VMM
-//! changes the device's `ConfigGeneration`, which tells the guest to register again (until
-//! it does, the backend ignores its spin notifications).
+//! backend took but did not answer is answered by the new one) and stops relaying. A new
+//! backend has no hint-page registrations: the budgets already published stay in guest
+//! memory, and the VMM changes the device's `ConfigGeneration`, which tells the guest to
+//! register again (until it does, the backend ignores its spin notifications).
 
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -445,12 +445,7 @@ impl VhostPvspin {
             let Some((kick, call)) = fds.get(index).and_then(Option::as_ref) else {
                 continue;
             };
-            let kick_queue = matches!(
-                virtio::queue_role(self.max_vcpus, index),
-                Some(QueueRole::Kick(_))
-            );
-            if self.direct_kicks && kick_queue {
-                // KVM delivers these kicks; the backend never sees them.
+            if !self.served_by_backend(index) {
                 continue;
             }
             let ring = VringConfigData {
@@ -489,6 +484,16 @@ impl VhostPvspin {
         Ok(())
     }
 
+    /// Whether the backend is given queue `index`: all but the kick queues with direct kicks,
+    /// which KVM delivers (their kick eventfd is the kicked vCPU's irqfd).
+    fn served_by_backend(&self, index: usize) -> bool {
+        let kick_queue = matches!(
+            virtio::queue_role(self.max_vcpus, index),
+            Some(QueueRole::Kick(_))
+        );
+        !(self.direct_kicks && kick_queue)
+    }
+
     /// Notifies every queue the backend serves once (a spurious notification, which virtio
     /// allows): a request the lost backend had taken, its notification read, but not answered
     /// is still in the ring past the used index the new backend starts from, and with no
@@ -496,12 +501,7 @@ impl VhostPvspin {
     /// queue has no next one: a request in flight holds it.
     fn notify_all(&self, state: &State) {
         for (index, _) in state.regs.ready_queues() {
-            let kick_queue = matches!(
-                virtio::queue_role(self.max_vcpus, index),
-                Some(QueueRole::Kick(_))
-            );
-            if self.direct_kicks && kick_queue {
-                // Not the backend's: this eventfd is the kicked vCPU's irqfd.
+            if !self.served_by_backend(index) {
                 continue;
             }
             let Some((kick, _)) = state.fds.get(index).and_then(Option::as_ref) else {
