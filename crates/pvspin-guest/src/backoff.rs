@@ -318,10 +318,8 @@ impl TicketSpin for ProportionalBackoff<'_> {
             if ask {
                 asked_at.set(spent);
             }
-            let waited_for_is_out = ask
-                && wait(0)
-                    .waiting_for
-                    .is_some_and(|cpu| pv.ops.is_not_running(cpu));
+            let waited_for_is_out =
+                ask && wait(0).ahead.is_some_and(|cpu| pv.ops.is_not_running(cpu));
             // Without a time budget, no clock read (they cost emulated guests).
             let out_of_time =
                 wait_after != u64::MAX && pv.ops.now().wrapping_sub(start) >= wait_after;
@@ -634,6 +632,7 @@ mod tests {
                 lock: 0,
                 waiting_for: None,
                 next_owner: false,
+                ahead: None,
                 waking: false,
                 spun,
             }
@@ -704,6 +703,7 @@ mod tests {
                 lock: 0,
                 waiting_for: Some(1),
                 next_owner: false,
+                ahead: Some(1),
                 waking: false,
                 spun,
             }

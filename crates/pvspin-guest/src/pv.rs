@@ -133,13 +133,22 @@ impl SpinBudget {
 pub struct SpinWait {
     /// The lock's address (a lock id for the host; pvspin's ABI sends a hash of it).
     pub lock: usize,
-    /// The CPU the waiter waits for, if known: the ticket lock's holder (recorded at
-    /// acquisition), or the queued lock's predecessor in the queue.
+    /// The CPU the waiter waits for, if known, as the host is told (a boost or a run slot
+    /// for it can end the wait): the ticket lock's holder (recorded at acquisition), or the
+    /// queued lock's predecessor when that is the holder or gets the lock next, and the
+    /// holder otherwise.
     pub waiting_for: Option<u32>,
     /// `waiting_for` is the CPU that gets the lock next (the queued lock's predecessor when it
     /// is not the holder), not the holder.
     pub next_owner: bool,
-    /// `waiting_for` was woken by an unlocker (kicked) and has not run since: it is on its
+    /// The CPU that must run before this wait can end, if known: the spin phase ends early
+    /// when it is known not to run. The same as `waiting_for` but for a queued waiter deep in
+    /// the queue, whose predecessor (another waiter) is this CPU: it names the holder to the
+    /// host, since a boost of a waiter that does not hold the lock ends nobody's wait, and
+    /// with pvspin's run slots those boosts gave waiting waiters the slots the lock's next
+    /// owners needed (docs/benchmarks.md §12.6).
+    pub ahead: Option<u32>,
+    /// `ahead` was woken by an unlocker (kicked) and has not run since: it is on its
     /// way to the lock, so "not running" says nothing about how long the wait lasts. When the
     /// host says the VM's vCPUs fit its CPUs ([`PvOps::vcpus_fit`]), the waiter then spins its
     /// whole budget instead of waiting early, so that a waiter that halted once does not make
@@ -655,7 +664,7 @@ impl<O: PvOps> Pv<'_, O> {
             }
             if spins % RUNNING_CHECK_EVERY == RUNNING_CHECK_EVERY - 1 {
                 let now_waiting = wait(since);
-                if let Some(cpu) = now_waiting.waiting_for {
+                if let Some(cpu) = now_waiting.ahead {
                     let about_to_run = now_waiting.waking && self.ops.vcpus_fit();
                     if self.ops.is_not_running(cpu) {
                         if !about_to_run {

@@ -301,19 +301,36 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
         at(&at(pv.cpus, cpu as usize).nodes, index)
     }
 
-    /// What a waiter behind node `prev` tells the host: it waits for `prev`'s CPU, which is
-    /// the holder or, when the holder's node is another, the next owner before it. Also what
-    /// its WAIT names: `prev` is the vCPU that gets the lock next, often just kicked and not
-    /// running yet, where a boost helps; the `holder` word may still name the waiter itself
-    /// then (the new holder has not recorded itself), so it is no target. When `prev` was
-    /// handed the lock (`locked`) it is the owner on its way, kicked if it had halted.
+    /// What a waiter behind node `prev` tells the host, and what its spin phase watches
+    /// (`ahead`: always `prev`'s CPU). The host hears of `prev`'s CPU when it holds the lock or
+    /// gets it next (the holder's successor, or handed the lock: `locked`, the owner on its
+    /// way, kicked if it had halted), where a boost helps; the `holder` word may still name
+    /// the waiter itself then (the new holder has not recorded itself), so it is no target.
+    /// Deeper in the queue `prev` is another waiter, and the host hears of the holder: with
+    /// run slots, naming waiters gave their slots priority over the next owners' (a convoy at
+    /// 255 vCPUs, docs/benchmarks.md §12.6). Also what its WAIT names.
     fn spin_wait<O>(&self, pv: &Pv<'_, O>, prev: u32, spun: u32) -> SpinWait {
+        // `holder` is the holder's own word, `next` and `locked` other vCPUs': racy reads are
+        // fine for a hint.
+        let holder = self.holder.load(Ordering::Relaxed);
+        let waking = Self::node(pv, prev).locked.load(Ordering::Relaxed) != 0;
+        let prev_is_next = holder == prev
+            || waking
+            || holder == NONE
+            || Self::node(pv, holder).next.load(Ordering::Relaxed) == prev;
+        let ahead = decode(prev).0;
+        let (waiting_for, next_owner) = if prev_is_next {
+            (ahead, holder != prev)
+        } else {
+            // Deep in the queue: the host is told of the holder (`SpinWait::ahead`).
+            (decode(holder).0, false)
+        };
         SpinWait {
             lock: self as *const Self as usize,
-            waiting_for: Some(decode(prev).0),
-            // `holder` is the holder's own word; a racy read is fine for a hint.
-            next_owner: self.holder.load(Ordering::Relaxed) != prev,
-            waking: Self::node(pv, prev).locked.load(Ordering::Relaxed) != 0,
+            waiting_for: Some(waiting_for),
+            next_owner,
+            ahead: Some(ahead),
+            waking,
             spun,
         }
     }
@@ -931,6 +948,61 @@ mod tests {
         assert!(notes
             .iter()
             .all(|n| n.lock == &*lock as *const PvQueuedLock as usize));
+    }
+
+    #[test]
+    fn a_waiter_deep_in_the_queue_names_the_holder_and_watches_its_predecessor() {
+        use crate::tests_common::Notifying;
+        let domain: Arc<PvDomain<Notifying<4>, 4>> = Arc::new(PvDomain::new(
+            Notifying::new(4),
+            SpinConfig {
+                spin_threshold: 8,
+                halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
+            },
+        ));
+        let lock = Arc::new(PvQueuedLock::new());
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let mut threads = Vec::new();
+        for cpu in 1..4u32 {
+            let (d, l) = (domain.clone(), lock.clone());
+            threads.push(std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                l.lock(d.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { l.unlock(d.pv()) };
+            }));
+            let mut tries = 0;
+            while domain.ops().inner.parked(cpu) == 0 {
+                tries += 1;
+                assert!(tries < 20_000, "waiter {cpu} never halted");
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+        let notes = domain.ops().notes();
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        // CPU 3 waits behind CPU 2, itself a waiter: the host hears of the holder (CPU 0), a
+        // boost of CPU 2 would end nobody's wait; its spin phase still watches CPU 2.
+        assert!(
+            notes.iter().any(|n| n.waiting_for == Some(0)
+                && n.ahead == Some(2)
+                && !n.next_owner
+                && n.spun == 4),
+            "{notes:?}"
+        );
+        // CPU 2 waits behind the next owner (CPU 1), CPU 1 behind the holder: both named.
+        assert!(notes
+            .iter()
+            .any(|n| n.waiting_for == Some(1) && n.ahead == Some(1) && n.next_owner));
+        assert!(notes
+            .iter()
+            .any(|n| n.waiting_for == Some(0) && n.ahead == Some(0) && !n.next_owner));
+        assert!(notes.iter().all(|n| n.waiting_for != Some(2)), "{notes:?}");
     }
 
     #[test]

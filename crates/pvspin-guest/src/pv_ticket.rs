@@ -221,6 +221,7 @@ impl PvTicketLock {
                 lock: self.id(),
                 waiting_for,
                 next_owner: next_owner && waiting_for.is_some(),
+                ahead: waiting_for,
                 waking,
                 spun,
             }

@@ -145,6 +145,7 @@ impl<P: PvPlatform> HaltPvOps<P> {
             lock: 0,
             waiting_for: None,
             next_owner: false,
+            ahead: None,
             waking: false,
             spun: 0,
         };
