@@ -309,14 +309,16 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
     /// Deeper in the queue `prev` is another waiter, and the host hears of the holder: with
     /// run slots, naming waiters gave their slots priority over the next owners' (a convoy at
     /// 255 vCPUs, docs/benchmarks.md §12.6). Also what its WAIT names.
-    fn spin_wait<O>(&self, pv: &Pv<'_, O>, prev: u32, spun: u32) -> SpinWait {
+    fn spin_wait<O: PvOps>(&self, pv: &Pv<'_, O>, prev: u32, spun: u32) -> SpinWait {
         // `holder` is the holder's own word, `next` and `locked` other vCPUs': racy reads are
-        // fine for a hint.
+        // fine for a hint. Until the new holder records itself the word names the previous
+        // one, which may be this waiter (it unlocked and queued again): never a target.
         let holder = self.holder.load(Ordering::Relaxed);
         let waking = Self::node(pv, prev).locked.load(Ordering::Relaxed) != 0;
         let prev_is_next = holder == prev
             || waking
             || holder == NONE
+            || decode(holder).0 == pv.ops.cpu_id()
             || Self::node(pv, holder).next.load(Ordering::Relaxed) == prev;
         let ahead = decode(prev).0;
         let (waiting_for, next_owner) = if prev_is_next {
