@@ -903,10 +903,11 @@ mod tests {
         crate::tests_common::check_prewake(PvQueuedLock::new(), false, 2);
     }
 
-    #[test]
-    fn waiters_name_their_predecessor_and_whether_it_holds() {
+    /// CPU 0 takes a queued lock and CPUs 1..N queue behind it in order, each until it
+    /// halted; returns what the waiters told the host by then, and the lock's address.
+    fn notes_of_waiters_in_order<const N: usize>() -> (Vec<SpinWait>, usize) {
         use crate::tests_common::Notifying;
-        let domain: Arc<PvDomain<Notifying<3>, 3>> = Arc::new(PvDomain::new(
+        let domain: Arc<PvDomain<Notifying<N>, N>> = Arc::new(PvDomain::new(
             Notifying::new(4),
             SpinConfig {
                 spin_threshold: 8,
@@ -918,7 +919,7 @@ mod tests {
         bind_current_thread(0);
         lock.lock(domain.pv());
         let mut threads = Vec::new();
-        for cpu in 1..3u32 {
+        for cpu in 1..N as u32 {
             let (d, l) = (domain.clone(), lock.clone());
             threads.push(std::thread::spawn(move || {
                 bind_current_thread(cpu);
@@ -934,12 +935,18 @@ mod tests {
                 std::thread::sleep(std::time::Duration::from_micros(100));
             }
         }
+        let notes = domain.ops().notes();
         // SAFETY: the main thread holds the lock.
         unsafe { lock.unlock(domain.pv()) };
         for thread in threads {
             thread.join().unwrap();
         }
-        let notes = domain.ops().notes();
+        (notes, &*lock as *const PvQueuedLock as usize)
+    }
+
+    #[test]
+    fn waiters_name_their_predecessor_and_whether_it_holds() {
+        let (notes, lock) = notes_of_waiters_in_order::<3>();
         // CPU 1 waits behind the holder (CPU 0); CPU 2 behind CPU 1, the next owner.
         assert!(notes
             .iter()
@@ -947,47 +954,12 @@ mod tests {
         assert!(notes
             .iter()
             .any(|n| n.waiting_for == Some(1) && n.next_owner && n.spun == 4));
-        assert!(notes
-            .iter()
-            .all(|n| n.lock == &*lock as *const PvQueuedLock as usize));
+        assert!(notes.iter().all(|n| n.lock == lock));
     }
 
     #[test]
     fn a_waiter_deep_in_the_queue_names_the_holder_and_watches_its_predecessor() {
-        use crate::tests_common::Notifying;
-        let domain: Arc<PvDomain<Notifying<4>, 4>> = Arc::new(PvDomain::new(
-            Notifying::new(4),
-            SpinConfig {
-                spin_threshold: 8,
-                halt: true,
-                prewake: SpinConfig::DEFAULT_PREWAKE,
-            },
-        ));
-        let lock = Arc::new(PvQueuedLock::new());
-        bind_current_thread(0);
-        lock.lock(domain.pv());
-        let mut threads = Vec::new();
-        for cpu in 1..4u32 {
-            let (d, l) = (domain.clone(), lock.clone());
-            threads.push(std::thread::spawn(move || {
-                bind_current_thread(cpu);
-                l.lock(d.pv());
-                // SAFETY: this thread holds the lock.
-                unsafe { l.unlock(d.pv()) };
-            }));
-            let mut tries = 0;
-            while domain.ops().inner.parked(cpu) == 0 {
-                tries += 1;
-                assert!(tries < 20_000, "waiter {cpu} never halted");
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-        }
-        let notes = domain.ops().notes();
-        // SAFETY: the main thread holds the lock.
-        unsafe { lock.unlock(domain.pv()) };
-        for thread in threads {
-            thread.join().unwrap();
-        }
+        let (notes, _) = notes_of_waiters_in_order::<4>();
         // CPU 3 waits behind CPU 2, itself a waiter: the host hears of the holder (CPU 0), a
         // boost of CPU 2 would end nobody's wait; its spin phase still watches CPU 2.
         assert!(
