@@ -285,6 +285,13 @@ pub struct SimConfig {
     /// backoff and MCS locks also kicks the halted waiters of up to this many places behind the
     /// new holder, so that they spin by the time the lock reaches them. Never the stock guest.
     pub prewake: u8,
+    /// Today's pvspin MCS lock (pvspin-guest after d22c42c): a waiter deeper than the holder's
+    /// successor names the holder to the host (what run slots prioritize and directed yield
+    /// boosts), not its predecessor; and a waiter behind a node an unlocker kicked (the
+    /// pre-wake), whose guest has not run since, reads it as waking. Off: the guest every
+    /// measured row of the validation ran (naming its predecessor, halting at once behind a
+    /// pre-woken one).
+    pub queued_names_holder: bool,
     /// Costs.
     pub cost: CostModel,
 }
@@ -310,6 +317,7 @@ impl SimConfig {
             seed: 1,
             early_wait_behind_waking: false,
             prewake: pvspin_guest::SpinConfig::DEFAULT_PREWAKE,
+            queued_names_holder: true,
             cost: CostModel::default(),
         }
     }

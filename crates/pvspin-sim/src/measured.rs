@@ -148,6 +148,8 @@ impl MeasuredRow {
         let mut cfg = SimConfig::new(self.variant, self.vcpus, self.iterations);
         cfg.hogs = self.hogs;
         cfg.seed = seed;
+        // Every measured row predates today's MCS waiter (`SimConfig::queued_names_holder`).
+        cfg.queued_names_holder = today.is_some();
         match today.or(self.guest_prewake) {
             Some(depth) => {
                 cfg.early_wait_behind_waking = false;
