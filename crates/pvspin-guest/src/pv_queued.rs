@@ -18,20 +18,15 @@
 //! and if still not `locked`, spin again (spurious wakeup).
 //!
 //! Unlocker with a successor: `succ.locked = 1` (Release); `fence(SeqCst)`; if `succ.state ==
-//! HALTED` and `cmpxchg(HALTED -> KICKED)` succeeds, kick the successor's vCPU. `KICKED` ends
-//! the wait as `RUNNING` would, and tells the waiter behind that node that its predecessor is
-//! waking up (`SpinWait::waking`), not merely halted.
+//! HALTED` and `cmpxchg(HALTED -> RUNNING)` succeeds, kick the successor's vCPU.
 //!
 //! Same argument as the ticket lock: the fences make at least one side see the other's write;
 //! a kick racing the halt is remembered by the backend. Checked by the loom model.
 //!
 //! Pre-wake, as the ticket lock's: while the host says the VM's vCPUs fit its CPUs
 //! ([`PvOps::vcpus_fit`]), the unlocker also kicks the [`SpinConfig::prewake`] nodes after the
-//! successor where they say Halted (`cmpxchg(HALTED -> KICKED)`), so that they spin by the
-//! time the lock reaches them. A waiter behind a pre-woken node keeps spinning while its
-//! predecessor wakes (it reads `KICKED` as waking), as it does behind a successor handed the
-//! lock; otherwise, seeing its predecessor not running, it would halt again at once and the
-//! pre-wake two places back would be wasted.
+//! successor where they say Halted (`cmpxchg(HALTED -> RUNNING)`), so that they spin by the
+//! time the lock reaches them.
 //!
 //! No lock stealing and no pending bit (Linux's hybrid unfair trylock): strictly FIFO, so a
 //! preempted or halted successor delays everyone behind it until it runs; that is what the
@@ -97,10 +92,6 @@ const HALTED: u8 = 1;
 /// Stock flavor: halted with the lock hashed on its behalf (Linux's `vcpu_hashed`): set by the
 /// hand-over to a halted successor, and by a queue head about to halt.
 const HASHED: u8 = 2;
-/// Pvspin flavor: halted, and an unlocker has kicked it (handed the lock, or pre-woken): it is
-/// waking up. A waiter behind it reads it as `SpinWait::waking`; the waiter itself puts
-/// `RUNNING` back once its wait returns.
-const KICKED: u8 = 3;
 
 /// Stock flavor lock byte: held (Linux's `_Q_LOCKED_VAL`).
 const LOCKED: u8 = 1;
@@ -154,7 +145,7 @@ pub struct McsNode {
     next: AtomicU32,
     /// Set to 1 by the predecessor when it hands the lock (stock flavor: the queue head) over.
     locked: AtomicU8,
-    /// `RUNNING`, `HALTED`, (pvspin flavor) `KICKED` or (stock flavor) `HASHED`.
+    /// `RUNNING`, `HALTED` or (stock flavor) `HASHED`.
     state: AtomicU8,
 }
 
@@ -323,12 +314,9 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
         // fine for a hint. Until the new holder records itself the word names the previous
         // one, which may be this waiter (it unlocked and queued again): never a target.
         let holder = self.holder.load(Ordering::Relaxed);
-        let prev_node = Self::node(pv, prev);
-        let handed = prev_node.locked.load(Ordering::Relaxed) != 0;
-        // Handed the lock, or kicked by a pre-wake: either way on its way to run.
-        let waking = handed || prev_node.state.load(Ordering::Relaxed) == KICKED;
+        let waking = Self::node(pv, prev).locked.load(Ordering::Relaxed) != 0;
         let prev_is_next = holder == prev
-            || handed
+            || waking
             || holder == NONE
             || decode(holder).0 == pv.ops.cpu_id()
             || Self::node(pv, holder).next.load(Ordering::Relaxed) == prev;
@@ -468,7 +456,7 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
         if node.state.load(Ordering::Relaxed) == HALTED
             && node
                 .state
-                .compare_exchange(HALTED, KICKED, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(HALTED, RUNNING, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
             pv.ops.kick(decode(code).0);
@@ -989,44 +977,6 @@ mod tests {
             .iter()
             .any(|n| n.waiting_for == Some(0) && n.ahead == Some(0) && !n.next_owner));
         assert!(notes.iter().all(|n| n.waiting_for != Some(2)), "{notes:?}");
-    }
-
-    #[test]
-    fn a_waiter_behind_a_prewoken_predecessor_reads_it_as_waking() {
-        let domain: PvDomain<HostPvOps<4>, 4> = PvDomain::new(HostPvOps::new(), small());
-        let pv = domain.pv();
-        let lock = PvQueuedLock::new();
-        // CPU 0 holds; CPUs 1, 2 and 3 wait in that order, each on its first node.
-        let code = |cpu| encode(cpu, 0);
-        lock.holder.store(code(0), Ordering::Relaxed);
-        for cpu in 0..3 {
-            PvQueuedLock::<PvspinFlavor>::node(&pv, code(cpu))
-                .next
-                .store(code(cpu + 1), Ordering::Relaxed);
-        }
-        let second = PvQueuedLock::<PvspinFlavor>::node(&pv, code(2));
-        second.state.store(HALTED, Ordering::Relaxed);
-        bind_current_thread(3);
-        let before = lock.spin_wait(&pv, code(2), 0);
-        assert!(!before.waking, "{before:?}");
-        // The pre-wake kicks CPU 2 (its node now says KICKED): CPU 3 reads it as waking, and
-        // still names the holder and watches CPU 2.
-        assert!(PvQueuedLock::<PvspinFlavor>::kick_if_halted(
-            &pv,
-            second,
-            code(2)
-        ));
-        assert_eq!(second.state.load(Ordering::Relaxed), KICKED);
-        assert_eq!(domain.ops().kicks_to(2), 1);
-        let after = lock.spin_wait(&pv, code(2), 0);
-        assert!(after.waking, "{after:?}");
-        assert_eq!((after.waiting_for, after.ahead), (Some(0), Some(2)));
-        // Kicked once: a second unlocker does not kick it again.
-        assert!(!PvQueuedLock::<PvspinFlavor>::kick_if_halted(
-            &pv,
-            second,
-            code(2)
-        ));
     }
 
     #[test]
