@@ -287,10 +287,7 @@ pub struct SimConfig {
     pub prewake: u8,
     /// Today's pvspin MCS lock (pvspin-guest after d22c42c): a waiter deeper than the holder's
     /// successor names the holder to the host (what run slots prioritize and directed yield
-    /// boosts), not its predecessor; and a waiter behind a node an unlocker kicked (the
-    /// pre-wake), whose guest has not run since, reads it as waking. Off: the guest every
-    /// measured row of the validation ran (naming its predecessor, halting at once behind a
-    /// pre-woken one).
+    /// boosts), not its predecessor. Off: the guest every measured row of the validation ran.
     pub queued_names_holder: bool,
     /// Costs.
     pub cost: CostModel,

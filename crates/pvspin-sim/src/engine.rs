@@ -254,11 +254,8 @@ struct Vcpu {
     /// A spinner switched in: its next guest event is its first look at the lock.
     look_pending: bool,
     /// pvspin guest: an unlocker kicked it since it last said it halts (its ticket wait slot
-    /// or MCS node says KICKED), so no other unlocker kicks it for this wait.
+    /// says KICKED, its MCS node RUNNING), so no other unlocker kicks it for this wait.
     kicked: bool,
-    /// pvspin guest: kicked and its guest has not run since (the MCS node says `KICKED` until
-    /// the waiter's wait returns), which the waiter behind it reads as waking.
-    waking_mark: bool,
     /// The unlocker's pre-wake still to do: the waiters behind the new holder, the last one
     /// first, each with its acquisitions then (a waiter that took the lock since is no longer
     /// the one meant).
@@ -455,7 +452,6 @@ impl Sim {
                     polled_wake: false,
                     look_pending: false,
                     waiting_mark: false,
-                    waking_mark: false,
                     kicked: false,
                     prewake_pending: Vec::new(),
                 });
@@ -866,7 +862,6 @@ impl Sim {
         let vc = &mut self.vcpus[v as usize];
         // Its guest runs again: out of a wait, its node says RUNNING.
         vc.waiting_mark = false;
-        vc.waking_mark = false;
         vc.act = Act::Spin;
         vc.spin_deadline = deadline;
         if vc.on_cpu {
@@ -994,15 +989,10 @@ impl Sim {
         match self.cfg.variant.guest {
             Guest::Pvspin => {
                 // Today's guest: not behind a next owner that was handed the lock (kicked)
-                // and is on its way to it, nor (MCS) behind a predecessor an unlocker kicked
-                // (the pre-wake) whose guest has not run since, when the host says the VM's
-                // vCPUs fit its CPUs.
+                // and is on its way to it, when the host says the VM's vCPUs fit its CPUs.
                 let vm = &self.vms[self.vcpus[v as usize].vm as usize];
                 let lk = &vm.lock;
-                let waking = (lk.owner == Some(w) && !lk.in_cs && wa == Act::Halted)
-                    || (self.cfg.queued_names_holder
-                        && self.cfg.variant.lock == LockKind::Queued
-                        && self.vcpus[w as usize].waking_mark);
+                let waking = lk.owner == Some(w) && !lk.in_cs && wa == Act::Halted;
                 let spin_on = waking && vm.vcpus_fit && !self.cfg.early_wait_behind_waking;
                 matches!(wa, Act::Halted | Act::SlotWait) && !spin_on
             }
@@ -1332,7 +1322,6 @@ impl Sim {
         let polled = self.halt_polled(n);
         let vc = &mut self.vcpus[n as usize];
         vc.kicked = true;
-        vc.waking_mark = true;
         if vc.act == Act::Halted {
             // The measured kick-to-wake less what the woken thread pays on its CPU: the
             // resume, and the switch where the measurement included one. An unpolled wake
@@ -2110,37 +2099,25 @@ mod tests {
         assert!(sim.waits_early(0));
     }
 
-    /// Today's pvspin MCS waiter (`SimConfig::queued_names_holder`): behind a pre-woken
-    /// predecessor that has not run since its kick it keeps spinning (the node says KICKED),
-    /// and a waiter deeper than the holder's successor names the holder. The guest the
-    /// validation measured halts behind the pre-woken one and names its predecessor.
+    /// Today's pvspin MCS waiter (`SimConfig::queued_names_holder`): a waiter deeper than the
+    /// holder's successor names the holder in its WAIT; the guest the validation measured
+    /// named its predecessor.
     #[test]
-    fn a_queued_waiter_spins_behind_a_prewoken_predecessor_and_deep_ones_name_the_holder() {
+    fn a_deep_queued_waiter_names_the_holder() {
         for today in [true, false] {
             let mut c = cfg("queued:kick/slots:userspace", 5, 100);
             c.queued_names_holder = today;
             let mut sim = Sim::new(c).unwrap();
-            assert!(sim.vms[0].vcpus_fit);
             sim.vms[0].lock.owner = Some(4);
             sim.vms[0].lock.in_cs = true;
             sim.vcpus[4].act = Act::Cs;
             sim.vms[0].lock.queue.extend([0, 1, 2, 3]);
-            for v in 0..4 {
-                sim.vcpus[v].act = Act::Halted;
-            }
-            assert!(sim.waits_early(2), "behind a halted predecessor");
-            sim.kick(4, 1);
-            assert_eq!(sim.waits_early(2), !today, "behind a pre-woken predecessor");
-            sim.spin_start(1);
-            sim.vcpus[1].act = Act::SlotWait;
-            assert!(
-                sim.waits_early(2),
-                "behind one that ran since, then lost its CPU"
-            );
-            // The successor names the holder either way; deeper, today's names the holder.
+            // The successor and the one behind it name whom they wait for either way.
             assert_eq!(sim.named(0), Some(4));
             assert_eq!(sim.named(1), Some(0));
             assert_eq!(sim.named(3), Some(if today { 4 } else { 2 }));
+            // What it waits for (its spin watches) stays its predecessor.
+            assert_eq!(sim.waited_for(3), Some(2));
         }
     }
 
