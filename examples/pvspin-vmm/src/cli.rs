@@ -1127,13 +1127,16 @@ mod tests {
         assert!(stdout.starts_with("lock workload on 2 vCPUs"), "{stdout}");
         let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("case ")).collect();
         assert_eq!(rows.len(), 4, "{stdout}");
-        // Tails beside medians: ticket:off at 0 hogs ran 0.125, 0.625 and 1.125 s.
+        // Each round starts one case later: ticket:off at 0 hogs ran 1st, 8th and 11th (0.125,
+        // 1.0 and 1.375 s), and the 7th run, stopped by its bound, was ticket:kick at 2 hogs.
+        // Tails beside medians.
         assert!(
-            rows[0].contains("median 0.6250  slowest 1.1250"),
+            rows[0].contains("median 1.0000  slowest 1.3750"),
             "{stdout}"
         );
-        assert!(rows[2].contains("(1 stopped by the bound)"), "{stdout}");
-        // Every run's record, in order, with its variant, case, run index and command line.
+        assert!(rows[3].contains("(1 stopped by the bound)"), "{stdout}");
+        // Every run's record, in the order run, with its variant, case, run index and command
+        // line.
         let saved = std::fs::read_to_string(&json).unwrap();
         let records: Vec<crate::saved::Record> = saved
             .lines()
@@ -1149,7 +1152,10 @@ mod tests {
             let crate::saved::Record::Run(run) = record else {
                 panic!("run records after the header: {saved}")
             };
-            assert_eq!((run.case_index, run.run as usize), (i % 4, i / 4));
+            assert_eq!(
+                (run.case_index, run.run as usize),
+                ((i % 4 + i / 4) % 4, i / 4)
+            );
             assert_eq!(run.command, command);
             assert_eq!(run.timed_out, i == 6);
             assert_eq!(run.report.is_some(), i != 6);

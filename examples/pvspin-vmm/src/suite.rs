@@ -328,7 +328,7 @@ pub const SUITES: &[Suite] = &[
     },
     Suite {
         name: "ab",
-        reproduces: "§7.3, §7.8: two builds side by side (--build-a OLD --build-b NEW), alternating round by round; bench arguments after `--` (default: kernel-mode kick and kick+yield at 0 and 2 hogs)",
+        reproduces: "§7.3, §7.8: two builds side by side (--build-a OLD --build-b NEW), alternating round by round, each first every other round; bench arguments after `--` (default: kernel-mode kick and kick+yield at 0 and 2 hogs)",
         plan: ab,
     },
 ];
@@ -959,7 +959,8 @@ fn ab(o: &SuiteOptions) -> Result<Vec<Step>, SuiteError> {
     };
     Ok(vec![Step::Table {
         name: "ab".into(),
-        what: "build A against build B, alternating round by round".into(),
+        what: "build A against build B, alternating round by round (each starts every other round)"
+            .into(),
         runs: o.runs(5),
         arms: vec![
             Arm::Bench {
@@ -1592,7 +1593,10 @@ impl Runner {
             };
             let mut files: Vec<Vec<PathBuf>> = vec![Vec::new(); arms.len()];
             for round in 0..runs {
-                for (k, arm) in arms.iter().enumerate() {
+                // The arms' order rotates round by round, as `bench` rotates its cases: no
+                // arm always runs first.
+                for k in (0..arms.len()).map(|i| (i + round as usize) % arms.len()) {
+                    let arm = &arms[k];
                     match arm {
                         Arm::Bench { binary, args, .. } => {
                             let part = parts.join(format!("arm{k}-round{round}.jsonl"));
