@@ -969,10 +969,14 @@ impl Sim {
             && self.cfg.variant.lock == LockKind::Queued
             && self.cfg.variant.guest == Guest::Pvspin
         {
-            if let Some(p) = lk.queue.iter().position(|&w| w == v) {
-                if p >= 2 {
-                    return lk.owner.filter(|&o| o != v);
-                }
+            let deep = lk
+                .queue
+                .iter()
+                .position(|&w| w == v)
+                .is_some_and(|p| p >= 2);
+            // No holder recorded (the guest's `holder` word is NONE): it names its predecessor.
+            if let Some(owner) = lk.owner.filter(|&o| deep && o != v) {
+                return Some(owner);
             }
         }
         self.waited_for(v)
