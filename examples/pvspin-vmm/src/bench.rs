@@ -930,9 +930,8 @@ where
     let count = table.cases.len();
     for run in 0..options.runs {
         // Each round starts one case later than the last: a case that always ran first (or
-        // right after the same neighbour) would carry whatever that position costs on this
-        // machine into every one of its runs (docs/benchmarks.md §12.6, an A/A of one binary
-        // moved 25% with its place in the order).
+        // right after the same neighbour) would carry whatever that position costs on a
+        // machine into every one of its runs (docs/benchmarks.md §12.6).
         for k in (0..count).map(|i| (i + run as usize) % count) {
             let case = &mut table.cases[k];
             let name = case.variant.name();
