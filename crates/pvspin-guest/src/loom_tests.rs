@@ -20,9 +20,10 @@
 //! without its fence; the bare handshake without the re-check; the host latch forgetting a
 //! kick that arrived between the waiter's check and its park; the stock queued lock's
 //! hand-over to a halted successor without marking the lock SLOW, or without its fence (both
-//! found with three CPUs). The four stock models take about 17 s. The three-CPU backoff models
-//! reach the backoff: a backoff spin phase claiming the lock after any backoff, without reading
-//! `owner`, made loom report two holders. The two `_prewake` models run the ticket and queued
+//! found with three CPUs). The four stock models take about 60 s (the hybrid trylock's spin
+//! adds interleavings). The three-CPU backoff models reach the backoff: a backoff spin phase
+//! claiming the lock after any backoff, without reading `owner`, made loom report two
+//! holders. The two `_prewake` models run the ticket and queued
 //! locks over a backend that says the vCPUs fit (`VCPUS_FIT`), so that unlockers also kick the
 //! waiter behind the new holder, and check that some execution did (about 3 minutes together
 //! on a busy machine).

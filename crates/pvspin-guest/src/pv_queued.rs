@@ -41,9 +41,13 @@
 //! the steal's "not locked and not pending", are racy in Linux too). With halting on
 //! ([`SpinConfig::halt`](crate::SpinConfig)):
 //!
-//! - Fast path: take the lock byte when the whole lock is clear. Then one steal attempt (Linux's
-//!   `pv_queued_spin_steal_lock`: the lock byte, if neither locked nor pending) after taking a
-//!   node.
+//! - Fast path: take the lock byte when the whole lock is clear. Then, after taking a node,
+//!   the hybrid unfair trylock (current Linux's `pv_hybrid_queued_unfair_trylock`): steal
+//!   the lock byte if it is neither locked nor pending, and keep trying while others are
+//!   queued and pending is clear; queue only once the queue is empty or a queue head spins
+//!   with pending set. (Until 2026-12 this was one attempt, as the older
+//!   `pv_queued_spin_steal_lock`, which let arrivals queue and halt early behind a halted
+//!   queue; docs/benchmarks.md §14.5.)
 //! - Node wait (`pv_wait_node`): spin on the node's `locked` up to the threshold; every 256th
 //!   spin, from the first, look at the predecessor's node and stop spinning at once if it is
 //!   not running (`pv_wait_early`: halted, or a halted queue head); then `state = HALTED`,
@@ -127,7 +131,7 @@ impl QueuedFlavor for PvspinFlavor {
 }
 
 /// Linux's pv qspinlock as a stock KVM guest runs it: lock byte, pending byte and MCS tail,
-/// one steal attempt, `pv_wait_early`, the queue head's `SLOW` mark and hash, kicks at
+/// the hybrid unfair trylock, `pv_wait_early`, the queue head's `SLOW` mark and hash, kicks at
 /// unlock only; no spin notifications, budgets or hint pages. The protocol, step by step, is
 /// in the docs of this crate's `src/pv_queued.rs` ("The stock flavor"), a private module.
 #[derive(Debug)]
@@ -488,15 +492,28 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
                 .is_ok()
     }
 
-    /// One steal attempt at slow-path entry (`pv_queued_spin_steal_lock`): the lock byte, if
-    /// it is free and no queue head is spinning for it.
+    /// Linux's hybrid unfair trylock at slow-path entry (`pv_hybrid_queued_unfair_trylock`):
+    /// takes the lock byte when it is free and no queue head spins for it (pending), and keeps
+    /// trying as long as others are queued and pending is clear; it gives up (to queue) only
+    /// when the queue is empty or a queue head sets pending. So while the queue's head is
+    /// halted or not running, arrivals spin for the lock instead of queueing behind it.
     fn stock_steal(&self) -> bool {
-        self.locked.load(Ordering::Relaxed) == 0
-            && self.pending.load(Ordering::Relaxed) == 0
-            && self
-                .locked
-                .compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
+        loop {
+            let pending = self.pending.load(Ordering::Relaxed) != 0;
+            if !pending
+                && self.locked.load(Ordering::Relaxed) == 0
+                && self
+                    .locked
+                    .compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return true;
+            }
+            if pending || self.tail.load(Ordering::Relaxed) == NONE {
+                return false;
+            }
+            spin_loop();
+        }
     }
 
     /// The queue head's try (`trylock_clear_pending`): takes a free lock byte, then clears
@@ -1126,9 +1143,10 @@ mod tests {
     /// The queue head marks the lock SLOW and halts; the unlock kicks it. The hand-over to a
     /// halted successor (which waited early: its predecessor was a halted head) hashes it
     /// without a kick; that holder's unlock kicks it. Two kicks, both at unlock.
+    /// Linux's hybrid unfair trylock: while the queue's head is halted (pending clear), an
+    /// arrival spins for the lock byte instead of queueing behind it (and halting early).
     #[test]
-    fn stock_head_halts_slow_and_handover_defers_the_kick_to_unlock() {
-        use std::sync::Mutex;
+    fn stock_arrivals_spin_for_the_lock_while_the_queue_head_is_halted() {
         let domain: Arc<PvDomain<Preempting<3>, 3>> = Arc::new(PvDomain::new(
             Preempting::new(),
             SpinConfig {
@@ -1138,53 +1156,117 @@ mod tests {
             },
         ));
         let lock = Arc::new(StockQueuedLock::new_stock());
-        let order = Arc::new(Mutex::new(Vec::new()));
         bind_current_thread(0);
         lock.lock(domain.pv());
         let spawn = |cpu: u32| {
-            let (d, l, o) = (domain.clone(), lock.clone(), order.clone());
+            let (d, l) = (domain.clone(), lock.clone());
             std::thread::spawn(move || {
                 bind_current_thread(cpu);
                 l.lock(d.pv());
-                o.lock().unwrap().push(cpu);
                 // SAFETY: this thread holds the lock.
                 unsafe { l.unlock(d.pv()) };
             })
         };
-        let first = spawn(1);
+        let head = spawn(1);
         eventually("the queue head never halted", || {
             domain.ops().inner.parked(1) == 1
         });
         assert_eq!(lock.locked.load(Ordering::SeqCst), SLOW);
-        // From now on only an early wait halts the next waiter promptly.
-        domain
-            .configure(SpinConfig {
-                spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
-                halt: true,
-                prewake: SpinConfig::DEFAULT_PREWAKE,
-            })
-            .unwrap();
-        let second = spawn(2);
-        eventually("the second waiter never halted", || {
-            domain.ops().inner.parked(2) == 1
-        });
-        assert_eq!(domain.cpu_stats(2).unwrap().wait_early, 1);
+        let tail = lock.tail.load(Ordering::SeqCst);
+        let arrival = spawn(2);
+        // A one-shot steal would have queued 2 behind the halted head at once (and halted it
+        // early there); the hybrid trylock keeps it spinning for the lock byte.
+        for _ in 0..50 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            assert_eq!(lock.tail.load(Ordering::SeqCst), tail, "2 queued");
+            assert_eq!(domain.ops().inner.parked(2), 0, "2 halted");
+        }
         // SAFETY: the main thread holds the lock.
         unsafe { lock.unlock(domain.pv()) };
-        first.join().unwrap();
-        second.join().unwrap();
-        assert_eq!(*order.lock().unwrap(), [1, 2]);
+        head.join().unwrap();
+        arrival.join().unwrap();
         assert!(!lock.is_locked());
         let stats = domain.total_stats();
-        // CPU 0's unlock kicked the head (1); 1 handed the head to halted 2 without a kick,
-        // and kicked it at its unlock.
-        assert_eq!((stats.kicks, stats.no_kick), (2, 0), "{stats:?}");
-        assert_eq!(domain.cpu_stats(0).unwrap().kicks, 1);
-        assert_eq!(domain.cpu_stats(1).unwrap().kicks, 1);
-        assert_eq!(domain.ops().inner.kicks_to(1), 1);
-        assert_eq!(domain.ops().inner.kicks_to(2), 1);
+        // CPU 0's unlock kicked the hashed head; 2 (stealer or queued behind a spinning head)
+        // never halted.
+        assert_eq!(domain.ops().inner.kicks_to(1), 1, "{stats:?}");
+        assert_eq!(domain.cpu_stats(2).unwrap().halts, 0, "{stats:?}");
+        assert_eq!(domain.cpu_stats(2).unwrap().wait_early, 0, "{stats:?}");
         assert_eq!(domain.ops().inner.stats().timeouts, 0);
-        assert_eq!(stats.preempted, 0);
+    }
+
+    /// A hand-over to a halted successor marks the lock SLOW and hashes it, without a kick;
+    /// the holder's unlock kicks it. The successor queued while a head spun with pending set
+    /// (only then does an arrival queue behind others), and halted early behind a head that
+    /// halted.
+    #[test]
+    fn stock_handover_to_a_halted_successor_defers_the_kick_to_unlock() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Mutex;
+        let config = SpinConfig {
+            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+            halt: true,
+            prewake: SpinConfig::DEFAULT_PREWAKE,
+        };
+        let domain: Arc<PvDomain<Preempting<4>, 4>> =
+            Arc::new(PvDomain::new(Preempting::new(), config));
+        let lock = Arc::new(StockQueuedLock::new_stock());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let release = Arc::new(AtomicBool::new(false));
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let spawn = |cpu: u32| {
+            let (d, l, o, r) = (domain.clone(), lock.clone(), order.clone(), release.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(cpu);
+                l.lock(d.pv());
+                o.lock().unwrap().push(cpu);
+                while cpu == 1 && !r.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                // SAFETY: this thread holds the lock.
+                unsafe { l.unlock(d.pv()) };
+            })
+        };
+        let queued_behind = |cpu: usize| {
+            domain.pv().cpus[cpu]
+                .nodes
+                .iter()
+                .any(|n| n.next.load(Ordering::SeqCst) != NONE)
+        };
+        let first = spawn(1);
+        eventually("1 never became the queue head", || {
+            lock.pending.load(Ordering::SeqCst) == 1
+        });
+        let second = spawn(2);
+        eventually("2 never queued behind 1", || queued_behind(1));
+        let third = spawn(3);
+        eventually("3 never queued behind 2", || queued_behind(2));
+        domain
+            .ops()
+            .preempted
+            .store(1 << 1, std::sync::atomic::Ordering::SeqCst);
+        // 1 takes the lock and hands the queue head to 2, which sees 1 preempted, marks the
+        // lock SLOW and halts; 3 sees 2's node not running and halts early.
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        eventually("2 never halted", || domain.ops().inner.parked(2) == 1);
+        eventually("3 never halted", || domain.ops().inner.parked(3) == 1);
+        assert_eq!(domain.cpu_stats(3).unwrap().wait_early, 1);
+        release.store(true, std::sync::atomic::Ordering::SeqCst);
+        for t in [first, second, third] {
+            t.join().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [1, 2, 3]);
+        assert!(!lock.is_locked());
+        let stats = domain.total_stats();
+        // 1's unlock kicked the head (2); 2 handed the head to halted 3 without a kick, and
+        // kicked it at its unlock.
+        assert_eq!(domain.cpu_stats(1).unwrap().kicks, 1, "{stats:?}");
+        assert_eq!(domain.cpu_stats(2).unwrap().kicks, 1, "{stats:?}");
+        assert_eq!(domain.ops().inner.kicks_to(2), 1);
+        assert_eq!(domain.ops().inner.kicks_to(3), 1);
+        assert_eq!(domain.ops().inner.stats().timeouts, 0);
     }
 
     /// A running queue head is not kicked, and a lock that is not SLOW is released without a
