@@ -115,7 +115,7 @@ pub enum Guest {
     /// pvspin-aware: time budgets, hint pages, notifications naming the waited-for vCPU.
     Pvspin,
     /// A stock Linux guest: pv qspinlock, fixed spin threshold, `pv_wait_early` on the
-    /// steal-time `preempted` byte, one steal attempt.
+    /// steal-time `preempted` byte, the hybrid unfair trylock ([`SimConfig::stock_hybrid_trylock`]).
     Stock,
 }
 
@@ -289,6 +289,12 @@ pub struct SimConfig {
     /// successor names the holder to the host (what run slots prioritize and directed yield
     /// boosts), not its predecessor. Off: the guest every measured row of the validation ran.
     pub queued_names_holder: bool,
+    /// Today's stock guest (pvspin-guest's `StockQueuedLock` after 2026-12-02, as current
+    /// Linux's `pv_hybrid_queued_unfair_trylock`): an arrival that finds the lock held keeps
+    /// trying to steal it while others are queued and no queue head spins with pending set,
+    /// and queues only once the queue is empty or pending is set. Off: one steal attempt, then
+    /// queue (the guest every measured stock row of the validation ran).
+    pub stock_hybrid_trylock: bool,
     /// Costs.
     pub cost: CostModel,
 }
@@ -315,6 +321,7 @@ impl SimConfig {
             early_wait_behind_waking: false,
             prewake: pvspin_guest::SpinConfig::DEFAULT_PREWAKE,
             queued_names_holder: true,
+            stock_hybrid_trylock: true,
             cost: CostModel::default(),
         }
     }

@@ -62,6 +62,11 @@ pub struct VmReport {
     pub halts: u64,
     /// Kicks sent (pre-wakes included).
     pub kicks: u64,
+    /// Waits begun before the spin budget ran out, because what the waiter waits for does not
+    /// run (the guests' `pv_wait_early` counter).
+    pub early_waits: u64,
+    /// Acquisitions of a free lock past a non-empty queue (the stock guest's steal).
+    pub steals: u64,
     /// Kicks an unlocker sent to halted waiters behind the new holder (the pvspin guest's
     /// pre-wake, [`SimConfig::prewake`]); also counted in `kicks`.
     pub prewakes: u64,
@@ -253,6 +258,9 @@ struct Vcpu {
     polled_wake: bool,
     /// A spinner switched in: its next guest event is its first look at the lock.
     look_pending: bool,
+    /// Stock qspinlock with the hybrid trylock: it spins for the lock byte outside the queue
+    /// (in [`LockState::spinners`]), stealing it when free and not pending.
+    stealing: bool,
     /// pvspin guest: an unlocker kicked it since it last said it halts (its ticket wait slot
     /// says KICKED, its MCS node RUNNING), so no other unlocker kicks it for this wait.
     kicked: bool,
@@ -268,7 +276,7 @@ struct LockState {
     /// The owner is inside its critical section (not just handed the lock).
     in_cs: bool,
     queue: VecDeque<u32>,
-    /// TAS spinners.
+    /// TAS spinners; the stock guest's hybrid trylock's stealers.
     spinners: Vec<u32>,
     /// Stock qspinlock: the pending bit. The queue head sets it while it spins for the lock
     /// and clears it when it takes the lock or stops to halt; while it is set nobody steals.
@@ -453,6 +461,7 @@ impl Sim {
                     look_pending: false,
                     waiting_mark: false,
                     kicked: false,
+                    stealing: false,
                     prewake_pending: Vec::new(),
                 });
             }
@@ -822,22 +831,43 @@ impl Sim {
     fn acquire(&mut self, v: u32) {
         let m = self.vcpus[v as usize].vm as usize;
         let lk = &mut self.vms[m].lock;
-        // A stock guest's fast path or its one steal attempt takes a free lock unless a
+        // A stock guest's fast path or a steal attempt takes a free lock unless a
         // queue head spins for it (pending).
         if lk.owner.is_none()
             && (self.cfg.variant.lock == LockKind::Tas
                 || lk.queue.is_empty()
                 || (self.cfg.variant.guest == Guest::Stock && !lk.pending))
         {
+            let stole = !lk.queue.is_empty();
             lk.owner = Some(v);
+            if stole {
+                self.vms[m].report.steals += 1;
+            }
             let t = self.cost.uncontended_ns;
             self.start(v, Act::Take, t);
             return;
         }
-        if self.cfg.variant.lock == LockKind::Tas {
+        // The hybrid trylock: others are queued and no head spins with pending set, so it
+        // keeps trying to steal instead of queueing.
+        let steals = self.cfg.variant.guest == Guest::Stock
+            && self.cfg.variant.pv != PvMode::Off
+            && self.cfg.stock_hybrid_trylock
+            && !lk.queue.is_empty()
+            && !lk.pending;
+        if self.cfg.variant.lock == LockKind::Tas || steals {
             lk.spinners.push(v);
         } else {
             lk.queue.push_back(v);
+        }
+        if steals {
+            let vc = &mut self.vcpus[v as usize];
+            vc.stealing = true;
+            vc.act = Act::Spin;
+            vc.spin_deadline = u64::MAX;
+            if vc.on_cpu {
+                self.spin_check(v);
+            }
+            return;
         }
         // Two or more places from the head (a holder and a waiter ahead): backoff sleeps.
         let deep = lk.queue.len() >= 2;
@@ -852,6 +882,8 @@ impl Sim {
             (PvMode::Off, _) => u64::MAX,
             // A hashed stock head spins round after round until it gets the lock.
             (_, Guest::Stock) if self.vcpus[v as usize].hashed_head => u64::MAX,
+            // A stealer of the hybrid trylock never halts: it spins until it steals or queues.
+            (_, Guest::Stock) if self.vcpus[v as usize].stealing => u64::MAX,
             (_, Guest::Stock) => self.now + self.cost.stock_spin_threshold * self.cost.pause_ns,
             _ => {
                 let vc = &self.vcpus[v as usize];
@@ -875,6 +907,10 @@ impl Sim {
         let m = self.vcpus[v as usize].vm as usize;
         let var = self.cfg.variant;
         let h = self.cost.handoff_ns[lock_index(var.lock, var.guest)];
+        if self.vcpus[v as usize].stealing {
+            self.steal_check(v);
+            return;
+        }
         let lk = &mut self.vms[m].lock;
         if lk.owner == Some(v) && !lk.in_cs {
             let late = self.backoff_lateness(v);
@@ -900,9 +936,13 @@ impl Sim {
         }
         if var.guest == Guest::Stock && var.pv != PvMode::Off && lk.queue.front() == Some(&v) {
             // The queue head spins for the lock byte with pending set.
-            lk.pending = true;
+            let was = std::mem::replace(&mut lk.pending, true);
+            if !was {
+                self.stealers_look(m);
+            }
         }
         if var.pv != PvMode::Off && self.waits_early(v) {
+            self.vms[m].report.early_waits += 1;
             self.wait(v);
             return;
         }
@@ -923,12 +963,53 @@ impl Sim {
             vc.on_cpu && vc.act == Act::Spin && var.pv != PvMode::Off
         });
         self.vms[m].lock.pending = spinning.is_some();
+        if spinning.is_some() || self.vms[m].lock.queue.is_empty() {
+            self.stealers_look(m);
+        }
         if let Some(n) = spinning {
             let vc = &mut self.vcpus[n as usize];
             if !vc.hashed_head {
                 vc.spin_deadline = self.now + self.cost.stock_spin_threshold * self.cost.pause_ns;
             }
             self.arm(n);
+        }
+    }
+
+    /// A stealer of the stock hybrid trylock on a CPU looks at the lock: takes it if free and
+    /// not pending; queues if pending is set or the queue is empty; else spins on.
+    fn steal_check(&mut self, v: u32) {
+        let m = self.vcpus[v as usize].vm as usize;
+        let h = self.cost.handoff_ns[lock_index(self.cfg.variant.lock, self.cfg.variant.guest)];
+        let lk = &mut self.vms[m].lock;
+        if lk.owner.is_none() && !lk.pending {
+            lk.owner = Some(v);
+            lk.spinners.retain(|&w| w != v);
+            if !lk.queue.is_empty() {
+                self.vms[m].report.steals += 1;
+            }
+            self.vcpus[v as usize].stealing = false;
+            self.start(v, Act::Take, h);
+            return;
+        }
+        if lk.pending || lk.queue.is_empty() {
+            lk.spinners.retain(|&w| w != v);
+            lk.queue.push_back(v);
+            self.vcpus[v as usize].stealing = false;
+            self.spin_start(v);
+            return;
+        }
+        self.arm(v);
+    }
+
+    /// Pending was set, or the queue emptied: the stealers on a CPU see it at their next look
+    /// and queue (the others when they run again).
+    fn stealers_look(&mut self, m: usize) {
+        let stealers: Vec<u32> = self.vms[m].lock.spinners.clone();
+        for w in stealers {
+            let vc = &self.vcpus[w as usize];
+            if vc.stealing && vc.on_cpu && vc.act == Act::Spin && vc.busy_until <= self.now {
+                self.steal_check(w);
+            }
         }
     }
 
@@ -1123,6 +1204,7 @@ impl Sim {
         for w in waiters {
             let vc = &self.vcpus[w as usize];
             if w != v && vc.on_cpu && vc.act == Act::Spin && self.waits_early(w) {
+                self.vms[m].report.early_waits += 1;
                 self.wait(w);
             }
         }
@@ -1232,6 +1314,34 @@ impl Sim {
                         }
                     }
                 }
+            }
+        }
+        // The stock hybrid trylock: a stealer spinning on a CPU takes the free lock before a
+        // queue head that is not there yet.
+        if var.guest == Guest::Stock
+            && self.vms[m].lock.owner.is_none()
+            && !self.vms[m].lock.pending
+        {
+            let running: Vec<u32> = self.vms[m]
+                .lock
+                .spinners
+                .iter()
+                .copied()
+                .filter(|&w| {
+                    let wc = &self.vcpus[w as usize];
+                    wc.stealing && wc.on_cpu && wc.act == Act::Spin && wc.busy_until <= self.now
+                })
+                .collect();
+            if !running.is_empty() {
+                let w = running[self.rng.below(running.len())];
+                let vm = &mut self.vms[m];
+                vm.lock.owner = Some(w);
+                vm.lock.spinners.retain(|&x| x != w);
+                if !vm.lock.queue.is_empty() {
+                    vm.report.steals += 1;
+                }
+                self.vcpus[w as usize].stealing = false;
+                self.start(w, Act::Take, h);
             }
         }
         // The pre-wake (`SimConfig::prewake`): the waiters behind the new holder, looked at
@@ -2066,6 +2176,55 @@ mod tests {
             u64::MAX,
             "a hashed head halted again"
         );
+    }
+
+    /// The hybrid unfair trylock (`SimConfig::stock_hybrid_trylock`): an arrival that finds
+    /// the lock held and a halted queue head spins outside the queue (never halting early
+    /// behind the head) and takes the lock at the release; once a head spins with pending
+    /// set, it queues. With one steal attempt it queues at once.
+    #[test]
+    fn a_stock_arrival_spins_to_steal_while_the_queue_head_is_halted() {
+        for hybrid in [true, false] {
+            let mut c = cfg("queued:kick:in-kernel@stock", 3, 100);
+            c.stock_hybrid_trylock = hybrid;
+            let mut sim = Sim::new(c).unwrap();
+            sim.vms[0].lock.owner = Some(2);
+            sim.vms[0].lock.in_cs = true;
+            sim.vcpus[2].act = Act::Cs;
+            sim.vms[0].lock.queue.push_back(0);
+            sim.vcpus[0].act = Act::Halted;
+            sim.vcpus[0].waiting_mark = true;
+            sim.vcpus[1].on_cpu = true;
+            sim.acquire(1);
+            if !hybrid {
+                assert_eq!(sim.vms[0].lock.queue, [0, 1]);
+                assert_eq!(
+                    sim.vcpus[1].act,
+                    Act::WaitExit,
+                    "no early wait behind the head"
+                );
+                continue;
+            }
+            assert_eq!(sim.vms[0].lock.queue, [0], "queued behind a halted head");
+            assert!(sim.vcpus[1].stealing);
+            assert_eq!(sim.vcpus[1].spin_deadline, u64::MAX, "a stealer would halt");
+            sim.release(2);
+            assert_eq!(
+                sim.vms[0].lock.owner,
+                Some(1),
+                "the stealer did not take it"
+            );
+            assert_eq!(sim.vms[0].report.steals, 1);
+            assert_eq!(sim.vms[0].report.kicks, 1, "the SLOW unlock kicks the head");
+            // A head that spins with pending set makes the next arrival queue.
+            let mut sim = stock_held_by_2();
+            sim.vms[0].lock.queue.push_back(0);
+            sim.vms[0].lock.pending = true;
+            sim.vcpus[1].on_cpu = true;
+            sim.acquire(1);
+            assert_eq!(sim.vms[0].lock.queue, [0, 1]);
+            assert!(!sim.vcpus[1].stealing);
+        }
     }
 
     /// `pv_wait_early`: a stock node waiter stops spinning behind a halted predecessor; the

@@ -149,6 +149,10 @@ struct RunArgs {
     /// told `VCPUS_FIT`).
     #[arg(long, default_value_t = pvspin_guest::SpinConfig::DEFAULT_PREWAKE)]
     prewake: u8,
+    /// Simulate the stock guest before 2026-12-02: one steal attempt at slow-path entry, not
+    /// Linux's hybrid unfair trylock (the guest the validation's stock rows measured).
+    #[arg(long)]
+    stock_one_steal: bool,
 }
 
 fn main() -> ExitCode {
@@ -254,6 +258,7 @@ fn run(a: &RunArgs) -> Result<(), String> {
             cfg.bound_ns = a.bound_ms * 1_000_000;
             cfg.early_wait_behind_waking = a.early_wait_behind_waking;
             cfg.prewake = a.prewake;
+            cfg.stock_hybrid_trylock = !a.stock_one_steal;
             let start = std::time::Instant::now();
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
             let wall = start.elapsed().as_secs_f64();
@@ -262,8 +267,10 @@ fn run(a: &RunArgs) -> Result<(), String> {
             let prewakes: u64 = r.vms.iter().map(|v| v.prewakes).sum();
             let boosts: u64 = r.vms.iter().map(|v| v.boosts).sum();
             let bad: u64 = r.vms.iter().map(|v| v.exclusion_violations).sum();
+            let early: u64 = r.vms.iter().map(|v| v.early_waits).sum();
+            let steals: u64 = r.vms.iter().map(|v| v.steals).sum();
             println!(
-                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions, {halts} halts, {kicks} kicks ({prewakes} pre-wakes), {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
+                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions, {halts} halts ({early} waits begun early), {kicks} kicks ({prewakes} pre-wakes), {steals} steals, {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
                 r.guest_seconds(),
                 if r.finished || a.duration_ms.is_some() { "" } else { " (bound)" },
                 r.acquisitions(),

@@ -150,6 +150,8 @@ impl MeasuredRow {
         cfg.seed = seed;
         // Every measured row predates today's MCS waiter (`SimConfig::queued_names_holder`).
         cfg.queued_names_holder = today.is_some();
+        // And today's stock guest's hybrid trylock.
+        cfg.stock_hybrid_trylock = today.is_some();
         match today.or(self.guest_prewake) {
             Some(depth) => {
                 cfg.early_wait_behind_waking = false;
