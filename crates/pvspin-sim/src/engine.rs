@@ -1263,24 +1263,7 @@ impl Sim {
         self.vcpus[v as usize].acq += 1;
         let mut kicked = None;
         match var.lock {
-            LockKind::Tas => {
-                let running: Vec<u32> = vm
-                    .lock
-                    .spinners
-                    .iter()
-                    .copied()
-                    .filter(|&w| {
-                        self.vcpus[w as usize].on_cpu && self.vcpus[w as usize].act == Act::Spin
-                    })
-                    .collect();
-                if !running.is_empty() {
-                    let w = running[self.rng.below(running.len())];
-                    let vm = &mut self.vms[m];
-                    vm.lock.owner = Some(w);
-                    vm.lock.spinners.retain(|&x| x != w);
-                    self.start(w, Act::Take, h);
-                }
-            }
+            LockKind::Tas => self.hand_to_a_running_spinner(m, h),
             _ => {
                 if let Some(&n) = vm.lock.queue.front() {
                     let na = self.vcpus[n as usize].act;
@@ -1322,27 +1305,7 @@ impl Sim {
             && self.vms[m].lock.owner.is_none()
             && !self.vms[m].lock.pending
         {
-            let running: Vec<u32> = self.vms[m]
-                .lock
-                .spinners
-                .iter()
-                .copied()
-                .filter(|&w| {
-                    let wc = &self.vcpus[w as usize];
-                    wc.stealing && wc.on_cpu && wc.act == Act::Spin && wc.busy_until <= self.now
-                })
-                .collect();
-            if !running.is_empty() {
-                let w = running[self.rng.below(running.len())];
-                let vm = &mut self.vms[m];
-                vm.lock.owner = Some(w);
-                vm.lock.spinners.retain(|&x| x != w);
-                if !vm.lock.queue.is_empty() {
-                    vm.report.steals += 1;
-                }
-                self.vcpus[w as usize].stealing = false;
-                self.start(w, Act::Take, h);
-            }
+            self.hand_to_a_running_spinner(m, h);
         }
         // The pre-wake (`SimConfig::prewake`): the waiters behind the new holder, looked at
         // one by one after the new holder's kick, as the guest's unlocker does (each kick on
@@ -1368,6 +1331,33 @@ impl Sim {
             return;
         }
         self.prewake_next(v);
+    }
+
+    /// A free lock goes to a spinner on a CPU, drawn at random: a TAS spinner, or a stealer of
+    /// the stock hybrid trylock that is past its switch-in (the one whose cmpxchg lands first).
+    fn hand_to_a_running_spinner(&mut self, m: usize, h: u64) {
+        let running: Vec<u32> = self.vms[m]
+            .lock
+            .spinners
+            .iter()
+            .copied()
+            .filter(|&w| {
+                let wc = &self.vcpus[w as usize];
+                wc.on_cpu && wc.act == Act::Spin && (!wc.stealing || wc.busy_until <= self.now)
+            })
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        let w = running[self.rng.below(running.len())];
+        let vm = &mut self.vms[m];
+        vm.lock.owner = Some(w);
+        vm.lock.spinners.retain(|&x| x != w);
+        let vc = &mut self.vcpus[w as usize];
+        if std::mem::take(&mut vc.stealing) && !vm.lock.queue.is_empty() {
+            vm.report.steals += 1;
+        }
+        self.start(w, Act::Take, h);
     }
 
     /// The unlocker `v` pays its kick's cost (an exit on the exiting paths).
@@ -2100,10 +2090,15 @@ mod tests {
 
     /// A stock setup of 3 vCPUs with nothing scheduled: vCPU 2 holds the lock.
     fn stock_held_by_2() -> Sim {
-        let mut sim = Sim::new(cfg("queued:kick:in-kernel@stock", 3, 100)).unwrap();
-        sim.vms[0].lock.owner = Some(2);
+        held_by(cfg("queued:kick:in-kernel@stock", 3, 100), 2)
+    }
+
+    /// A setup of `c` with nothing scheduled: vCPU `holder` is in its critical section.
+    fn held_by(c: SimConfig, holder: u32) -> Sim {
+        let mut sim = Sim::new(c).unwrap();
+        sim.vms[0].lock.owner = Some(holder);
         sim.vms[0].lock.in_cs = true;
-        sim.vcpus[2].act = Act::Cs;
+        sim.vcpus[holder as usize].act = Act::Cs;
         sim
     }
 
@@ -2187,10 +2182,7 @@ mod tests {
         for hybrid in [true, false] {
             let mut c = cfg("queued:kick:in-kernel@stock", 3, 100);
             c.stock_hybrid_trylock = hybrid;
-            let mut sim = Sim::new(c).unwrap();
-            sim.vms[0].lock.owner = Some(2);
-            sim.vms[0].lock.in_cs = true;
-            sim.vcpus[2].act = Act::Cs;
+            let mut sim = held_by(c, 2);
             sim.vms[0].lock.queue.push_back(0);
             sim.vcpus[0].act = Act::Halted;
             sim.vcpus[0].waiting_mark = true;
@@ -2270,10 +2262,7 @@ mod tests {
         for today in [true, false] {
             let mut c = cfg("queued:kick/slots:userspace", 5, 100);
             c.queued_names_holder = today;
-            let mut sim = Sim::new(c).unwrap();
-            sim.vms[0].lock.owner = Some(4);
-            sim.vms[0].lock.in_cs = true;
-            sim.vcpus[4].act = Act::Cs;
+            let mut sim = held_by(c, 4);
             sim.vms[0].lock.queue.extend([0, 1, 2, 3]);
             // The successor and the one behind it name whom they wait for either way.
             assert_eq!(sim.named(0), Some(4));
