@@ -8,7 +8,7 @@ use core::sync::atomic::{AtomicU64, AtomicU8 as CoreAtomicU8, Ordering as CoreOr
 
 use crate::pv_queued::McsNode;
 use crate::pv_ticket::TicketWaitSlot;
-use crate::sync::{spin_loop, AtomicU32 as SyncU32, AtomicU8};
+use crate::sync::{spin_loop, AtomicU64 as SyncU64, AtomicU8, Ordering as SyncOrdering};
 #[cfg(not(loom))]
 use crate::RawSpinLock;
 
@@ -201,6 +201,10 @@ impl core::error::Error for PvConfigError {}
 
 /// The most vCPUs a [`PvDomain`] may have.
 pub const MAX_CPUS: usize = 4096;
+
+/// Words of a domain's halted-CPU bitmap: one bit per CPU (loom models stay within 64 CPUs,
+/// and each loom atomic costs the model).
+const HALTED_WORDS: usize = if cfg!(loom) { 1 } else { MAX_CPUS / 64 };
 
 /// When a waiter stops spinning and halts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -477,10 +481,11 @@ pub struct PvDomain<O, const N: usize> {
     cpus: [PvCpu; N],
     /// Slow-path entries by a CPU whose id was not below `N` (it spins instead of halting).
     bad_cpu: AtomicU64,
-    /// CPUs that published a halt on a PV ticket lock and have not come back: an unlocker
-    /// scans the wait slots for one to kick only when this is non-zero (part of the halt/kick
-    /// handshake, so a loom atomic under loom).
-    halting: SyncU32,
+    /// One bit per CPU that published a halt on a PV ticket lock and has not come back
+    /// (Linux's old pv ticketlock kept the same set, `waiting_cpus`): an unlocker looks at the
+    /// wait slots of these CPUs only, so an unlock reads `N / 64` words and the slots of the
+    /// halted, not all `N` slots (part of the halt/kick handshake, so loom atomics under loom).
+    halted: [SyncU64; HALTED_WORDS],
 }
 
 impl<O, const N: usize> PvDomain<O, N> {
@@ -488,7 +493,7 @@ impl<O, const N: usize> PvDomain<O, N> {
         if N == 0 {
             return Err(PvConfigError::NoCpus);
         }
-        if N > MAX_CPUS {
+        if N > MAX_CPUS || N > HALTED_WORDS * 64 {
             return Err(PvConfigError::TooManyCpus);
         }
         match config.validate() {
@@ -515,7 +520,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             prewake: core::sync::atomic::AtomicU8::new(config.prewake),
             cpus: [const { PvCpu::new() }; N],
             bad_cpu: AtomicU64::new(0),
-            halting: SyncU32::new(0),
+            halted: [const { SyncU64::new(0) }; HALTED_WORDS],
         }
     }
 
@@ -532,7 +537,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             prewake: core::sync::atomic::AtomicU8::new(config.prewake),
             cpus: core::array::from_fn(|_| PvCpu::new()),
             bad_cpu: AtomicU64::new(0),
-            halting: SyncU32::new(0),
+            halted: core::array::from_fn(|_| SyncU64::new(0)),
         }
     }
 
@@ -549,7 +554,7 @@ impl<O, const N: usize> PvDomain<O, N> {
             config: self.config(),
             cpus: &self.cpus,
             bad_cpu: &self.bad_cpu,
-            halting: &self.halting,
+            halted: &self.halted[..N.div_ceil(64)],
         }
     }
 
@@ -604,7 +609,8 @@ pub struct Pv<'a, O> {
     pub(crate) config: SpinConfig,
     pub(crate) cpus: &'a [PvCpu],
     bad_cpu: &'a AtomicU64,
-    pub(crate) halting: &'a SyncU32,
+    /// The domain's halted-CPU bitmap, the words that hold its `N` CPUs.
+    pub(crate) halted: &'a [SyncU64],
 }
 
 impl<O> Clone for Pv<'_, O> {
@@ -714,6 +720,30 @@ impl<O: PvOps> Pv<'_, O> {
             self.ops.spin_notify(&wait(since));
         }
         false
+    }
+
+    /// Marks CPU `id` (below `N`) halted on a PV ticket lock, after its wait slot says so.
+    /// SeqCst: the halt/kick handshake orders it before the waiter's re-check of `owner`.
+    pub(crate) fn mark_halted(&self, id: u32) {
+        let (word, bit) = (id as usize / 64, id % 64);
+        if let Some(word) = self.halted.get(word) {
+            word.fetch_or(1 << bit, SyncOrdering::SeqCst);
+        }
+    }
+
+    /// Clears CPU `id`'s halted bit: it runs again.
+    pub(crate) fn clear_halted(&self, id: u32) {
+        let (word, bit) = (id as usize / 64, id % 64);
+        if let Some(word) = self.halted.get(word) {
+            word.fetch_and(!(1 << bit), SyncOrdering::Relaxed);
+        }
+    }
+
+    /// Whether some CPU of the domain is marked halted (after the unlocker's fence).
+    pub(crate) fn any_halted(&self) -> bool {
+        self.halted
+            .iter()
+            .any(|word| word.load(SyncOrdering::Acquire) != 0)
     }
 
     /// This CPU's id and state, or `None` (counted) if the backend's id is out of range.

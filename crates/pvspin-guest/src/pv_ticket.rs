@@ -11,9 +11,11 @@
 //!    (spurious) spin again.
 //!
 //! Unlocker: `owner = t` (Release); `fence(SeqCst)`; if some CPU drew ticket `t` (`next != t`)
-//! and some CPU of the domain is halting (a counter waiters raise after step 1, before the
-//! fence, and lower when they run again), scan the slots for one that is HALTED on {lock, t};
-//! `cmpxchg(HALTED -> KICKED)` and kick it.
+//! and some CPU of the domain is marked halted (a bitmap, one bit per CPU, that waiters set
+//! after step 1, before the fence, and clear when they run again: Linux's old pv ticketlock
+//! kept the same set), look at the slots of the marked CPUs only for one that is HALTED on
+//! {lock, t}; `cmpxchg(HALTED -> KICKED)` and kick it. So an unlock reads `N / 64` words and
+//! the slots of the halted CPUs, not all `N` slots.
 //!
 //! The two fences order "waiter publishes HALTED, then reads owner" against "unlocker writes
 //! owner, then reads the slot": at least one side sees the other's write, so either the waiter
@@ -230,7 +232,7 @@ impl PvTicketLock {
             if spin.spin_phase(pv, &self.owner, ticket, wait) {
                 return;
             }
-            let Some((_, cpu)) = me else {
+            let Some((id, cpu)) = me else {
                 continue;
             };
             cpu.stats.slowpath();
@@ -238,18 +240,18 @@ impl PvTicketLock {
             slot.lock.store(self.id(), Ordering::Relaxed);
             slot.ticket.store(ticket, Ordering::Relaxed);
             slot.state.store(HALTED, Ordering::Release);
-            // Counted after the slot says HALTED: an unlocker that sees the count sees the slot.
-            pv.halting.fetch_add(1, Ordering::SeqCst);
+            // Marked after the slot says HALTED: an unlocker that sees the bit sees the slot.
+            pv.mark_halted(id);
             full_fence();
             if self.owner.load(Ordering::Acquire) == ticket {
                 slot.state.store(RUNNING, Ordering::Relaxed);
-                pv.halting.fetch_sub(1, Ordering::Relaxed);
+                pv.clear_halted(id);
                 return;
             }
             cpu.stats.halt();
             pv.ops.wait_for(&slot.state, HALTED, &wait(0));
             slot.state.store(RUNNING, Ordering::Relaxed);
-            pv.halting.fetch_sub(1, Ordering::Relaxed);
+            pv.clear_halted(id);
             if self.owner.load(Ordering::Acquire) == ticket {
                 return;
             }
@@ -287,20 +289,28 @@ impl PvTicketLock {
         let mut found = [None; 1 + SpinConfig::MAX_PREWAKE as usize];
         let wanted = 1 + usize::from(prewake.min(SpinConfig::MAX_PREWAKE));
         let mut missing = wanted;
-        for (index, cpu) in pv.cpus.iter().enumerate() {
-            let slot = &cpu.ticket;
-            if slot.state.load(Ordering::Acquire) != HALTED
-                || slot.lock.load(Ordering::Relaxed) != id
-            {
-                continue;
-            }
-            let behind = slot.ticket.load(Ordering::Relaxed).wrapping_sub(served) as usize;
-            // Exactly one CPU holds each ticket.
-            if behind < wanted && found[behind].is_none() {
-                found[behind] = Some(index);
-                missing -= 1;
-                if missing == 0 {
-                    break;
+        // Only the CPUs marked halted: their slots, not all N.
+        'scan: for (word_index, word) in pv.halted.iter().enumerate() {
+            let mut bits = word.load(Ordering::Acquire);
+            while bits != 0 {
+                let index = word_index * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let Some(slot) = pv.cpus.get(index).map(|cpu| &cpu.ticket) else {
+                    continue;
+                };
+                if slot.state.load(Ordering::Acquire) != HALTED
+                    || slot.lock.load(Ordering::Relaxed) != id
+                {
+                    continue;
+                }
+                let behind = slot.ticket.load(Ordering::Relaxed).wrapping_sub(served) as usize;
+                // Exactly one CPU holds each ticket.
+                if behind < wanted && found[behind].is_none() {
+                    found[behind] = Some(index);
+                    missing -= 1;
+                    if missing == 0 {
+                        break 'scan;
+                    }
                 }
             }
         }
@@ -395,12 +405,12 @@ unsafe impl RawPvLock for PvTicketLock {
         full_fence();
         // Nobody has drawn ticket `served` yet: whoever draws it will see `owner == served`
         // (the fences order our `owner` store before its re-check), so nobody needs a kick.
-        // Nobody halting anywhere: the same fences order our `owner` store against a waiter's
-        // count, so a waiter that is not counted yet re-checks `owner` after it is, and does
+        // Nobody marked halted: the same fences order our `owner` store against a waiter's
+        // mark, so a waiter that is not marked yet re-checks `owner` after it is, and does
         // not halt. This keeps the slot scan off every contended unlock that needs no kick
         // (at native speed, most of them).
         if self.next.load(Ordering::Relaxed) != served {
-            if pv.halting.load(Ordering::Acquire) != 0 {
+            if pv.any_halted() {
                 let prewake = if pv.ops.vcpus_fit() {
                     pv.config.prewake
                 } else {
@@ -549,6 +559,54 @@ mod tests {
             assert_eq!((stats.kicks, stats.no_kick), (1, 0), "{stats:?}");
         }
         assert_eq!(domain.ops().stats().kicks, stats.kicks);
+    }
+
+    /// The unlocker finds a halted waiter through the halted-CPU bitmap, also past the first
+    /// word, and the waiter clears its bit when it runs again.
+    #[test]
+    fn a_halted_waiter_is_found_through_its_bit_past_the_first_word() {
+        const WAITER: u32 = 137;
+        let domain: Arc<PvDomain<HostPvOps<200>, 200>> =
+            Arc::new(PvDomain::new(HostPvOps::new(), small()));
+        let lock = Arc::new(PvTicketLock::new());
+        bind_current_thread(0);
+        lock.lock(domain.pv());
+        let waiter = {
+            let (domain, lock) = (domain.clone(), lock.clone());
+            std::thread::spawn(move || {
+                bind_current_thread(WAITER);
+                lock.lock(domain.pv());
+                // SAFETY: this thread holds the lock.
+                unsafe { lock.unlock(domain.pv()) };
+            })
+        };
+        let mut tries = 0;
+        while domain.ops().parked(WAITER) == 0 {
+            tries += 1;
+            assert!(tries < 20_000, "the waiter never halted");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        let words: std::vec::Vec<u64> = domain
+            .pv()
+            .halted
+            .iter()
+            .map(|w| w.load(Ordering::SeqCst))
+            .collect();
+        assert_eq!(
+            words,
+            [0, 0, 1 << (WAITER - 128), 0],
+            "one word per 64 CPUs"
+        );
+        // SAFETY: the main thread holds the lock.
+        unsafe { lock.unlock(domain.pv()) };
+        waiter.join().unwrap();
+        assert_eq!(domain.ops().kicks_to(WAITER), 1);
+        assert!(domain
+            .pv()
+            .halted
+            .iter()
+            .all(|w| w.load(Ordering::SeqCst) == 0));
+        assert_eq!(domain.ops().stats().timeouts, 0);
     }
 
     #[test]

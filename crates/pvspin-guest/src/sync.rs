@@ -8,9 +8,9 @@
 #[cfg(all(not(loom), not(target_arch = "x86_64")))]
 use core::sync::atomic::fence;
 #[cfg(not(loom))]
-pub use core::sync::atomic::{AtomicU32, AtomicU8, AtomicUsize, Ordering};
+pub use core::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 #[cfg(loom)]
-pub use loom::sync::atomic::{fence, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// One iteration of a spin-wait loop (PAUSE on x86; a yield point under loom).
 #[inline(always)]
