@@ -336,10 +336,12 @@ mod tests_common {
         assert_eq!(host.kicks, stats.kicks, "{stats:?}");
         assert_eq!(host.timeouts, 0);
         if fit && depth > 0 {
-            // CPU 0's unlock kicked CPU 1 and the `depth` CPUs behind it (three at most are
-            // queued behind CPU 1); what follows depends on timing (a pre-woken CPU may halt
-            // again before its turn, and then is kicked again).
-            assert!(stats.prewakes >= u64::from(depth.min(3)), "{stats:?}");
+            // CPU 0's unlock kicks CPU 1 and then the `depth` CPUs behind it, but CPU 1 may
+            // run, take the lock and unlock before CPU 0 gets to them (a loaded host), and then
+            // CPU 1's unlock kicks the next owner and pre-wakes instead: some unlock
+            // pre-woke, and every waiter was kicked. What follows depends on timing too (a
+            // pre-woken CPU may halt again before its turn, and then is kicked again).
+            assert!(stats.prewakes >= 1, "{stats:?}");
             for cpu in 1..5 {
                 assert!(domain.ops().inner.kicks_to(cpu) >= 1, "cpu {cpu}");
             }

@@ -535,15 +535,7 @@ mod tests {
         let lock = Arc::new(PvTicketLock::new());
         bind_current_thread(0);
         lock.lock(domain.pv());
-        let waiter = {
-            let (domain, lock) = (domain.clone(), lock.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(1);
-                lock.lock(domain.pv());
-                // SAFETY: this thread holds the lock.
-                unsafe { lock.unlock(domain.pv()) };
-            })
-        };
+        let waiter = spawn_taker(&domain, &lock, 1);
         while lock.queue_len() != 2 {
             std::thread::yield_now();
         }
@@ -561,6 +553,21 @@ mod tests {
         assert_eq!(domain.ops().stats().kicks, stats.kicks);
     }
 
+    /// A thread on CPU `cpu` that takes `lock` once and releases it.
+    fn spawn_taker<O: PvOps + Send + Sync + 'static, const N: usize>(
+        domain: &Arc<PvDomain<O, N>>,
+        lock: &Arc<PvTicketLock>,
+        cpu: u32,
+    ) -> std::thread::JoinHandle<()> {
+        let (domain, lock) = (domain.clone(), lock.clone());
+        std::thread::spawn(move || {
+            bind_current_thread(cpu);
+            lock.lock(domain.pv());
+            // SAFETY: this thread holds the lock.
+            unsafe { lock.unlock(domain.pv()) };
+        })
+    }
+
     /// The unlocker finds a halted waiter through the halted-CPU bitmap, also past the first
     /// word, and the waiter clears its bit when it runs again.
     #[test]
@@ -571,15 +578,7 @@ mod tests {
         let lock = Arc::new(PvTicketLock::new());
         bind_current_thread(0);
         lock.lock(domain.pv());
-        let waiter = {
-            let (domain, lock) = (domain.clone(), lock.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(WAITER);
-                lock.lock(domain.pv());
-                // SAFETY: this thread holds the lock.
-                unsafe { lock.unlock(domain.pv()) };
-            })
-        };
+        let waiter = spawn_taker(&domain, &lock, WAITER);
         let mut tries = 0;
         while domain.ops().parked(WAITER) == 0 {
             tries += 1;
