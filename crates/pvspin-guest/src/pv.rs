@@ -364,9 +364,10 @@ pub struct PvStatsSnapshot {
     /// Stock queued lock: node waits that stopped spinning and halted early because the
     /// predecessor's node was not running (Linux's `pv_wait_early`).
     pub wait_early: u64,
-    /// Stock queued lock: queue-head spins cut short because the vCPU that handed over the
-    /// queue head (the holder, unless the lock was stolen) was preempted
-    /// ([`PvOps::vcpu_is_preempted`]).
+    /// Stock queued lock: preemptions that cut a queue head's spin short, of the vCPU that
+    /// handed it the queue head (the holder, unless the lock was stolen;
+    /// [`PvOps::vcpu_is_preempted`]). Counted once however many rounds in a row it cuts short
+    /// (until 2026-12 each round counted: millions per run).
     pub preempted: u64,
     /// pvspin locks: spin phases that found the vCPU waited for not running but just kicked
     /// ([`SpinWait::waking`]) while the host said the VM's vCPUs fit its CPUs

@@ -644,6 +644,9 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
         }
         // Hashed already by the hand-over (which also marked the lock SLOW).
         let mut hashed = node.state.load(Ordering::Relaxed) == HASHED;
+        // Whether the last round was cut short too: a hashed head re-enters its spin at once
+        // while the vCPU stays preempted, and that is one preemption seen, not one per round.
+        let mut was_preempted = false;
         loop {
             node.state.store(RUNNING, Ordering::Relaxed);
             self.pending.store(1, Ordering::Relaxed);
@@ -663,9 +666,10 @@ impl<F: QueuedFlavor> PvQueuedLock<F> {
                 spin_loop();
             }
             self.pending.store(0, Ordering::Relaxed);
-            if preempted {
+            if preempted && !was_preempted {
                 cpu.stats.preempted();
             }
+            was_preempted = preempted;
             if !hashed {
                 hashed = true;
                 cpu.stats.slowpath();
@@ -1049,8 +1053,13 @@ mod tests {
 
     impl<const N: usize> Preempting<N> {
         fn new() -> Self {
+            Self::with_spurious_every(0)
+        }
+
+        /// Every `every`-th wait returns at once (0: never), as [`HostPvOps`]'s.
+        fn with_spurious_every(every: u64) -> Self {
             Self {
-                inner: HostPvOps::new(),
+                inner: HostPvOps::with_spurious_every(every),
                 preempted: std::sync::atomic::AtomicU32::new(0),
             }
         }
@@ -1308,68 +1317,117 @@ mod tests {
         assert_eq!(domain.ops().inner.stats().kicks, stats.kicks);
     }
 
+    /// Thread 1 holds the lock and stays preempted; thread 2, the queue head it handed over to,
+    /// spins behind it. Until `release`, 1 keeps the lock; the caller's unlock (the main
+    /// thread held the lock first) hands it to 1.
+    struct PreemptedHolder {
+        domain: Arc<PvDomain<Preempting<3>, 3>>,
+        lock: Arc<StockQueuedLock>,
+        release: Arc<std::sync::atomic::AtomicBool>,
+        threads: [std::thread::JoinHandle<()>; 2],
+    }
+
+    impl PreemptedHolder {
+        fn new(spurious_every: u64) -> Self {
+            let config = SpinConfig {
+                spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
+                halt: true,
+                prewake: SpinConfig::DEFAULT_PREWAKE,
+            };
+            let domain = Arc::new(PvDomain::new(
+                Preempting::with_spurious_every(spurious_every),
+                config,
+            ));
+            let lock = Arc::new(StockQueuedLock::new_stock());
+            let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            bind_current_thread(0);
+            lock.lock(domain.pv());
+            let holder = {
+                let (d, l, r) = (domain.clone(), lock.clone(), release.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(1);
+                    l.lock(d.pv());
+                    while !r.load(std::sync::atomic::Ordering::SeqCst) {
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                    // SAFETY: this thread holds the lock.
+                    unsafe { l.unlock(d.pv()) };
+                })
+            };
+            eventually("1 never became the queue head", || {
+                lock.pending.load(Ordering::SeqCst) == 1
+            });
+            let waiter = {
+                let (d, l) = (domain.clone(), lock.clone());
+                std::thread::spawn(move || {
+                    bind_current_thread(2);
+                    l.lock(d.pv());
+                    // SAFETY: this thread holds the lock.
+                    unsafe { l.unlock(d.pv()) };
+                })
+            };
+            eventually("2 never queued behind 1", || {
+                domain.pv().cpus[1]
+                    .nodes
+                    .iter()
+                    .any(|n| n.next.load(Ordering::SeqCst) != NONE)
+            });
+            domain
+                .ops()
+                .preempted
+                .store(1 << 1, std::sync::atomic::Ordering::SeqCst);
+            Self {
+                domain,
+                lock,
+                release,
+                threads: [holder, waiter],
+            }
+        }
+
+        /// Lets 1 unlock and both threads finish.
+        fn finish(self) -> Arc<PvDomain<Preempting<3>, 3>> {
+            self.release
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            for thread in self.threads {
+                thread.join().unwrap();
+            }
+            assert!(!self.lock.is_locked());
+            self.domain
+        }
+    }
+
     /// The queue head stops spinning when the vCPU that handed it the queue head (the holder)
     /// is preempted, marks the lock SLOW and halts; the holder's unlock kicks it.
     #[test]
     fn stock_head_stops_spinning_when_the_holder_is_preempted() {
-        use std::sync::atomic::AtomicBool;
-        let config = SpinConfig {
-            spin_threshold: SpinConfig::MAX_SPIN_THRESHOLD,
-            halt: true,
-            prewake: SpinConfig::DEFAULT_PREWAKE,
-        };
-        let domain: Arc<PvDomain<Preempting<3>, 3>> =
-            Arc::new(PvDomain::new(Preempting::new(), config));
-        let lock = Arc::new(StockQueuedLock::new_stock());
-        let release = Arc::new(AtomicBool::new(false));
-        bind_current_thread(0);
-        lock.lock(domain.pv());
-        let holder = {
-            let (d, l, r) = (domain.clone(), lock.clone(), release.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(1);
-                l.lock(d.pv());
-                while !r.load(std::sync::atomic::Ordering::SeqCst) {
-                    std::thread::sleep(std::time::Duration::from_micros(100));
-                }
-                // SAFETY: this thread holds the lock.
-                unsafe { l.unlock(d.pv()) };
-            })
-        };
-        eventually("1 never became the queue head", || {
-            lock.pending.load(Ordering::SeqCst) == 1
-        });
-        let waiter = {
-            let (d, l) = (domain.clone(), lock.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(2);
-                l.lock(d.pv());
-                // SAFETY: this thread holds the lock.
-                unsafe { l.unlock(d.pv()) };
-            })
-        };
-        eventually("2 never queued behind 1", || {
-            domain.pv().cpus[1]
-                .nodes
-                .iter()
-                .any(|n| n.next.load(Ordering::SeqCst) != NONE)
-        });
-        domain
-            .ops()
-            .preempted
-            .store(1 << 1, std::sync::atomic::Ordering::SeqCst);
+        let scene = PreemptedHolder::new(0);
+        let (domain, lock) = (&scene.domain, &scene.lock);
         // 1 takes the lock and hands the queue head to 2, which sees 1 preempted.
         // SAFETY: the main thread holds the lock.
         unsafe { lock.unlock(domain.pv()) };
         eventually("2 never halted", || domain.ops().inner.parked(2) == 1);
         assert_eq!(domain.cpu_stats(2).unwrap().preempted, 1);
         assert_eq!(lock.locked.load(Ordering::SeqCst), SLOW);
-        release.store(true, std::sync::atomic::Ordering::SeqCst);
-        holder.join().unwrap();
-        waiter.join().unwrap();
-        assert!(!lock.is_locked());
+        let domain = scene.finish();
         assert_eq!(domain.cpu_stats(1).unwrap().kicks, 1);
         assert_eq!(domain.ops().inner.kicks_to(2), 1);
         assert_eq!(domain.ops().inner.stats().timeouts, 0);
+    }
+
+    /// A head whose wait keeps returning (here every wait is spurious) while the holder stays
+    /// preempted goes round its loop again and again, each round cut short at once: one
+    /// preemption seen, counted once.
+    #[test]
+    fn stock_head_counts_a_long_preemption_once() {
+        let scene = PreemptedHolder::new(1);
+        let domain = &scene.domain;
+        // SAFETY: the main thread holds the lock.
+        unsafe { scene.lock.unlock(domain.pv()) };
+        eventually("2 never went round 100 times", || {
+            domain.cpu_stats(2).unwrap().spurious >= 100
+        });
+        assert_eq!(domain.cpu_stats(2).unwrap().preempted, 1);
+        let domain = scene.finish();
+        assert_eq!(domain.cpu_stats(2).unwrap().preempted, 1);
     }
 }
