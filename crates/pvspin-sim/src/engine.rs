@@ -1825,6 +1825,31 @@ mod tests {
         c
     }
 
+    /// A thread woken onto another CPU (its own is busy, the other idle) carries its place in
+    /// the old queue, not the old queue's clock: its vruntime moves by the difference of the
+    /// two queues' `min_vruntime`, as the kernel's migration and the pulls here do.
+    #[test]
+    fn a_thread_woken_onto_another_cpu_keeps_its_lag_not_the_old_clock() {
+        let mut sim = Sim::new(cfg("ticket:kick", 2, 100)).unwrap();
+        // Thread 0 blocked, last on CPU 0, 1 ms ahead of CPU 0's minimum; thread 1 runs on
+        // CPU 0; CPU 1 is idle, its clock far behind.
+        sim.threads[0].state = TState::Blocked;
+        sim.threads[0].cpu = 0;
+        sim.threads[0].vruntime = 50_000_000;
+        sim.threads[1].state = TState::Running;
+        sim.threads[1].cpu = 0;
+        sim.cpus[0].curr = Some(1);
+        sim.cpus[0].min_vruntime = 49_000_000;
+        sim.cpus[1].curr = None;
+        sim.cpus[1].min_vruntime = 3_000_000;
+        sim.idle.clear();
+        sim.idle.insert(1);
+        sim.make_runnable(0);
+        assert_eq!(sim.threads[0].cpu, 1);
+        // 1 ms ahead of its old queue's minimum, so 1 ms ahead of the new one's.
+        assert_eq!(sim.threads[0].vruntime, 4_000_000);
+    }
+
     /// Every variant, overcommitted: each acquisition counted once per vCPU and in total, no
     /// two vCPUs ever inside the critical section, every run finished (no lost wake-up: a
     /// qspinlock queue head once halted on a free lock here).

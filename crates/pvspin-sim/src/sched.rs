@@ -7,8 +7,9 @@
 //! min_granularity)`, to the leftmost queued thread. A thread that wakes is placed at
 //! `max(its vruntime, min_vruntime - latency / 2)` (the sleeper credit of
 //! `GENTLE_FAIR_SLEEPERS`) on its previous CPU if idle, else on an idle CPU, else on its
-//! previous CPU, and preempts the running thread when that one's vruntime is ahead by more
-//! than the wake-up granularity. An idle CPU pulls the leftmost thread of the busiest queue;
+//! previous CPU (its vruntime made relative to the new CPU's `min_vruntime` when it moves, as
+//! on every migration), and preempts the running thread when that one's vruntime is ahead by
+//! more than the wake-up granularity. An idle CPU pulls the leftmost thread of the busiest queue;
 //! every `balance_ns` the busiest and idlest CPUs are evened out.
 //!
 //! cgroup CPU quota: the threads of a VM with a CPU limit share one group; once the group ran
@@ -128,11 +129,21 @@ impl Sim {
                 .copied()
                 .unwrap_or(prev)
         };
+        // Woken onto another CPU: its vruntime, relative to the old queue's, is made relative
+        // to the new one's, as the kernel does when a task migrates (as pulls and balancing do
+        // here); else a thread that ran on a busier queue would wait behind a hog far longer.
+        let vr = self.threads[tid as usize].vruntime;
+        let vr = if cpu == prev {
+            vr
+        } else {
+            vr - self.cpus[prev as usize].min_vruntime.min(vr)
+                + self.cpus[cpu as usize].min_vruntime
+        };
         let credit = self.cpus[cpu as usize]
             .min_vruntime
             .saturating_sub(self.latency / 2);
         let t = &mut self.threads[tid as usize];
-        t.vruntime = t.vruntime.max(credit);
+        t.vruntime = vr.max(credit);
         t.cpu = cpu;
         self.enqueue(cpu, tid, true);
     }
