@@ -423,6 +423,9 @@ pub struct CaseResult {
     pub per_vm_cpu: Vec<Vec<f64>>,
     /// Ping-pong runs: each run's kick-to-wake latency.
     pub kick_to_wake: Vec<LatencySummary>,
+    /// Each run's share of the host's CPU time that the hypervisor below took (steal time in
+    /// `/proc/stat`), `None` where it could not be read; in step with `seconds`.
+    pub host_steal: Vec<Option<f64>>,
 }
 
 /// The median of `values` (0 for none).
@@ -447,6 +450,7 @@ impl CaseResult {
             per_vm_seconds: Vec::new(),
             per_vm_cpu: Vec::new(),
             kick_to_wake: Vec::new(),
+            host_steal: Vec::new(),
         }
     }
 
@@ -474,6 +478,24 @@ impl CaseResult {
     /// The slowest run (0 for none): the tail the median hides.
     pub fn slowest(&self) -> f64 {
         self.seconds.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// The host's steal during the runs, where it was read and any was seen: (median, most,
+    /// the slowest run's if read). Nested hosts lose CPU to the hypervisor below at times;
+    /// this tells a slow run that lost it from one that did not.
+    pub fn host_steal_summary(&self) -> Option<(f64, f64, Option<f64>)> {
+        let read: Vec<f64> = self.host_steal.iter().flatten().copied().collect();
+        let most = read.iter().copied().fold(0.0, f64::max);
+        if read.is_empty() || most < 0.001 {
+            return None;
+        }
+        let slowest = self
+            .seconds
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .and_then(|(i, _)| self.host_steal.get(i).copied().flatten());
+        Some((median_of(&read), most, slowest))
     }
 
     /// Per percentile (min, p50, p90, p99, max), the median over the runs' kick-to-wake
@@ -589,6 +611,17 @@ impl fmt::Display for BenchTable {
                     "    kick-to-wake us, median of the runs: min {min:.1}  p50 {p50:.1}  p90 {p90:.1}  p99 {p99:.1}  max {max:.1}; worst run's max {worst:.1}"
                 )?;
             }
+            if let Some((median, most, slowest)) = case.host_steal_summary() {
+                let slowest = slowest.map_or(String::new(), |s| {
+                    format!("; the slowest run's {:.1}%", s * 100.0)
+                });
+                writeln!(
+                    f,
+                    "    host CPU taken by the hypervisor below (steal) during the runs: median {:.1}%, most {:.1}%{slowest}",
+                    median * 100.0,
+                    most * 100.0
+                )?;
+            }
             let total_cpu: f64 = case.per_vm_cpu.iter().map(|c| median_of(c)).sum();
             for (i, (secs, cpu)) in case.per_vm_seconds.iter().zip(&case.per_vm_cpu).enumerate() {
                 let share = if total_cpu > 0.0 {
@@ -671,6 +704,48 @@ impl Drop for Progress {
         if let Some(bar) = &self.0 {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// The host's CPU time so far, from the first line of `/proc/stat`, in clock ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HostCpuTimes {
+    /// Time the hypervisor below ran something else while this host's CPUs wanted to run.
+    steal: u64,
+    /// All of it: user, nice, system, idle, iowait, irq, softirq and steal.
+    total: u64,
+}
+
+impl HostCpuTimes {
+    /// Now; `None` where `/proc/stat` cannot be read or has no steal column.
+    pub(crate) fn read() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        (fields.len() == 8).then(|| Self {
+            steal: fields[7],
+            total: fields.iter().sum(),
+        })
+    }
+
+    /// The share of the host's CPU time stolen between `self` and now.
+    fn steal_since(self) -> Option<f64> {
+        self.share_until(Self::read()?)
+    }
+
+    fn share_until(self, later: Self) -> Option<f64> {
+        let total = later.total.checked_sub(self.total)?;
+        let steal = later.steal.checked_sub(self.steal)?;
+        (total > 0).then(|| steal as f64 / total as f64)
     }
 }
 
@@ -936,6 +1011,7 @@ where
             let case = &mut table.cases[k];
             let name = case.variant.name();
             progress.start(&labels[k], &name, run, options.runs);
+            let steal_before = HostCpuTimes::read();
             let mut record = RunRecord {
                 variant: name,
                 hogs: case.hogs,
@@ -947,6 +1023,7 @@ where
                 vms: Vec::new(),
                 command: options.command.clone(),
                 report: None,
+                host_steal: None,
             };
             if options.vms > 1 {
                 let stopped_before = case.timed_out;
@@ -973,6 +1050,8 @@ where
                 }
             }
             record.guest_seconds = case.seconds.last().copied().unwrap_or(0.0);
+            record.host_steal = steal_before.and_then(|before| before.steal_since());
+            case.host_steal.push(record.host_steal);
             if let Some(json) = &mut json {
                 json.write(&Record::Run(record))?;
             }
@@ -991,6 +1070,52 @@ mod tests {
             seconds: seconds.to_vec(),
             ..CaseResult::new(hogs, Variant::parse(variant).unwrap())
         }
+    }
+
+    #[test]
+    fn host_steal_is_read_from_proc_stat_and_summarized() {
+        let before = HostCpuTimes::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n").unwrap();
+        assert_eq!(
+            before,
+            HostCpuTimes {
+                steal: 35,
+                total: 1000
+            }
+        );
+        let after = HostCpuTimes::parse("cpu  150 0 60 860 10 0 5 115 0 0\n").unwrap();
+        assert_eq!(before.share_until(after), Some(0.4));
+        assert_eq!(
+            after.share_until(before),
+            None,
+            "the counters never go back"
+        );
+        assert_eq!(
+            HostCpuTimes::parse("cpu  1 2 3 4\n"),
+            None,
+            "no steal column"
+        );
+        let mut c = case(0, "ticket:off", &[1.0, 3.0, 2.0]);
+        assert_eq!(c.host_steal_summary(), None, "not read");
+        c.host_steal = vec![Some(0.0), Some(0.0), None];
+        assert_eq!(c.host_steal_summary(), None, "none seen");
+        c.host_steal = vec![Some(0.02), Some(0.2), Some(0.1)];
+        assert_eq!(c.host_steal_summary(), Some((0.1, 0.2, Some(0.2))));
+        let table = BenchTable {
+            title: "t".into(),
+            workload: "lock".into(),
+            vcpus: 2,
+            vms: 1,
+            host_cpus: 2,
+            iterations: 1,
+            cases: vec![c],
+        };
+        let text = table.to_string();
+        assert!(
+            text.contains(
+                "(steal) during the runs: median 10.0%, most 20.0%; the slowest run's 20.0%"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

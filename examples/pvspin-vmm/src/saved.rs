@@ -112,6 +112,10 @@ pub struct RunRecord {
     /// The run's report (single-VM runs that finished).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub report: Option<serde_json::Value>,
+    /// The share of the host's CPU time the hypervisor below took during the run (steal in
+    /// `/proc/stat`); absent where it could not be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_steal: Option<f64>,
 }
 
 /// One VM of a multi-VM run.
@@ -379,6 +383,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Vec<BenchTable>, LoadError> {
 /// Counts `run` in `case`, as the bench did when it ran.
 fn add_run(case: &mut CaseResult, run: &RunRecord) {
     case.seconds.push(run.guest_seconds);
+    case.host_steal.push(run.host_steal);
     if run.timed_out {
         case.timed_out += 1;
     }
@@ -525,6 +530,7 @@ mod tests {
                 "guest_seconds": seconds,
                 "kick_to_wake": {"samples": 10, "min_us": 1.0, "p50_us": 2.0, "p90_us": 3.0, "p99_us": 4.0, "max_us": 5.0}
             })),
+            host_steal: Some(0.05),
         }))
         .unwrap()
     }
