@@ -557,6 +557,22 @@ impl BenchTable {
     }
 }
 
+#[cfg(test)]
+impl BenchTable {
+    /// A table of `cases` for tests: 2 vCPUs per VM on 2 host CPUs.
+    pub(crate) fn for_tests(vms: u32, iterations: u64, cases: Vec<CaseResult>) -> Self {
+        Self {
+            title: "t".into(),
+            workload: "lock".into(),
+            vcpus: 2,
+            vms,
+            host_cpus: 2,
+            iterations,
+            cases,
+        }
+    }
+}
+
 impl fmt::Display for BenchTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.title)?;
@@ -1100,15 +1116,7 @@ mod tests {
         assert_eq!(c.host_steal_summary(), None, "none seen");
         c.host_steal = vec![Some(0.02), Some(0.2), Some(0.1)];
         assert_eq!(c.host_steal_summary(), Some((0.1, 0.2, Some(0.2))));
-        let table = BenchTable {
-            title: "t".into(),
-            workload: "lock".into(),
-            vcpus: 2,
-            vms: 1,
-            host_cpus: 2,
-            iterations: 1,
-            cases: vec![c],
-        };
+        let table = BenchTable::for_tests(1, 1, vec![c]);
         let text = table.to_string();
         assert!(
             text.contains(
@@ -1190,20 +1198,16 @@ mod tests {
 
     #[test]
     fn table_labels_overcommit_and_compares_with_the_first_variant() {
-        let table = BenchTable {
-            title: "t".into(),
-            workload: "lock".into(),
-            vcpus: 2,
-            vms: 1,
-            host_cpus: 2,
-            iterations: 10,
-            cases: vec![
+        let table = BenchTable::for_tests(
+            1,
+            10,
+            vec![
                 case(0, "ticket:off", &[1.0]),
                 case(0, "ticket:kick", &[0.5]),
                 case(4, "ticket:off", &[3.0]),
                 case(4, "ticket:kick", &[0.3]),
             ],
-        };
+        );
         let text = table.to_string();
         assert!(text.contains("case 1x (0 hogs)"), "{text}");
         assert!(text.contains("case 3x (4 hogs)"), "{text}");
@@ -1219,15 +1223,7 @@ mod tests {
         let mut c = case(0, "ticket:kick", &[2.0]);
         c.per_vm_seconds = vec![vec![2.0], vec![1.5]];
         c.per_vm_cpu = vec![vec![3.0], vec![1.0]];
-        let table = BenchTable {
-            title: "t".into(),
-            workload: "lock".into(),
-            vcpus: 2,
-            vms: 2,
-            host_cpus: 2,
-            iterations: 10,
-            cases: vec![c],
-        };
+        let table = BenchTable::for_tests(2, 10, vec![c]);
         let text = table.to_string();
         assert!(text.contains("case 2x (0 hogs)"), "{text}");
         assert!(text.contains("VM 0: guest seconds median 2.0000"), "{text}");

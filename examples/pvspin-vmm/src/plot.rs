@@ -896,15 +896,11 @@ mod tests {
             timed_out,
             ..CaseResult::new(hogs, crate::bench::Variant::parse("ticket:off").unwrap())
         };
-        let table = BenchTable {
-            title: "t".into(),
-            workload: "lock".into(),
-            vcpus: 2,
-            vms: 1,
-            host_cpus: 2,
-            iterations: 10,
-            cases: vec![case(0, &[1.0, 1.2], 0), case(2, &[4.0, 20.0], 1)],
-        };
+        let table = BenchTable::for_tests(
+            1,
+            10,
+            vec![case(0, &[1.0, 1.2], 0), case(2, &[4.0, 20.0], 1)],
+        );
         let labelled = [Labelled {
             label: None,
             table: &table,
