@@ -377,6 +377,33 @@ pub struct BenchOptions {
     pub progress: bool,
     /// The command line, recorded with every run.
     pub command: Vec<String>,
+    /// Runs to try again when the host's own hypervisor took too much of its CPU during them
+    /// (`--max-host-steal`); `None`: every run counts.
+    pub steal_bound: Option<StealBound>,
+}
+
+/// When a run counts despite the host's steal time (`--max-host-steal`, `--steal-retries`).
+///
+/// On a nested host (a cloud VM, a sandbox under Firecracker) the hypervisor below takes CPU
+/// from the whole host at times, and every variant running then is slowed by it, some more
+/// than others (a PV waiter halts, a spinner does not). A run over the bound is recorded as
+/// discarded and run again in its place, so the interleaving of the cases stays as it was.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StealBound {
+    /// The largest share of the host's CPU time (0 to 1) the hypervisor below may take during
+    /// a run that counts.
+    pub max_share: f64,
+    /// How many times one run is tried again; the last try counts whatever its steal, and is
+    /// counted as kept over the bound.
+    pub retries: u32,
+}
+
+impl StealBound {
+    /// Whether a run that saw `steal` (a share of the host's CPU time) is over the bound; a
+    /// run whose steal could not be read is not.
+    pub fn exceeded_by(&self, steal: Option<f64>) -> bool {
+        steal.is_some_and(|s| s > self.max_share)
+    }
 }
 
 /// Why a bench failed.
@@ -426,6 +453,10 @@ pub struct CaseResult {
     /// Each run's share of the host's CPU time that the hypervisor below took (steal time in
     /// `/proc/stat`), `None` where it could not be read; in step with `seconds`.
     pub host_steal: Vec<Option<f64>>,
+    /// Runs discarded and tried again because the host's steal passed `--max-host-steal`.
+    pub rerun_for_steal: u32,
+    /// Runs kept although over `--max-host-steal`, their retries spent.
+    pub kept_over_steal: u32,
 }
 
 /// The median of `values` (0 for none).
@@ -451,7 +482,28 @@ impl CaseResult {
             per_vm_cpu: Vec::new(),
             kick_to_wake: Vec::new(),
             host_steal: Vec::new(),
+            rerun_for_steal: 0,
+            kept_over_steal: 0,
         }
+    }
+
+    /// Adds the runs of `tried` (a scratch case of the same variant and hogs) to this one.
+    fn absorb(&mut self, tried: CaseResult) {
+        self.seconds.extend(tried.seconds);
+        self.timed_out += tried.timed_out;
+        for (per_vm, tried_per_vm) in [
+            (&mut self.per_vm_seconds, tried.per_vm_seconds),
+            (&mut self.per_vm_cpu, tried.per_vm_cpu),
+        ] {
+            if per_vm.len() < tried_per_vm.len() {
+                per_vm.resize(tried_per_vm.len(), Vec::new());
+            }
+            for (all, new) in per_vm.iter_mut().zip(tried_per_vm) {
+                all.extend(new);
+            }
+        }
+        self.kick_to_wake.extend(tried.kick_to_wake);
+        self.host_steal.extend(tried.host_steal);
     }
 
     /// Mean of the runs.
@@ -638,6 +690,13 @@ impl fmt::Display for BenchTable {
                     most * 100.0
                 )?;
             }
+            if case.rerun_for_steal > 0 || case.kept_over_steal > 0 {
+                writeln!(
+                    f,
+                    "    runs tried again because the host's steal passed --max-host-steal: {}; kept over it, retries spent: {}",
+                    case.rerun_for_steal, case.kept_over_steal
+                )?;
+            }
             let total_cpu: f64 = case.per_vm_cpu.iter().map(|c| median_of(c)).sum();
             for (i, (secs, cpu)) in case.per_vm_seconds.iter().zip(&case.per_vm_cpu).enumerate() {
                 let share = if total_cpu > 0.0 {
@@ -751,11 +810,6 @@ impl HostCpuTimes {
             steal: fields[7],
             total: fields.iter().sum(),
         })
-    }
-
-    /// The share of the host's CPU time stolen between `self` and now.
-    fn steal_since(self) -> Option<f64> {
-        self.share_until(Self::read()?)
     }
 
     fn share_until(self, later: Self) -> Option<f64> {
@@ -880,13 +934,23 @@ pub fn run(vm: &VmArgs, options: &BenchOptions) -> Result<BenchTable, BenchError
 
 /// [`run`] with `runner` in place of [`vmm::run`] for the runs in this process (tests feed it
 /// made-up reports).
-pub fn run_with<R>(
+pub fn run_with<R>(vm: &VmArgs, options: &BenchOptions, runner: R) -> Result<BenchTable, BenchError>
+where
+    R: FnMut(&RunConfig) -> Result<RunReport, RunError>,
+{
+    run_with_host_times(vm, options, runner, HostCpuTimes::read)
+}
+
+/// [`run_with`], reading the host's CPU times with `host_times` around every run.
+fn run_with_host_times<R, H>(
     vm: &VmArgs,
     options: &BenchOptions,
     mut runner: R,
+    mut host_times: H,
 ) -> Result<BenchTable, BenchError>
 where
     R: FnMut(&RunConfig) -> Result<RunReport, RunError>,
+    H: FnMut() -> Option<HostCpuTimes>,
 {
     let base = RunConfig {
         echo_console: false,
@@ -1027,49 +1091,79 @@ where
             let case = &mut table.cases[k];
             let name = case.variant.name();
             progress.start(&labels[k], &name, run, options.runs);
-            let steal_before = HostCpuTimes::read();
-            let mut record = RunRecord {
-                variant: name,
-                hogs: case.hogs,
-                case: labels[k].clone(),
-                case_index: k,
-                run,
-                guest_seconds: 0.0,
-                timed_out: false,
-                vms: Vec::new(),
-                command: options.command.clone(),
-                report: None,
-                host_steal: None,
-            };
-            if options.vms > 1 {
-                let stopped_before = case.timed_out;
-                record.vms = run_vms(k, case, options.vms, vm.timeout_ms, &progress)?;
-                record.timed_out = case.timed_out > stopped_before;
-            } else {
-                match runner(&case.variant.config(&base, case.hogs)) {
-                    Ok(report) => {
-                        case.seconds.push(report.guest_seconds);
-                        case.kick_to_wake.extend(report.kick_to_wake.clone());
-                        record.report = serde_json::to_value(&report).ok();
+            for attempt in 0.. {
+                let mut tried = CaseResult::new(case.hogs, case.variant);
+                let steal_before = host_times();
+                let mut record = RunRecord {
+                    variant: name.clone(),
+                    hogs: case.hogs,
+                    case: labels[k].clone(),
+                    case_index: k,
+                    run,
+                    guest_seconds: 0.0,
+                    timed_out: false,
+                    vms: Vec::new(),
+                    command: options.command.clone(),
+                    report: None,
+                    host_steal: None,
+                    discarded_for_steal: false,
+                    over_steal_bound: false,
+                };
+                if options.vms > 1 {
+                    record.vms = run_vms(k, &mut tried, options.vms, vm.timeout_ms, &progress)?;
+                } else {
+                    match runner(&tried.variant.config(&base, tried.hogs)) {
+                        Ok(report) => {
+                            tried.seconds.push(report.guest_seconds);
+                            tried.kick_to_wake.extend(report.kick_to_wake.clone());
+                            record.report = serde_json::to_value(&report).ok();
+                        }
+                        // A collapse is a result, not an error: record the bound.
+                        Err(RunError::Timeout { limit_ms, .. }) => {
+                            progress.note(&format!(
+                                "pvspin-vmm bench: {} with {} hogs stopped by its {limit_ms} ms bound",
+                                record.variant, tried.hogs
+                            ));
+                            tried.seconds.push(limit_ms as f64 / 1000.0);
+                            tried.timed_out += 1;
+                        }
+                        Err(err) => return Err(err.into()),
                     }
-                    // A collapse is a result, not an error: record the bound.
-                    Err(RunError::Timeout { limit_ms, .. }) => {
-                        progress.note(&format!(
-                            "pvspin-vmm bench: {} with {} hogs stopped by its {limit_ms} ms bound",
-                            record.variant, case.hogs
-                        ));
-                        case.seconds.push(limit_ms as f64 / 1000.0);
-                        case.timed_out += 1;
-                        record.timed_out = true;
-                    }
-                    Err(err) => return Err(err.into()),
                 }
-            }
-            record.guest_seconds = case.seconds.last().copied().unwrap_or(0.0);
-            record.host_steal = steal_before.and_then(|before| before.steal_since());
-            case.host_steal.push(record.host_steal);
-            if let Some(json) = &mut json {
-                json.write(&Record::Run(record))?;
+                record.timed_out = tried.timed_out > 0;
+                record.guest_seconds = tried.seconds.last().copied().unwrap_or(0.0);
+                record.host_steal = steal_before
+                    .zip(host_times())
+                    .and_then(|(before, after)| before.share_until(after));
+                tried.host_steal.push(record.host_steal);
+                let over = options
+                    .steal_bound
+                    .filter(|bound| bound.exceeded_by(record.host_steal));
+                if let Some(bound) = over {
+                    if attempt < bound.retries {
+                        progress.note(&format!(
+                            "pvspin-vmm bench: {} with {} hogs, run {}: the host lost {:.1}% of its CPU to steal (bound {:.1}%); running it again",
+                            record.variant,
+                            tried.hogs,
+                            run + 1,
+                            record.host_steal.unwrap_or(0.0) * 100.0,
+                            bound.max_share * 100.0
+                        ));
+                        record.discarded_for_steal = true;
+                        case.rerun_for_steal += 1;
+                        if let Some(json) = &mut json {
+                            json.write(&Record::Run(record))?;
+                        }
+                        continue;
+                    }
+                    record.over_steal_bound = true;
+                    case.kept_over_steal += 1;
+                }
+                case.absorb(tried);
+                if let Some(json) = &mut json {
+                    json.write(&Record::Run(record))?;
+                }
+                break;
             }
             progress.finished_one();
         }
@@ -1124,6 +1218,93 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn runs_over_the_steal_bound_are_run_again_and_saved_as_discarded() {
+        let dir = std::env::temp_dir().join(format!("pvspin-steal-bound-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = dir.join("runs.jsonl");
+        let cli = <crate::cli::Cli as clap::Parser>::try_parse_from([
+            "pvspin-vmm",
+            "bench",
+            "--hogs",
+            "0",
+            "--variants",
+            "ticket:off,ticket:kick",
+        ])
+        .unwrap();
+        let crate::cli::CliCommand::Bench(args) = cli.command else {
+            panic!("expected bench")
+        };
+        let options = BenchOptions {
+            hogs: vec![0],
+            runs: 2,
+            variants: args.variants.clone(),
+            vms: 1,
+            child: None,
+            json_out: Some(json.clone()),
+            progress: false,
+            command: Vec::new(),
+            steal_bound: Some(StealBound {
+                max_share: 0.1,
+                retries: 2,
+            }),
+        };
+        // Steal per try, in the order run (round 1 starts with the second case): off clean;
+        // kick over the bound, then clean; kick over it three times, kept at the third, its
+        // two retries spent; off clean.
+        let mut steal_per_try = [0.0, 0.5, 0.05, 0.3, 0.3, 0.3, 0.0].into_iter();
+        let mut clock = HostCpuTimes { steal: 0, total: 0 };
+        let mut reads = 0;
+        let mut runs = 0;
+        let table = run_with_host_times(
+            &args.vm,
+            &options,
+            |config| {
+                runs += 1;
+                Ok(RunReport::made_up(config, f64::from(runs)))
+            },
+            || {
+                // Even reads end a try: 100 ticks, of which this try's share stolen.
+                reads += 1;
+                if reads % 2 == 0 {
+                    let share = steal_per_try.next().expect("no more tries than scripted");
+                    clock.total += 100;
+                    clock.steal += (share * 100.0) as u64;
+                }
+                Some(clock)
+            },
+        )
+        .unwrap();
+        assert_eq!(runs, 7);
+        let off = &table.cases[0];
+        let kick = &table.cases[1];
+        assert_eq!(off.seconds, [1.0, 7.0]);
+        assert_eq!((off.rerun_for_steal, off.kept_over_steal), (0, 0));
+        assert_eq!(kick.seconds, [3.0, 6.0]);
+        assert_eq!((kick.rerun_for_steal, kick.kept_over_steal), (3, 1));
+        assert_eq!(kick.host_steal, [Some(0.05), Some(0.3)]);
+        let text = table.to_string();
+        assert!(
+            text.contains("steal passed --max-host-steal: 3; kept over it, retries spent: 1"),
+            "{text}"
+        );
+        // Saved, the discarded tries are marked, and the table reads back the same.
+        let saved = std::fs::read_to_string(&json).unwrap();
+        assert_eq!(
+            saved.matches("\"discarded_for_steal\":true").count(),
+            3,
+            "{saved}"
+        );
+        assert_eq!(
+            saved.matches("\"over_steal_bound\":true").count(),
+            1,
+            "{saved}"
+        );
+        let tables = crate::saved::load(&json).unwrap();
+        assert_eq!(tables[0].to_string(), text);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

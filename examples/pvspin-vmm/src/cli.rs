@@ -620,6 +620,16 @@ impl From<StatsFormatArg> for pvspin::TelemetryFormat {
     }
 }
 
+/// `--max-host-steal`: a percentage from 0 to 100.
+fn parse_steal_percent(text: &str) -> Result<f64, String> {
+    match text.trim_end_matches('%').parse::<f64>() {
+        Ok(percent) if (0.0..=100.0).contains(&percent) => Ok(percent),
+        _ => Err(format!(
+            "{text:?}: the steal bound is a percentage of the host's CPU time, from 0 to 100"
+        )),
+    }
+}
+
 /// `bench --runs` when not given.
 pub const DEFAULT_RUNS: u32 = 5;
 
@@ -654,6 +664,21 @@ pub struct BenchArgs {
     /// table again from it). stdout gets the table only.
     #[arg(long, value_name = "PATH")]
     pub json_out: Option<std::path::PathBuf>,
+    /// Count only runs during which the hypervisor below this host took at most PERCENT of
+    /// its CPU time (steal in /proc/stat; nested hosts lose CPU to it at times, and a PV
+    /// waiter more than a spinner): a run over it is saved as discarded and run again in its
+    /// place, at most --steal-retries times [default: every run counts].
+    #[arg(long, value_name = "PERCENT", value_parser = parse_steal_percent)]
+    pub max_host_steal: Option<f64>,
+    /// With --max-host-steal: how many times one run is tried again before it counts anyway
+    /// (the table says how many runs were).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 3,
+        requires = "max_host_steal"
+    )]
+    pub steal_retries: u32,
     /// Draw the table as an SVG plot: each variant's time over its own time at 1x per hog
     /// count, every run shown (ping-pong: kick-to-wake percentiles per variant).
     #[arg(long, value_name = "PATH.svg")]
@@ -944,6 +969,10 @@ where
             && !args.vm.quiet
             && std::io::IsTerminal::is_terminal(&std::io::stderr()),
         command,
+        steal_bound: args.max_host_steal.map(|percent| bench::StealBound {
+            max_share: percent / 100.0,
+            retries: args.steal_retries,
+        }),
     };
     match bench::run_with(&args.vm, &options, runner) {
         Ok(_) if options.child.is_some() => 0,
@@ -1173,6 +1202,26 @@ mod tests {
         assert_eq!(tables.len(), 1);
         assert_eq!(format!("{}\n", tables[0]), stdout);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_steal_bound_is_a_percentage_and_retries_need_it() {
+        let parse =
+            |value: &str| Cli::try_parse_from(["pvspin-vmm", "bench", "--max-host-steal", value]);
+        let CliCommand::Bench(args) = parse("5%").unwrap().command else {
+            panic!("expected bench")
+        };
+        assert_eq!((args.max_host_steal, args.steal_retries), (Some(5.0), 3));
+        let err = parse("150").unwrap_err().to_string();
+        assert!(
+            err.contains("a percentage of the host's CPU time, from 0 to 100"),
+            "{err}"
+        );
+        assert!(parse("-1").is_err());
+        assert!(
+            Cli::try_parse_from(["pvspin-vmm", "bench", "--steal-retries", "2"]).is_err(),
+            "--steal-retries without a bound"
+        );
     }
 
     #[test]

@@ -116,6 +116,13 @@ pub struct RunRecord {
     /// `/proc/stat`); absent where it could not be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_steal: Option<f64>,
+    /// Not counted: the host's steal passed `--max-host-steal`, and the run was tried again
+    /// (the next record of the same case and run is its replacement).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub discarded_for_steal: bool,
+    /// Counted although the host's steal passed `--max-host-steal`: its retries were spent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub over_steal_bound: bool,
 }
 
 /// One VM of a multi-VM run.
@@ -382,6 +389,13 @@ pub fn parse(text: &str, path: &Path) -> Result<Vec<BenchTable>, LoadError> {
 
 /// Counts `run` in `case`, as the bench did when it ran.
 fn add_run(case: &mut CaseResult, run: &RunRecord) {
+    if run.discarded_for_steal {
+        case.rerun_for_steal += 1;
+        return;
+    }
+    if run.over_steal_bound {
+        case.kept_over_steal += 1;
+    }
     case.seconds.push(run.guest_seconds);
     case.host_steal.push(run.host_steal);
     if run.timed_out {
@@ -531,6 +545,8 @@ mod tests {
                 "kick_to_wake": {"samples": 10, "min_us": 1.0, "p50_us": 2.0, "p90_us": 3.0, "p99_us": 4.0, "max_us": 5.0}
             })),
             host_steal: Some(0.05),
+            discarded_for_steal: false,
+            over_steal_bound: false,
         }))
         .unwrap()
     }
