@@ -84,9 +84,23 @@ pub struct SuiteOptions {
     pub extra: Vec<String>,
     /// `kick-latency`: the C probes' directory.
     pub probes: Option<PathBuf>,
+    /// `--max-host-steal` and `--steal-retries`, passed on to every bench of the suite.
+    pub steal_bound: Option<(f64, u32)>,
 }
 
 impl SuiteOptions {
+    /// The bench arguments of `steal_bound` (none without one).
+    fn steal_args(&self) -> Vec<String> {
+        self.steal_bound.map_or(Vec::new(), |(percent, retries)| {
+            vec![
+                "--max-host-steal".into(),
+                percent.to_string(),
+                "--steal-retries".into(),
+                retries.to_string(),
+            ]
+        })
+    }
+
     /// `full`, or `quick` with `--quick`, as an argument.
     fn n(&self, full: u64, quick: u64) -> String {
         if self.quick { quick } else { full }.to_string()
@@ -1054,6 +1068,9 @@ pub fn command(args: &BenchArgs, out: &mut dyn Write) -> i32 {
         build_b: args.build_b.clone(),
         extra: args.suite_args.clone(),
         probes: args.probes.clone(),
+        steal_bound: args
+            .max_host_steal
+            .map(|percent| (percent, args.steal_retries)),
     };
     let result = find(name).and_then(|suite| {
         let steps = suite.plan(&options)?;
@@ -1149,10 +1166,14 @@ fn dry_run(
                             };
                             let _ = writeln!(
                                 text,
-                                "  $ {} bench {} {runs} --json-out {}",
+                                "  $ {} bench {} {runs} --json-out {}{}",
                                 binary_name(*binary),
                                 args.join(" "),
-                                file.display()
+                                file.display(),
+                                options
+                                    .steal_args()
+                                    .iter()
+                                    .fold(String::new(), |all, arg| all + " " + arg)
                             );
                             let _ = writeln!(text, "    variants: {}", variants.join(" "));
                         }
@@ -1581,7 +1602,9 @@ impl Runner {
                 "--plot".into(),
                 svg.to_string_lossy().into_owned(),
             ]
-            .into();
+            .into_iter()
+            .chain(self.options.steal_args())
+            .collect();
             text = self.bench_child(*binary, &resolve(args, sockets), &tail, log)?;
         } else {
             let parts = self.dir.join(format!(".{name}-rounds"));
@@ -1607,7 +1630,9 @@ impl Runner {
                                 "--json-out".into(),
                                 part.to_string_lossy().into_owned(),
                             ]
-                            .into();
+                            .into_iter()
+                            .chain(self.options.steal_args())
+                            .collect();
                             self.bench_child(*binary, &resolve(args, sockets), &tail, log)?;
                             files[k].push(part);
                         }
@@ -2175,6 +2200,26 @@ mod tests {
                 assert!(!dry.is_empty());
             }
         }
+    }
+
+    #[test]
+    fn a_steal_bound_reaches_every_bench_of_the_suite() {
+        let suite = find("convoy").unwrap();
+        let options = SuiteOptions {
+            steal_bound: Some((5.0, 2)),
+            ..SuiteOptions::default()
+        };
+        let steps = suite.plan(&options).unwrap();
+        let mut dry = Vec::new();
+        dry_run(suite, &steps, Path::new("out"), &options, &mut dry).unwrap();
+        let dry = String::from_utf8(dry).unwrap();
+        let benches = dry.lines().filter(|l| l.contains(" bench ")).count();
+        assert!(benches > 0, "{dry}");
+        assert_eq!(
+            dry.matches("--max-host-steal 5 --steal-retries 2").count(),
+            benches,
+            "{dry}"
+        );
     }
 
     #[test]
