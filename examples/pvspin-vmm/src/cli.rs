@@ -457,7 +457,7 @@ pub struct VmArgs {
     /// With --sched slots: how many (0: the CPUs this process may use).
     #[arg(long, default_value_t = 0)]
     pub slots: u32,
-    /// With --sched slots: the quantum in us (default: pvspin's, 2000).
+    /// With --sched slots: the quantum in us (default: pvspin's `SlotConfig::new`, 8000).
     #[arg(long)]
     pub slot_quantum_us: Option<u64>,
     /// With --sched slots on the in-kernel and signal-msi paths: how often the halt watcher
@@ -1047,6 +1047,20 @@ pub(crate) fn print_stdout(text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_quantum_help_names_pvspins_default() {
+        use clap::CommandFactory;
+        let default_us = pvspin::SlotConfig::new(1).quantum.as_micros().to_string();
+        let cli = Cli::command();
+        let run = cli.find_subcommand("run").expect("run");
+        let quantum = run
+            .get_arguments()
+            .find(|a| a.get_id() == "slot_quantum_us")
+            .expect("--slot-quantum-us");
+        let help = quantum.get_help().expect("help").to_string();
+        assert!(help.contains(&format!(", {default_us})")), "{help}");
+    }
 
     #[test]
     fn usage_errors_exit_with_2() {
