@@ -67,6 +67,11 @@ pub struct RunConfig {
     pub wait_after_us: Option<u64>,
     /// Ceiling of the wait budget in us (`None`: pvspin's default).
     pub wait_after_max_us: Option<u64>,
+    /// Floor of the wait budget in us (`None`: pvspin's default).
+    pub wait_after_min_us: Option<u64>,
+    /// Floor of the wait budget under run slots in us (`None`: pvspin's default; 0: the plain
+    /// floor).
+    pub slot_wait_after_min_us: Option<u64>,
     /// Directed yield: longest boost in us (`None`: pvspin's default).
     pub boost_deadline_us: Option<u64>,
     /// Directed yield: whether boosts must stay inside the VM's CPU share.
@@ -238,6 +243,8 @@ impl Default for RunConfig {
             budgets: BudgetMode::Time,
             wait_after_us: None,
             wait_after_max_us: None,
+            wait_after_min_us: None,
+            slot_wait_after_min_us: None,
             boost_deadline_us: None,
             confinement: pvspin::Confinement::Auto,
             run_slots: None,
@@ -542,6 +549,12 @@ impl RunConfig {
         }
         if let Some(us) = self.wait_after_us {
             b.wait_after_ns = us.saturating_mul(1000);
+        }
+        if let Some(us) = self.wait_after_min_us {
+            b.wait_after_min_ns = us.saturating_mul(1000);
+        }
+        if let Some(us) = self.slot_wait_after_min_us {
+            b.run_slots_wait_after_min_ns = us.saturating_mul(1000);
         }
         b
     }

@@ -389,6 +389,13 @@ pub struct VmArgs {
     /// Time budgets: the ceiling of that budget, in us.
     #[arg(long)]
     pub wait_after_max_us: Option<u64>,
+    /// Time budgets: the floor of that budget, in us (pvspin's default: 2).
+    #[arg(long)]
+    pub wait_after_min_us: Option<u64>,
+    /// Time budgets: the floor of that budget with run slots (--sched slots), in us; 0: the
+    /// plain floor (pvspin's default: 100).
+    #[arg(long)]
+    pub slot_wait_after_min_us: Option<u64>,
     /// Directed yield (--pv kick+yield): how long a boost lasts at most, in us.
     #[arg(long)]
     pub boost_deadline_us: Option<u64>,
@@ -772,6 +779,8 @@ impl VmArgs {
             },
             wait_after_us: self.wait_after_us,
             wait_after_max_us: self.wait_after_max_us,
+            wait_after_min_us: self.wait_after_min_us,
+            slot_wait_after_min_us: self.slot_wait_after_min_us,
             boost_deadline_us: self.boost_deadline_us,
             seccomp: self.seccomp.into(),
             seccomp_violation: self.seccomp_violation,
