@@ -403,6 +403,14 @@ impl Sim {
                 None
             };
             let notify = v.pv == PvMode::KickYield;
+            // As pvspin's builder: a VM with more vCPUs than run slots on the userspace path
+            // has the higher budget floor.
+            let gated = slots.as_ref().is_some_and(|s| s.config().slots < cfg.vcpus);
+            let budget_config = if gated && v.path == KickPath::Userspace {
+                BudgetConfig::default().for_run_slots()
+            } else {
+                BudgetConfig::default()
+            };
             vms.push(Vm {
                 base: (m * cfg.vcpus) as u32,
                 n: cfg.vcpus as u32,
@@ -411,7 +419,7 @@ impl Sim {
                 granted,
                 heads,
                 clock,
-                budgets: PageBudgets::new(cfg.vcpus, BudgetConfig::default(), notify)?,
+                budgets: PageBudgets::new(cfg.vcpus, budget_config, notify)?,
                 policy: DirectedYield::new(PolicyConfig {
                     boost_running_hint: true,
                     ..PolicyConfig::default()

@@ -88,6 +88,8 @@ impl BudgetsUs {
             wait_after_ns: ns(self.wait_after),
             wait_after_min_ns: ns(self.wait_after_min),
             wait_after_max_ns: ns(self.wait_after_max),
+            // pvspind gates no vCPUs with run slots.
+            run_slots_wait_after_min_ns: 0,
             notify_after_ns: ns(self.spin_window),
             notify_after_max_ns: ns(self.spin_window_max),
         }
@@ -342,7 +344,12 @@ mod tests {
 
     #[test]
     fn budgets_default_to_the_in_process_hosts() {
-        assert_eq!(BudgetsUs::default().to_config(), BudgetConfig::default());
+        // Everything but the floor under run slots, which pvspind does not have.
+        let in_process = BudgetConfig {
+            run_slots_wait_after_min_ns: 0,
+            ..BudgetConfig::default()
+        };
+        assert_eq!(BudgetsUs::default().to_config(), in_process);
         let huge = BudgetsUs {
             spin_window_max: u64::MAX,
             ..BudgetsUs::default()

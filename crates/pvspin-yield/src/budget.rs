@@ -48,6 +48,14 @@ pub enum BudgetError {
     },
     /// rule: budgets need at least one vCPU
     NoVcpus,
+    /// rule: the wait budget's floor under run slots ({floor} ns) must not exceed its ceiling
+    /// ({max} ns)
+    RunSlotsFloor {
+        /// The floor under run slots.
+        floor: u64,
+        /// Ceiling.
+        max: u64,
+    },
 }
 
 /// Budget parameters, in nanoseconds.
@@ -59,6 +67,9 @@ pub struct BudgetConfig {
     pub wait_after_min_ns: u64,
     /// Its ceiling, also the wait length that decides growing or shrinking.
     pub wait_after_max_ns: u64,
+    /// The wait budget's floor where the VM's vCPUs are gated by run slots
+    /// ([`for_run_slots`](Self::for_run_slots)); 0 keeps `wait_after_min_ns` there too.
+    pub run_slots_wait_after_min_ns: u64,
     /// Spin before a notification, at start and after a useful one.
     pub notify_after_ns: u64,
     /// Its ceiling.
@@ -71,12 +82,14 @@ impl Default for BudgetConfig {
     /// (36-48 us from guest user mode, about 7 us from kernel mode) plus a wake-up (about
     /// 30 us), so spinning 50 us first loses little when the wait was needed and avoids most
     /// waits that were not; preempted holders stay off a CPU for host time slices (ms), far
-    /// above the 1 ms ceiling.
+    /// above the 1 ms ceiling. Under run slots the floor is 100 us
+    /// ([`for_run_slots`](Self::for_run_slots); `docs/benchmarks.md` §14.11).
     fn default() -> Self {
         Self {
             wait_after_ns: 50_000,
             wait_after_min_ns: 2_000,
             wait_after_max_ns: 1_000_000,
+            run_slots_wait_after_min_ns: 100_000,
             notify_after_ns: 100_000,
             notify_after_max_ns: 4_000_000,
         }
@@ -94,6 +107,12 @@ impl BudgetConfig {
         if min == 0 || min > start || start > max {
             return Err(BudgetError::WaitRange { min, start, max });
         }
+        if self.run_slots_wait_after_min_ns > max {
+            return Err(BudgetError::RunSlotsFloor {
+                floor: self.run_slots_wait_after_min_ns,
+                max,
+            });
+        }
         if self.notify_after_ns == 0 || self.notify_after_ns > self.notify_after_max_ns {
             return Err(BudgetError::NotifyRange {
                 base: self.notify_after_ns,
@@ -101,6 +120,31 @@ impl BudgetConfig {
             });
         }
         Ok(())
+    }
+
+    /// The budgets of a VM whose vCPUs are gated by run slots (`pvspin-slots`) on a kick path
+    /// that hands the kicker's slot to the kicked vCPU and parks waiters in the VMM (pvspin
+    /// applies it on the userspace path, with more vCPUs than slots): the wait budget's floor raised to
+    /// `run_slots_wait_after_min_ns`, and its start to at least that.
+    ///
+    /// Why: under run slots a waiter that waits gives its slot up, and the vCPU that gets the
+    /// slot next joins the lock's queue behind it, halted too before long; with more vCPUs
+    /// than slots the queue then holds dozens of halted waiters, each hand-over is a wake-up,
+    /// and every wait lasts far past the ceiling. The halving rule then takes every budget
+    /// to its floor, so that even a waiter behind a running holder waits: a convoy that feeds
+    /// itself (2 us floor: 28,000-43,000 waits per 80,000 acquisitions at 255 vCPUs on 2
+    /// slots). A holder that does not run is visible there without the budget (the host marks
+    /// parked vCPUs `NOT_RUNNING`, and waiters stop spinning behind them), so the floor costs
+    /// little: it keeps a waiter spinning through the hand-overs of a running holder. Where
+    /// a kicked vCPU wakes inside KVM and runs beyond the slots (signal-msi), the same floor
+    /// made 64 vCPUs ten times slower: not there.
+    pub fn for_run_slots(&self) -> Self {
+        let floor = self.wait_after_min_ns.max(self.run_slots_wait_after_min_ns);
+        Self {
+            wait_after_min_ns: floor,
+            wait_after_ns: self.wait_after_ns.max(floor),
+            ..*self
+        }
     }
 }
 
@@ -277,6 +321,47 @@ mod tests {
             SpinBudgets::new(0, BudgetConfig::default()).unwrap_err(),
             BudgetError::NoVcpus
         );
+        let bad = BudgetConfig {
+            run_slots_wait_after_min_ns: 2_000_000,
+            ..BudgetConfig::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("run slots"));
+    }
+
+    #[test]
+    fn run_slots_raise_the_floor_and_the_start_only() {
+        let cfg = BudgetConfig::default();
+        let slots = cfg.for_run_slots();
+        assert_eq!(slots.wait_after_min_ns, 100_000);
+        assert_eq!(
+            slots.wait_after_ns, 100_000,
+            "the start is raised to the floor"
+        );
+        assert_eq!(slots.wait_after_max_ns, cfg.wait_after_max_ns);
+        slots.validate().unwrap();
+        // Long waits halve the budget down to the raised floor, not below.
+        let b = SpinBudgets::new(1, slots).unwrap();
+        for _ in 0..20 {
+            b.on_wait(0, 50_000_000);
+        }
+        assert_eq!(b.wait_after_ns(0), 100_000);
+        // A higher plain floor or start wins; 0 keeps the plain floor.
+        let high = BudgetConfig {
+            wait_after_min_ns: 200_000,
+            wait_after_ns: 400_000,
+            ..cfg
+        };
+        assert_eq!(high.for_run_slots().wait_after_min_ns, 200_000);
+        assert_eq!(high.for_run_slots().wait_after_ns, 400_000);
+        let off = BudgetConfig {
+            run_slots_wait_after_min_ns: 0,
+            ..cfg
+        };
+        assert_eq!(off.for_run_slots(), off);
     }
 
     #[test]

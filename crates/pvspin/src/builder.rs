@@ -221,7 +221,12 @@ impl<K: KickChoice> PvSpinBuilder<K> {
         };
         let hints = match &self.hints {
             Some(options) => {
-                let state = hints::HintState::new(options, vcpus, directed_yield.is_some())?;
+                // The higher floor where slots gate vCPUs (more vCPUs than slots), a kick hands
+                // the kicker's slot over and a waiter's halt leaves KVM (the userspace path):
+                // on signal-msi it made 64 vCPUs 11x slower (docs/benchmarks.md §14.11).
+                let gated = self.run_slots.is_some_and(|s| s.slots < vcpus)
+                    && kick_options.is_some_and(|k| k.path == KickPath::Userspace);
+                let state = hints::HintState::new(options, vcpus, directed_yield.is_some(), gated)?;
                 if self.vm_cpus == Some(0) {
                     return Err(ConfigError::NoVmCpus);
                 }

@@ -21,7 +21,8 @@ use crate::ConfigError;
 pub struct HintOptions {
     /// How pvspin reaches guest pages: usually the VMM's `vm_memory::GuestMemoryMmap`.
     pub memory: Arc<dyn GuestPageMap>,
-    /// The budgets published to each page, and their adaptation.
+    /// The budgets published to each page, and their adaptation; with run slots on the
+    /// userspace path and more vCPUs than slots, [`BudgetConfig::for_run_slots`] of them.
     pub budgets: BudgetConfig,
 }
 
@@ -91,13 +92,22 @@ fn bump(c: &AtomicU64) {
 }
 
 impl HintState {
+    /// `run_slots`: the VM's vCPUs are gated by run slots on the userspace kick path, whose
+    /// budgets have a higher floor ([`BudgetConfig::for_run_slots`]).
     pub(crate) fn new(
         options: &HintOptions,
         vcpus: usize,
         notify: bool,
+        run_slots: bool,
     ) -> Result<Self, ConfigError> {
-        let budgets =
-            PageBudgets::new(vcpus, options.budgets, notify).map_err(ConfigError::HintPages)?;
+        // The embedder's configuration is checked as given, so an error names its values.
+        options.budgets.validate().map_err(ConfigError::HintPages)?;
+        let config = if run_slots {
+            options.budgets.for_run_slots()
+        } else {
+            options.budgets
+        };
+        let budgets = PageBudgets::new(vcpus, config, notify).map_err(ConfigError::HintPages)?;
         Ok(Self {
             pages: HintPages::new(options.memory.clone(), vcpus),
             budgets,

@@ -1034,7 +1034,7 @@ mod hint_tests {
             memory: map.clone(),
             budgets: pvspin_yield::BudgetConfig::default(),
         };
-        let hints = Arc::new(HintState::new(&options, 2, false).unwrap());
+        let hints = Arc::new(HintState::new(&options, 2, false, false).unwrap());
         hints.set_tsc_khz(1_000_000); // 1 GHz: cycles == ns
         let kick = Arc::new(KickState::userspace_for_tests(
             2,

@@ -764,6 +764,72 @@ mod tests {
     }
 
     #[test]
+    fn run_slots_raise_the_wait_budgets_floor() {
+        let interrupter = Arc::new(CountingInterrupter::default());
+        let map = Arc::new(pvspin_hints::BufferPageMap::new(4));
+        let base = |budgets: pvspin_yield::BudgetConfig| {
+            PvSpin::builder()
+                .vcpus(4)
+                .interrupter(interrupter.clone())
+                .kick(KickOptions::new(KickPath::Userspace))
+                .hint_pages(crate::HintOptions {
+                    memory: map.clone(),
+                    budgets,
+                })
+        };
+        let config = |pvspin: &PvSpin| pvspin.hints.as_ref().unwrap().budgets.budgets().config();
+        let defaults = pvspin_yield::BudgetConfig::default();
+        let plain = base(defaults).build().unwrap();
+        assert_eq!(config(&plain), defaults, "without slots: as configured");
+        let slotted = base(defaults)
+            .run_slots(crate::SlotConfig::new(2))
+            .build()
+            .unwrap();
+        assert_eq!(config(&slotted), defaults.for_run_slots());
+        assert_eq!(config(&slotted).wait_after_min_ns, 100_000);
+        assert_eq!(
+            slotted.hints.as_ref().unwrap().budgets(3).wait_after_ns,
+            100_000
+        );
+        slotted.shutdown();
+        // Not where every vCPU holds a slot (nobody waits for one).
+        let all_slots = base(defaults)
+            .vcpus(2)
+            .run_slots(crate::SlotConfig::new(2))
+            .build()
+            .unwrap();
+        assert_eq!(config(&all_slots), defaults, "2 vCPUs on 2 slots");
+        all_slots.shutdown();
+        // Not where a kicked vCPU wakes inside KVM (signal-msi, in-kernel).
+        for path in [KickPath::SignalMsi, KickPath::InKernel] {
+            let other = PvSpin::builder()
+                .vcpus(4)
+                .interrupter(interrupter.clone())
+                .kick(KickOptions::new(path))
+                .hint_pages(crate::HintOptions {
+                    memory: map.clone(),
+                    budgets: defaults,
+                })
+                .run_slots(crate::SlotConfig::new(2))
+                .build()
+                .unwrap();
+            assert_eq!(config(&other), defaults, "{path:?}");
+            other.shutdown();
+        }
+        // A floor above the ceiling is refused with the embedder's own values.
+        let too_high = pvspin_yield::BudgetConfig {
+            wait_after_max_ns: 50_000,
+            wait_after_ns: 50_000,
+            ..defaults
+        };
+        let err = base(too_high)
+            .run_slots(crate::SlotConfig::new(2))
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("run slots"), "{err}");
+    }
+
+    #[test]
     fn boosts_that_would_raise_the_vms_share_are_refused_or_stepped_down() {
         let interrupter = Arc::new(CountingInterrupter::default());
         let base = || {
