@@ -337,9 +337,11 @@ pub enum RunConfigError {
     UserModeCannotHalt,
     /// Budget overrides that contradict each other.
     #[error(
-        "--wait-after-us ({start}) must be at most --wait-after-max-us ({max}) and both at least 2"
+        "the wait budget needs 0 < --wait-after-min-us ({min}) <= --wait-after-us ({start}) <= --wait-after-max-us ({max}), in us with pvspin's defaults 2, 50 and 1000"
     )]
     WaitBudget {
+        /// Floor.
+        min: u64,
         /// Start.
         start: u64,
         /// Ceiling.
@@ -475,6 +477,7 @@ impl RunConfig {
         let budget = self.budget_config();
         if budget.validate().is_err() {
             return Err(RunConfigError::WaitBudget {
+                min: budget.wait_after_min_ns / 1000,
                 start: budget.wait_after_ns / 1000,
                 max: budget.wait_after_max_ns / 1000,
             });
@@ -606,6 +609,25 @@ mod tests {
     fn refuses_each_rule() {
         let base = RunConfig::default();
         let check = |config: RunConfig| config.validate(8).unwrap_err();
+        assert_eq!(
+            check(RunConfig {
+                wait_after_min_us: Some(100),
+                ..base.clone()
+            }),
+            RunConfigError::WaitBudget {
+                min: 100,
+                start: 50,
+                max: 1000
+            }
+        );
+        // A ceiling below the run slots' floor is not an error: the floor is capped.
+        RunConfig {
+            wait_after_us: Some(10),
+            wait_after_max_us: Some(10),
+            ..base.clone()
+        }
+        .validate(8)
+        .unwrap();
         assert_eq!(
             check(RunConfig {
                 vcpus: 0,
