@@ -258,3 +258,51 @@ fn unlockers_prewake_the_waiter_behind_the_next_owner_only_when_told() {
         );
     }
 }
+
+/// The wait budget's floor under userspace run slots (`BudgetConfig::for_run_slots`): with 32
+/// vCPUs on 2 slots most waiters halt and their waits last many hand-overs, which halves
+/// budgets; no vCPU's budget may end below the 100 us floor. With the floor off
+/// (`slot_wait_after_min_us: Some(0)`) the same runs take some budget below it (else this
+/// workload would not show the floor at all). Both PV locks; every acquisition counted.
+#[test]
+fn userspace_run_slots_keep_the_wait_budget_at_its_floor() {
+    if kvm_or_skip("userspace_run_slots_keep_the_wait_budget_at_its_floor").is_none() {
+        return;
+    }
+    let lowest_budget = |lock: LockKind, floor_us: Option<u64>| {
+        let config = RunConfig {
+            run_slots: Some(2),
+            vm_cpus: Some(2),
+            iterations: 500,
+            cs_work: 15_000,
+            ncs_work: 15_000,
+            slot_wait_after_min_us: floor_us,
+            ..user_lock(lock, PvMode::Kick, KickPath::Userspace, 32)
+        };
+        let report = run(&config).unwrap_or_else(|e| panic!("{lock:?} {floor_us:?}: {e}"));
+        assert_eq!(
+            report.counter,
+            32 * config.iterations,
+            "{lock:?} {floor_us:?}"
+        );
+        let telemetry = report.telemetry.expect("pvspin's telemetry");
+        let budgets: Vec<u64> = telemetry
+            .vcpus
+            .iter()
+            .map(|v| v.budgets.expect("hint pages: budgets").wait_after_ns)
+            .collect();
+        assert_eq!(budgets.len(), 32);
+        budgets.into_iter().min().unwrap()
+    };
+    for lock in [LockKind::Ticket, LockKind::Queued] {
+        assert!(
+            lowest_budget(lock, None) >= 100_000,
+            "{lock:?}: a budget below the run slots' floor"
+        );
+        // Whether a budget falls below 100 us without the floor is timing; three tries.
+        assert!(
+            (0..3).any(|_| lowest_budget(lock, Some(0)) < 100_000),
+            "{lock:?}: without the floor no budget ever fell below 100 us"
+        );
+    }
+}
