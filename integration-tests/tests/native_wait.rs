@@ -225,6 +225,20 @@ fn nonzero_in_three_tries(mut count: impl FnMut() -> u64) -> bool {
     (0..3).any(|_| count() != 0)
 }
 
+/// 32 vCPUs on 2 run slots on `path`, with critical sections of a few us, as the size
+/// benchmarks (docs/benchmarks.md §12.5): long enough that waiters far back in a queue of 32
+/// halt.
+fn crowded_slots(lock: LockKind, path: KickPath) -> RunConfig {
+    RunConfig {
+        run_slots: Some(2),
+        vm_cpus: Some(2),
+        iterations: 500,
+        cs_work: 15_000,
+        ncs_work: 15_000,
+        ..user_lock(lock, PvMode::Kick, path, 32)
+    }
+}
+
 /// The pre-wake under run slots: with 32 vCPUs on 2 userspace slots (`VCPUS_FIT` told) most
 /// waiters halt, and unlockers also kick the halted waiter behind the new owner; on the
 /// in-kernel path (not told) they never do. Both PV locks; every acquisition counted.
@@ -235,16 +249,7 @@ fn unlockers_prewake_the_waiter_behind_the_next_owner_only_when_told() {
     }
     for lock in [LockKind::Ticket, LockKind::Queued] {
         let with = |path: KickPath| {
-            let config = RunConfig {
-                run_slots: Some(2),
-                vm_cpus: Some(2),
-                // Critical sections of a few us, as the size benchmarks (docs/benchmarks.md
-                // §12.5): long enough that waiters far back in a queue of 32 halt.
-                iterations: 500,
-                cs_work: 15_000,
-                ncs_work: 15_000,
-                ..user_lock(lock, PvMode::Kick, path, 32)
-            };
+            let config = crowded_slots(lock, path);
             let report = run(&config).unwrap_or_else(|e| panic!("{lock:?} {path:?}: {e}"));
             assert_eq!(report.counter, 32 * config.iterations, "{lock:?} {path:?}");
             assert!(report.pv_prewakes <= report.pv_kicks, "{lock:?} {path:?}");
@@ -271,13 +276,8 @@ fn userspace_run_slots_keep_the_wait_budget_at_its_floor() {
     }
     let lowest_budget = |lock: LockKind, floor_us: Option<u64>| {
         let config = RunConfig {
-            run_slots: Some(2),
-            vm_cpus: Some(2),
-            iterations: 500,
-            cs_work: 15_000,
-            ncs_work: 15_000,
             slot_wait_after_min_us: floor_us,
-            ..user_lock(lock, PvMode::Kick, KickPath::Userspace, 32)
+            ..crowded_slots(lock, KickPath::Userspace)
         };
         let report = run(&config).unwrap_or_else(|e| panic!("{lock:?} {floor_us:?}: {e}"));
         assert_eq!(
