@@ -415,7 +415,7 @@ pub(crate) fn slots_path_warning(path: KickPath, slots: usize, vcpus: usize) -> 
         format!(
             "run slots on the in-kernel kick path, {vcpus} vCPUs on {slots} slots: a kick wakes \
              its vCPU inside KVM beyond the slots, so pvspin-aware guests halt at almost every \
-             lock hand-over (4-16 vCPUs on 2 slots ran 1.7-3.2x slower than on the signal-msi \
+             lock hand-over (4-64 vCPUs on 2 slots ran 1.7-3.5x slower than on the signal-msi \
              path, which hands the kicker's slot to the kicked vCPU; a stock guest 0.96-1.13x); \
              prefer signal-msi with run slots (docs/embedding.md, section 6)"
         )
