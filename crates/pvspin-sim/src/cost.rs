@@ -5,6 +5,13 @@
 //! heading. Ranges are drawn uniformly per event from the seeded generator. Values marked
 //! *calibrated* were fitted once to the 1x rows of the validation (`docs/simulator.md`) and
 //! then left alone for every other cell; values marked *estimate* have no measurement here.
+//!
+//! The defaults are one host's (the AMD development machines). Another host is described by
+//! overriding some of them by name ([`CostModel::set`], [`CostModel::apply`]; `pvspin-sim
+//! --costs FILE` and `--cost NAME=VALUE`); `validation/intel-kvm-pvm.costs` is the Intel host's,
+//! each value with the command that measured it.
+
+use thiserror::Error;
 
 /// A closed range of nanoseconds, drawn uniformly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,7 +167,177 @@ impl Default for CostModel {
     }
 }
 
+/// A cost override the model cannot take; each names the rule.
+#[derive(Debug, Error)]
+pub enum CostError {
+    /// Rule: an override is `name = value` (a file: one per line, `#` starts a comment).
+    #[error("rule: a cost override is `name = value`, got {0:?}")]
+    Syntax(String),
+    /// Rule: the name is one of [`CostModel::NAMES`].
+    #[error("rule: no cost is named {0:?}; the names are {names}", names = CostModel::NAMES.join(", "))]
+    Unknown(String),
+    /// Rule: a value is a whole number of the field's unit, or `lo..hi` with lo <= hi for a
+    /// range.
+    #[error("rule: {name} takes {expects}, got {value:?}")]
+    Value {
+        /// The cost's name.
+        name: String,
+        /// What it takes.
+        expects: &'static str,
+        /// What it got.
+        value: String,
+    },
+    /// Rule: a cost file is readable.
+    #[error("cost file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why it could not be read.
+        source: std::io::Error,
+    },
+    /// Rule: every line of a cost file is an override the model takes.
+    #[error("line {line}: {source}")]
+    Line {
+        /// The line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        source: Box<CostError>,
+    },
+}
+
 impl CostModel {
+    /// The names [`CostModel::set`] takes: the fields, with the per-lock and per-path tables
+    /// named by their entry (`handoff_ns.ticket`, `kick_to_wake_ns.signal_msi`).
+    pub const NAMES: &'static [&'static str] = &[
+        "work_unit_ps",
+        "handoff_ns.ticket",
+        "handoff_ns.tas",
+        "handoff_ns.queued",
+        "handoff_ns.stock",
+        "uncontended_ns",
+        "wait_exit",
+        "kick_in_kernel",
+        "kick_exit",
+        "kick_to_wake_ns.in_kernel",
+        "kick_to_wake_ns.signal_msi",
+        "kick_to_wake_ns.userspace",
+        "halt_poll_max_ns",
+        "halt_poll_grow_start_ns",
+        "resume_ns",
+        "forced_exit",
+        "slot_wake_ns",
+        "halt_probe_ns",
+        "pause_ns",
+        "stock_spin_threshold",
+        "boost_ns",
+        "tick_ns",
+        "min_granularity_ns",
+        "latency_ns",
+        "wakeup_granularity_ns",
+        "context_switch_ns",
+        "balance_ns",
+    ];
+
+    /// Sets one cost by name ([`CostModel::NAMES`]): a whole number, or for the drawn ranges
+    /// (`wait_exit`, `kick_in_kernel`, `kick_exit`, `forced_exit`) `lo..hi` or one number.
+    pub fn set(&mut self, name: &str, value: &str) -> Result<(), CostError> {
+        let value = value.trim();
+        let bad = |expects: &'static str| CostError::Value {
+            name: name.to_string(),
+            expects,
+            value: value.to_string(),
+        };
+        let num = || -> Result<u64, CostError> {
+            value
+                .replace('_', "")
+                .parse()
+                .map_err(|_| bad("a whole number"))
+        };
+        let span = || -> Result<Span, CostError> {
+            let expects = "a whole number or lo..hi with lo <= hi";
+            let n = |s: &str| s.trim().replace('_', "").parse::<u64>();
+            match value.split_once("..") {
+                None => n(value).map(Span::fixed).map_err(|_| bad(expects)),
+                Some((lo, hi)) => match (n(lo), n(hi)) {
+                    (Ok(lo), Ok(hi)) if lo <= hi => Ok(Span::new(lo, hi)),
+                    _ => Err(bad(expects)),
+                },
+            }
+        };
+        match name {
+            "work_unit_ps" => self.work_unit_ps = num()?,
+            "handoff_ns.ticket" => self.handoff_ns[0] = num()?,
+            "handoff_ns.tas" => self.handoff_ns[1] = num()?,
+            "handoff_ns.queued" => self.handoff_ns[2] = num()?,
+            "handoff_ns.stock" => self.handoff_ns[3] = num()?,
+            "uncontended_ns" => self.uncontended_ns = num()?,
+            "wait_exit" => self.wait_exit = span()?,
+            "kick_in_kernel" => self.kick_in_kernel = span()?,
+            "kick_exit" => self.kick_exit = span()?,
+            "kick_to_wake_ns.in_kernel" => self.kick_to_wake_ns[0] = num()?,
+            "kick_to_wake_ns.signal_msi" => self.kick_to_wake_ns[1] = num()?,
+            "kick_to_wake_ns.userspace" => self.kick_to_wake_ns[2] = num()?,
+            "halt_poll_max_ns" => self.halt_poll_max_ns = num()?,
+            "halt_poll_grow_start_ns" => self.halt_poll_grow_start_ns = num()?,
+            "resume_ns" => self.resume_ns = num()?,
+            "forced_exit" => self.forced_exit = span()?,
+            "slot_wake_ns" => self.slot_wake_ns = num()?,
+            "halt_probe_ns" => self.halt_probe_ns = num()?,
+            "pause_ns" => self.pause_ns = num()?,
+            "stock_spin_threshold" => self.stock_spin_threshold = num()?,
+            "boost_ns" => self.boost_ns = num()?,
+            "tick_ns" => self.tick_ns = num()?.max(1),
+            "min_granularity_ns" => self.min_granularity_ns = num()?,
+            "latency_ns" => self.latency_ns = num()?,
+            "wakeup_granularity_ns" => self.wakeup_granularity_ns = num()?,
+            "context_switch_ns" => self.context_switch_ns = num()?,
+            "balance_ns" => self.balance_ns = num()?.max(1),
+            _ => return Err(CostError::Unknown(name.to_string())),
+        }
+        Ok(())
+    }
+
+    /// Applies one `name = value` override (`name=value` on the command line).
+    pub fn apply_one(&mut self, line: &str) -> Result<(), CostError> {
+        let (name, value) = line
+            .split_once('=')
+            .ok_or_else(|| CostError::Syntax(line.to_string()))?;
+        let name = name.trim();
+        if name.is_empty() || value.trim().is_empty() {
+            return Err(CostError::Syntax(line.to_string()));
+        }
+        self.set(name, value)
+    }
+
+    /// Applies a cost file: one `name = value` per line; blank lines and `#` comments
+    /// (whole-line or after the value) are skipped. A bad line is named and nothing of the
+    /// file is applied.
+    pub fn apply(&mut self, text: &str) -> Result<(), CostError> {
+        let mut next = self.clone();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            next.apply_one(line).map_err(|e| CostError::Line {
+                line: n + 1,
+                source: Box::new(e),
+            })?;
+        }
+        *self = next;
+        Ok(())
+    }
+
+    /// Reads and applies a cost file ([`CostModel::apply`]); an error names the line, and the
+    /// caller the file.
+    pub fn apply_file(&mut self, path: &str) -> Result<(), CostError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CostError::Read {
+            path: path.to_string(),
+            source,
+        })?;
+        self.apply(&text)
+    }
+
     /// The kernel's tunable scaling factor for `cpus` CPUs: `1 + ilog2(min(cpus, 8))`.
     pub fn sched_factor(cpus: usize) -> u64 {
         let c = cpus.clamp(1, 8) as u64;
@@ -185,5 +362,53 @@ mod tests {
         assert_eq!(CostModel::sched_factor(1), 1);
         assert_eq!(CostModel::sched_factor(256), 4);
         assert!(c.wait_exit.lo <= c.wait_exit.hi);
+    }
+
+    #[test]
+    fn every_name_is_settable_and_sets_its_field() {
+        for name in CostModel::NAMES {
+            let mut c = CostModel::default();
+            c.set(name, "7").unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_ne!(c, CostModel::default(), "{name} changed nothing");
+        }
+    }
+
+    #[test]
+    fn a_cost_file_overrides_by_name_and_keeps_the_rest() {
+        let mut c = CostModel::default();
+        c.apply(
+            "# the Intel host\n\nwork_unit_ps = 500  # burn\nkick_to_wake_ns.signal_msi = 24_900\nwait_exit = 40000..52000\nforced_exit = 20000\n",
+        )
+        .unwrap();
+        let mut want = CostModel {
+            work_unit_ps: 500,
+            wait_exit: Span::new(40_000, 52_000),
+            forced_exit: Span::fixed(20_000),
+            ..CostModel::default()
+        };
+        want.kick_to_wake_ns[1] = 24_900;
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn a_bad_override_is_refused_by_rule_and_changes_nothing() {
+        let mut c = CostModel::default();
+        let e = c.apply_one("work_unit_ps 500").unwrap_err();
+        assert!(matches!(e, CostError::Syntax(_)), "{e}");
+        let e = c.apply_one("work_unit = 500").unwrap_err();
+        assert!(matches!(e, CostError::Unknown(_)), "{e}");
+        assert!(
+            e.to_string().contains("work_unit_ps"),
+            "the names are listed: {e}"
+        );
+        let e = c.apply_one("work_unit_ps = -3").unwrap_err();
+        assert!(matches!(e, CostError::Value { .. }), "{e}");
+        let e = c.apply_one("wait_exit = 9..3").unwrap_err();
+        assert!(e.to_string().contains("lo <= hi"), "{e}");
+        let e = c.apply("resume_ns = 1\nnope = 2\n").unwrap_err();
+        assert!(matches!(e, CostError::Line { line: 2, .. }), "{e}");
+        assert_eq!(c, CostModel::default(), "nothing of a bad file applies");
+        let e = c.apply_file("/nonexistent/x.costs").unwrap_err();
+        assert!(matches!(e, CostError::Read { .. }), "{e}");
     }
 }

@@ -5,9 +5,10 @@ use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use pvspin_sim::cost::CostError;
 use pvspin_sim::measured::MeasuredRow;
 use pvspin_sim::sweep::{self, Point};
-use pvspin_sim::{Sim, SimConfig, Variant};
+use pvspin_sim::{CostModel, Sim, SimConfig, Variant};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -33,9 +34,13 @@ enum Cmd {
         /// Seeds per row (the median is compared).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
-        /// Override the context-switch cost, ns (to test its sensitivity).
+        /// Override the context-switch cost, ns (to test its sensitivity; the same as
+        /// `--cost context_switch_ns=NS`).
         #[arg(long)]
         context_switch_ns: Option<u64>,
+        /// The host's costs.
+        #[command(flatten)]
+        costs: CostArgs,
         /// Simulate today's pvspin guest (no early wait behind a kicked next owner, and the
         /// pre-wake, where the host says the VM's vCPUs fit its CPUs) in every row instead of
         /// the one each row measured (its guest_prewake column).
@@ -93,7 +98,43 @@ enum Cmd {
         /// told `VCPUS_FIT`).
         #[arg(long, default_value_t = pvspin_guest::SpinConfig::DEFAULT_PREWAKE)]
         prewake: u8,
+        /// The host's costs.
+        #[command(flatten)]
+        costs: CostArgs,
     },
+}
+
+/// The simulated host's costs: the defaults (the AMD development machines), then a cost file,
+/// then single overrides.
+#[derive(Args, Debug, Clone, Default)]
+struct CostArgs {
+    /// A cost file, one `name = value` per line (`#` comments); e.g. the Intel host's,
+    /// `crates/pvspin-sim/validation/intel-kvm-pvm.costs`.
+    #[arg(long)]
+    costs: Option<String>,
+    /// One cost, `name=value`, applied after --costs (repeatable; a wrong name lists the
+    /// names).
+    #[arg(long = "cost", value_name = "NAME=VALUE")]
+    cost: Vec<String>,
+}
+
+impl CostArgs {
+    fn model(&self) -> Result<CostModel, String> {
+        let mut model = CostModel::default();
+        if let Some(path) = &self.costs {
+            model.apply_file(path).map_err(|e| match e {
+                // It names the file already.
+                CostError::Read { .. } => format!("--costs: {e}"),
+                _ => format!("--costs {path}: {e}"),
+            })?;
+        }
+        for one in &self.cost {
+            model
+                .apply_one(one)
+                .map_err(|e| format!("--cost {one}: {e}"))?;
+        }
+        Ok(model)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -153,6 +194,9 @@ struct RunArgs {
     /// Linux's hybrid unfair trylock (the guest the validation's stock rows measured).
     #[arg(long)]
     stock_one_steal: bool,
+    /// The host's costs.
+    #[command(flatten)]
+    costs: CostArgs,
 }
 
 fn main() -> ExitCode {
@@ -165,7 +209,13 @@ fn main() -> ExitCode {
             context_switch_ns,
             current_guest,
             prewake,
-        } => validate(&measured, seeds, context_switch_ns, current_guest, prewake),
+            costs,
+        } => costs.model().and_then(|mut cost| {
+            if let Some(ns) = context_switch_ns {
+                cost.context_switch_ns = ns;
+            }
+            validate(&measured, seeds, &cost, current_guest, prewake)
+        }),
         Cmd::Sweep {
             out,
             duration_ms,
@@ -179,9 +229,11 @@ fn main() -> ExitCode {
             fair_share,
             early_wait_behind_waking,
             prewake,
+            costs,
         } => (|| {
             let variants = parse_variants(&variants)?;
             let mut base = SimConfig::new(variants[0], 1, 1);
+            base.cost = costs.model()?;
             base.cs_work = cs_work;
             base.ncs_work = ncs_work;
             base.seed = seed;
@@ -238,6 +290,7 @@ fn parse_variants(v: &[String]) -> Result<Vec<Variant>, String> {
 }
 
 fn run(a: &RunArgs) -> Result<(), String> {
+    let cost = a.costs.model()?;
     for variant in parse_variants(&a.variant)? {
         let mut times = Vec::new();
         for seed in a.seed..a.seed + a.seeds.max(1) {
@@ -259,6 +312,7 @@ fn run(a: &RunArgs) -> Result<(), String> {
             cfg.early_wait_behind_waking = a.early_wait_behind_waking;
             cfg.prewake = a.prewake;
             cfg.stock_hybrid_trylock = !a.stock_one_steal;
+            cfg.cost = cost.clone();
             let start = std::time::Instant::now();
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
             let wall = start.elapsed().as_secs_f64();
@@ -297,7 +351,7 @@ fn run(a: &RunArgs) -> Result<(), String> {
 fn validate(
     path: &str,
     seeds: u64,
-    context_switch_ns: Option<u64>,
+    cost: &CostModel,
     current_guest: bool,
     prewake: u8,
 ) -> Result<(), String> {
@@ -319,9 +373,7 @@ fn validate(
         let at_bound = row.at_bound();
         let config = |seed: u64, today: Option<u8>| {
             let mut cfg = row.config(seed, today);
-            if let Some(ns) = context_switch_ns {
-                cfg.cost.context_switch_ns = ns;
-            }
+            cfg.cost = cost.clone();
             cfg
         };
         // The median guest seconds over the seeds, and the median of the VM's halts.

@@ -2,11 +2,14 @@
 //! `pvspin-sim validate`): one row per measured median, and the simulation that reproduces it.
 //!
 //! Columns: `hogs,vcpus,iterations,variant,median_s,slowest_s[,cpu_limit,cs_work,ncs_work,
-//! source,bound_s,guest_prewake,halts]`. `guest_prewake` says which pvspin guest was measured:
-//! empty for the guest before `VCPUS_FIT` (it waits at once behind a waking next owner and
-//! never pre-wakes: every row before source D), a depth (`2`) for the guest that is told
-//! `VCPUS_FIT` and pre-wakes that many waiters. `halts` is the measured median of the VM's
-//! halts, when the runs counted them.
+//! source,bound_s,guest_prewake,halts,guest_features]`. `guest_prewake` says which pvspin guest
+//! was measured: empty for the guest before `VCPUS_FIT` (it waits at once behind a waking next
+//! owner and never pre-wakes: every row before source D), a depth (`2`) for the guest that is
+//! told `VCPUS_FIT` and pre-wakes that many waiters. `halts` is the measured median of the VM's
+//! halts, when the runs counted them. `guest_features` names the guest changes of 2026-12-02
+//! the measured guest had, `+`-separated: `names-holder` (the MCS waiter names the holder,
+//! [`SimConfig::queued_names_holder`]) and `hybrid-trylock` (the stock guest's
+//! [`SimConfig::stock_hybrid_trylock`]); empty for the guest before both.
 
 use thiserror::Error;
 
@@ -31,6 +34,12 @@ pub enum MeasuredError {
         /// What it holds.
         value: String,
     },
+    /// Rule: `guest_features` is `+`-separated `names-holder` and `hybrid-trylock`.
+    #[error("rule: guest_features is names-holder and/or hybrid-trylock joined by +, got {0:?}")]
+    GuestFeature(
+        /// What the column holds.
+        String,
+    ),
     /// Rule: the variant is one the simulator knows.
     #[error(transparent)]
     Variant(#[from] ConfigError),
@@ -65,6 +74,11 @@ pub struct MeasuredRow {
     pub guest_prewake: Option<u8>,
     /// The measured median of the VM's halts.
     pub halts: Option<u64>,
+    /// The measured MCS waiter named the holder in its WAIT ([`SimConfig::queued_names_holder`]).
+    pub names_holder: bool,
+    /// The measured stock guest used Linux's hybrid trylock
+    /// ([`SimConfig::stock_hybrid_trylock`]).
+    pub hybrid_trylock: bool,
 }
 
 impl MeasuredRow {
@@ -78,7 +92,7 @@ impl MeasuredRow {
         if f.len() < 6 {
             return Err(MeasuredError::Columns(f.len()));
         }
-        const NAMES: [&str; 13] = [
+        const NAMES: [&str; 14] = [
             "hogs",
             "vcpus",
             "iterations",
@@ -92,6 +106,7 @@ impl MeasuredRow {
             "bound_s",
             "guest_prewake",
             "halts",
+            "guest_features",
         ];
         // An empty or missing optional column is absent; anything else must parse.
         fn opt<T: std::str::FromStr>(
@@ -119,6 +134,15 @@ impl MeasuredRow {
                 value: String::new(),
             })
         };
+        let (mut names_holder, mut hybrid_trylock) = (false, false);
+        for feature in f.get(13).copied().unwrap_or("").split('+') {
+            match feature.trim() {
+                "" => {}
+                "names-holder" => names_holder = true,
+                "hybrid-trylock" => hybrid_trylock = true,
+                _ => return Err(MeasuredError::GuestFeature(f[13].to_string())),
+            }
+        }
         Ok(Some(Self {
             hogs: int(0)? as usize,
             vcpus: int(1)? as usize,
@@ -133,6 +157,8 @@ impl MeasuredRow {
             bound_s: opt::<f64>(&f, 10, &NAMES)?.filter(|&b| b > 0.0),
             guest_prewake: opt(&f, 11, &NAMES)?,
             halts: opt(&f, 12, &NAMES)?,
+            names_holder,
+            hybrid_trylock,
         }))
     }
 
@@ -148,10 +174,9 @@ impl MeasuredRow {
         let mut cfg = SimConfig::new(self.variant, self.vcpus, self.iterations);
         cfg.hogs = self.hogs;
         cfg.seed = seed;
-        // Every measured row predates today's MCS waiter (`SimConfig::queued_names_holder`).
-        cfg.queued_names_holder = today.is_some();
-        // And today's stock guest's hybrid trylock.
-        cfg.stock_hybrid_trylock = today.is_some();
+        // The measured guest's MCS waiter and stock trylock, or today's.
+        cfg.queued_names_holder = today.is_some() || self.names_holder;
+        cfg.stock_hybrid_trylock = today.is_some() || self.hybrid_trylock;
         match today.or(self.guest_prewake) {
             Some(depth) => {
                 cfg.early_wait_behind_waking = false;
@@ -213,6 +238,44 @@ mod tests {
         assert_eq!(c.iterations, Some(1250));
         // The row's guest, not the command line's, unless today's guest is asked for.
         assert_eq!(r.config(1, Some(1)).prewake_depth(), 1);
+    }
+
+    #[test]
+    fn a_row_of_todays_guest_simulates_its_features() {
+        let r = MeasuredRow::parse(
+            "0,8,10000,queued:kick:in-kernel@stock,0.9,1.0,,15000,15000,E,,2,,names-holder+hybrid-trylock",
+        )
+        .unwrap()
+        .unwrap();
+        assert!(r.names_holder && r.hybrid_trylock);
+        let c = r.config(1, None);
+        assert!(c.queued_names_holder && c.stock_hybrid_trylock);
+        let old =
+            MeasuredRow::parse("0,8,10000,queued:kick:in-kernel@stock,0.9,1.0,,15000,15000,A")
+                .unwrap()
+                .unwrap();
+        let c = old.config(1, None);
+        assert!(!c.queued_names_holder && !c.stock_hybrid_trylock);
+        assert!(matches!(
+            MeasuredRow::parse("0,8,10000,ticket:kick,0.9,1.0,,15000,15000,E,,2,,hybrid"),
+            Err(MeasuredError::GuestFeature(_))
+        ));
+    }
+
+    #[test]
+    fn the_intel_table_reads_and_its_costs_apply() {
+        let rows: Vec<MeasuredRow> = include_str!("../validation/measured-intel.csv")
+            .lines()
+            .filter_map(|l| MeasuredRow::parse(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 42);
+        assert!(rows
+            .iter()
+            .all(|r| r.source == "E" && r.names_holder && r.hybrid_trylock));
+        let mut cost = crate::CostModel::default();
+        cost.apply(include_str!("../validation/intel-kvm-pvm.costs"))
+            .unwrap();
+        assert_ne!(cost.work_unit_ps, crate::CostModel::default().work_unit_ps);
     }
 
     #[test]
