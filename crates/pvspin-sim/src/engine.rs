@@ -183,6 +183,9 @@ enum Act {
     Resume,
     /// A forced exit (the slot policy asked it to leave).
     SignalExit,
+    /// `KVM_RUN` entered again on a vCPU whose halt inside KVM a signal ended: its guest runs
+    /// if a kick came meanwhile, else it halts in KVM again.
+    Reenter,
     /// Blocked until a kick.
     Halted,
     /// Blocked until a run slot.
@@ -203,6 +206,7 @@ impl Act {
                 | Act::WaitExit
                 | Act::Resume
                 | Act::SignalExit
+                | Act::Reenter
         )
     }
 }
@@ -268,6 +272,15 @@ struct Vcpu {
     /// first, each with its acquisitions then (a waiter that took the lock since is no longer
     /// the one meant).
     prewake_pending: Vec<(u32, u64)>,
+}
+
+impl Vcpu {
+    /// Whether its guest is in its WAIT, exiting to halt or halted, also while a signal that
+    /// ended its halt has it out of `KVM_RUN` (its wait slot says HALTED: unlockers kick it).
+    fn in_guest_wait(&self) -> bool {
+        matches!(self.act, Act::Halted | Act::WaitExit | Act::Reenter)
+            || matches!(self.saved, Some((Act::Reenter, _)))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -679,8 +692,12 @@ impl Sim {
                 }
             }
             Ev::Signal(v) => {
-                // The signal lands: at once on a CPU, else when the thread next runs.
-                if self.vcpus[v as usize].on_cpu {
+                // The signal lands: at once on a CPU, else when the thread next runs; a halt
+                // inside KVM it ends at once.
+                if self.vcpus[v as usize].act == Act::Halted && self.cfg.variant.path.halts_in_kvm()
+                {
+                    self.halt_interrupted(v);
+                } else if self.vcpus[v as usize].on_cpu {
                     self.forced_exit(v);
                 } else {
                     self.vcpus[v as usize].signal_pending = true;
@@ -819,6 +836,7 @@ impl Sim {
                     self.restore(v);
                 }
             }
+            Act::Reenter => self.reenter(v),
             Act::Halted | Act::SlotWait | Act::Done => {}
         }
     }
@@ -1276,7 +1294,7 @@ impl Sim {
                 if let Some(&n) = vm.lock.queue.front() {
                     let na = self.vcpus[n as usize].act;
                     let n_on_cpu = self.vcpus[n as usize].on_cpu;
-                    let blocked = matches!(na, Act::Halted | Act::WaitExit);
+                    let blocked = self.vcpus[n as usize].in_guest_wait();
                     if var.guest == Guest::Stock && (blocked || !n_on_cpu) {
                         // The queue head takes a free lock when it runs; a newcomer may steal it
                         // first (unless it spins with pending set: then the lock waits for it). A
@@ -1385,7 +1403,7 @@ impl Sim {
     fn prewake_next(&mut self, v: u32) {
         while let Some((w, acq)) = self.vcpus[v as usize].prewake_pending.pop() {
             let wc = &self.vcpus[w as usize];
-            if wc.acq != acq || wc.kicked || !matches!(wc.act, Act::Halted | Act::WaitExit) {
+            if wc.acq != acq || wc.kicked || !wc.in_guest_wait() {
                 continue;
             }
             let m = self.vcpus[v as usize].vm as usize;
@@ -1656,6 +1674,13 @@ impl Sim {
     /// The slot policy asks `v` to leave KVM_RUN (the interrupter's signal).
     fn preempt(&mut self, v: u32) {
         let vc = &mut self.vcpus[v as usize];
+        if vc.act == Act::Halted && self.cfg.variant.path.halts_in_kvm() {
+            // Halted inside KVM (the watcher had not seen it yet): the signal ends the halt
+            // and KVM_RUN returns to the VMM, which asks for a slot again.
+            let t = draw(&mut self.rng, self.cost.forced_exit);
+            self.at(self.now + t, Ev::Signal(v));
+            return;
+        }
         if matches!(
             vc.act,
             Act::Halted | Act::SlotWait | Act::Done | Act::SignalExit
@@ -1682,6 +1707,50 @@ impl Sim {
         // enters again: a userspace exit from CPL 3, as a WAIT's.
         let t = draw(&mut self.rng, self.cost.wait_exit);
         self.interrupt(v, t);
+    }
+
+    /// A signal ended `v`'s halt inside KVM: its thread wakes, `KVM_RUN` returns to the VMM
+    /// (no exit from guest mode: the guest was halted), and the VMM's exit hooks decide on
+    /// its slot; with one it enters `KVM_RUN` again ([`Act::Reenter`]).
+    fn halt_interrupted(&mut self, v: u32) {
+        let resume = self.cost.resume_ns;
+        let vc = &mut self.vcpus[v as usize];
+        // A kick on its way (its wake-up event) is in the LAPIC now: it ends the halt when
+        // KVM_RUN enters again.
+        if vc.kicked {
+            vc.kick_latched = true;
+        }
+        vc.wake_token += 1;
+        vc.halted_in_kvm = false;
+        vc.saved = Some((Act::Reenter, resume));
+        vc.act = Act::SignalExit;
+        vc.left = resume;
+        self.make_runnable(v);
+    }
+
+    /// `KVM_RUN` entered again after a signal ended `v`'s halt ([`Act::Reenter`]): a kick
+    /// that came meanwhile wakes the guest at once; else it halts inside KVM again (the
+    /// guest's HLT never ended, so no new halt is counted).
+    fn reenter(&mut self, v: u32) {
+        let m = self.vcpus[v as usize].vm as usize;
+        let vc = &mut self.vcpus[v as usize];
+        vc.act = Act::Halted;
+        if std::mem::take(&mut vc.kick_latched) {
+            self.kick_wake(v);
+            if self.vcpus[v as usize].on_cpu {
+                self.arm(v);
+            }
+            return;
+        }
+        vc.wake_token += 1;
+        vc.halted_in_kvm = true;
+        vc.halt_t0 = self.now;
+        let cpu = self.threads[v as usize].cpu;
+        let alone = self.threads[v as usize].state == TState::Running
+            && self.cpus[cpu as usize].rq.is_empty();
+        self.vcpus[v as usize].poll_cpu = alone.then_some(cpu);
+        self.arm_watch(m);
+        self.block(v);
     }
 
     /// Interrupts the running act for a forced exit handled after `cost` ns.
@@ -2442,6 +2511,59 @@ mod tests {
             (c.wait_exit.lo..=c.wait_exit.hi).contains(&at),
             "the forced exit took {at} ns"
         );
+    }
+
+    /// The slot policy's signal to a vCPU halted inside KVM (the watcher had not seen the
+    /// halt) ends the halt: `KVM_RUN` returns to the VMM, whose hooks decide on its slot (the
+    /// host's in-kernel slot runs wait for a slot about once per preemption). Entering again,
+    /// it runs if a kick came meanwhile, else halts in KVM again; meanwhile unlockers still
+    /// see its guest in the WAIT.
+    #[test]
+    fn a_signal_ends_a_halt_inside_kvm_and_the_vcpu_enters_again() {
+        let c = CostModel::default();
+        let mut sim = Sim::new(cfg("ticket:kick/slots:in-kernel", 4, 10)).unwrap();
+        let halt = |sim: &mut Sim| {
+            let vc = &mut sim.vcpus[1];
+            vc.act = Act::Halted;
+            vc.halted_in_kvm = true;
+            vc.kicked = true; // a kick's wake-up is on its way
+        };
+        halt(&mut sim);
+        sim.preempt(1);
+        let landed = sim
+            .heap
+            .iter()
+            .find_map(|Reverse((t, _, ev))| matches!(ev, Ev::Signal(1)).then_some(*t));
+        let at = landed.expect("the signal is sent to the halted vCPU");
+        assert!((c.forced_exit.lo..=c.forced_exit.hi).contains(&at), "{at}");
+        sim.now = at;
+        sim.handle(Ev::Signal(1));
+        let vc = &sim.vcpus[1];
+        assert_eq!(vc.act, Act::SignalExit);
+        assert_eq!(vc.saved, Some((Act::Reenter, c.resume_ns)));
+        assert!(
+            !vc.halted_in_kvm && vc.kick_latched,
+            "the kick waits in the LAPIC"
+        );
+        assert!(vc.in_guest_wait(), "its guest is still in the WAIT");
+        assert_ne!(
+            sim.threads[1].state,
+            TState::Blocked,
+            "the signal woke the thread"
+        );
+        // Entering again with the kick pending: the guest runs.
+        sim.vcpus[1].act = Act::Reenter;
+        sim.reenter(1);
+        assert_eq!(sim.vcpus[1].act, Act::Resume);
+        // Without a kick: halted inside KVM again, no new halt counted.
+        let halts = sim.vms[0].report.halts;
+        sim.vcpus[1].act = Act::Reenter;
+        sim.vcpus[1].kick_latched = false;
+        sim.reenter(1);
+        assert_eq!(sim.vcpus[1].act, Act::Halted);
+        assert!(sim.vcpus[1].halted_in_kvm);
+        assert_eq!(sim.threads[1].state, TState::Blocked);
+        assert_eq!(sim.vms[0].report.halts, halts);
     }
 
     /// The halt watcher is a VMM thread: its poll happens when the host runs it, after its
