@@ -238,7 +238,8 @@ impl CostModel {
         "balance_ns",
     ];
 
-    /// Sets one cost by name ([`CostModel::NAMES`]): a whole number, or for the drawn ranges
+    /// Sets one cost by name ([`CostModel::NAMES`]): a whole number (above 0 for
+    /// `work_unit_ps`, `tick_ns` and `balance_ns`), or for the drawn ranges
     /// (`wait_exit`, `kick_in_kernel`, `kick_exit`, `forced_exit`) `lo..hi` or one number.
     pub fn set(&mut self, name: &str, value: &str) -> Result<(), CostError> {
         let value = value.trim();
@@ -253,6 +254,16 @@ impl CostModel {
                 .parse()
                 .map_err(|_| bad("a whole number"))
         };
+        // A cost the model divides by or steps with: zero would stall or skip it.
+        let positive = || -> Result<u64, CostError> {
+            num().and_then(|n| {
+                if n == 0 {
+                    Err(bad("a whole number above 0"))
+                } else {
+                    Ok(n)
+                }
+            })
+        };
         let span = || -> Result<Span, CostError> {
             let expects = "a whole number or lo..hi with lo <= hi";
             let n = |s: &str| s.trim().replace('_', "").parse::<u64>();
@@ -265,7 +276,7 @@ impl CostModel {
             }
         };
         match name {
-            "work_unit_ps" => self.work_unit_ps = num()?,
+            "work_unit_ps" => self.work_unit_ps = positive()?,
             "handoff_ns.ticket" => self.handoff_ns[0] = num()?,
             "handoff_ns.tas" => self.handoff_ns[1] = num()?,
             "handoff_ns.queued" => self.handoff_ns[2] = num()?,
@@ -286,12 +297,12 @@ impl CostModel {
             "pause_ns" => self.pause_ns = num()?,
             "stock_spin_threshold" => self.stock_spin_threshold = num()?,
             "boost_ns" => self.boost_ns = num()?,
-            "tick_ns" => self.tick_ns = num()?.max(1),
+            "tick_ns" => self.tick_ns = positive()?,
             "min_granularity_ns" => self.min_granularity_ns = num()?,
             "latency_ns" => self.latency_ns = num()?,
             "wakeup_granularity_ns" => self.wakeup_granularity_ns = num()?,
             "context_switch_ns" => self.context_switch_ns = num()?,
-            "balance_ns" => self.balance_ns = num()?.max(1),
+            "balance_ns" => self.balance_ns = positive()?,
             _ => return Err(CostError::Unknown(name.to_string())),
         }
         Ok(())
@@ -403,6 +414,8 @@ mod tests {
         );
         let e = c.apply_one("work_unit_ps = -3").unwrap_err();
         assert!(matches!(e, CostError::Value { .. }), "{e}");
+        let e = c.apply_one("tick_ns = 0").unwrap_err();
+        assert!(e.to_string().contains("above 0"), "{e}");
         let e = c.apply_one("wait_exit = 9..3").unwrap_err();
         assert!(e.to_string().contains("lo <= hi"), "{e}");
         let e = c.apply("resume_ns = 1\nnope = 2\n").unwrap_err();
