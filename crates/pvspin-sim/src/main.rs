@@ -364,6 +364,8 @@ fn validate(
     // Rows measured with the pre-wake guest: (hit, all), and their halts, measured and simulated.
     let (mut pw_hit, mut pw_all) = (0, 0);
     let mut halts_rows = Vec::new();
+    // Per source (the CSV's `source` column): (within 25%, all).
+    let mut by_source = std::collections::BTreeMap::<String, (usize, usize)>::new();
     for (n, line) in text.lines().enumerate() {
         let Some(row) = MeasuredRow::parse(line).map_err(|e| format!("{path}:{}: {e}", n + 1))?
         else {
@@ -405,6 +407,9 @@ fn validate(
         let gt = if at_bound { ">=" } else { "" };
         all += 1;
         hit += usize::from(ok);
+        let src = by_source.entry(row.source.clone()).or_default();
+        src.0 += usize::from(ok);
+        src.1 += 1;
         if row.guest_prewake.is_some() {
             pw_all += 1;
             pw_hit += usize::from(ok);
@@ -434,6 +439,11 @@ fn validate(
         );
     }
     println!("\n{hit} of {all} cells within 25%");
+    let sources: Vec<String> = by_source
+        .iter()
+        .map(|(s, (h, a))| format!("{} {h} of {a}", if s.is_empty() { "-" } else { s }))
+        .collect();
+    println!("by source: {}", sources.join(", "));
     println!(
         "where today's guest pre-wakes ({told} cells): {told_off} within 25% without the pre-wake, {told_on} with it"
     );
