@@ -1183,16 +1183,7 @@ impl Sim {
         self.vms[m].report.halts += 1;
         self.vms[m].board.on_halt(local);
         if path.halts_in_kvm() {
-            // KVM polls before it schedules the thread out only while nothing else is
-            // runnable on its CPU.
-            let cpu = self.threads[v as usize].cpu;
-            let alone = self.threads[v as usize].state == TState::Running
-                && self.cpus[cpu as usize].rq.is_empty();
-            let vc = &mut self.vcpus[v as usize];
-            vc.halted_in_kvm = true;
-            vc.halt_t0 = self.now;
-            vc.poll_cpu = alone.then_some(cpu);
-            self.arm_watch(m);
+            self.halt_in_kvm(v);
         } else if let Some(s) = self.vms[m].slots.clone() {
             s.leave(local);
             self.drain(m);
@@ -1732,7 +1723,6 @@ impl Sim {
     /// that came meanwhile wakes the guest at once; else it halts inside KVM again (the
     /// guest's HLT never ended, so no new halt is counted).
     fn reenter(&mut self, v: u32) {
-        let m = self.vcpus[v as usize].vm as usize;
         let vc = &mut self.vcpus[v as usize];
         vc.act = Act::Halted;
         if std::mem::take(&mut vc.kick_latched) {
@@ -1743,14 +1733,22 @@ impl Sim {
             return;
         }
         vc.wake_token += 1;
-        vc.halted_in_kvm = true;
-        vc.halt_t0 = self.now;
+        self.halt_in_kvm(v);
+        self.block(v);
+    }
+
+    /// `v` halts inside KVM: the watcher's probe sees it blocking from now, and KVM polls
+    /// before it schedules the thread out only while nothing else is runnable on its CPU.
+    fn halt_in_kvm(&mut self, v: u32) {
+        let m = self.vcpus[v as usize].vm as usize;
         let cpu = self.threads[v as usize].cpu;
         let alone = self.threads[v as usize].state == TState::Running
             && self.cpus[cpu as usize].rq.is_empty();
-        self.vcpus[v as usize].poll_cpu = alone.then_some(cpu);
+        let vc = &mut self.vcpus[v as usize];
+        vc.halted_in_kvm = true;
+        vc.halt_t0 = self.now;
+        vc.poll_cpu = alone.then_some(cpu);
         self.arm_watch(m);
-        self.block(v);
     }
 
     /// Interrupts the running act for a forced exit handled after `cost` ns.
