@@ -130,6 +130,12 @@ pub struct CostModel {
     /// back in: 9.2 and 9.1 us. The same order as "pvspind at parity"'s `perf` of the daemon's
     /// worker (46% of 19 us per kick in `finish_task_switch`, about 8.7 us a switch).
     pub context_switch_ns: u64,
+    /// How much one critical or non-critical section's length varies, in percent of its
+    /// nominal length: each lasts a uniform draw within `nominal * (1 +- pct/100)`, so the mean
+    /// stays. 0 (the default): every section lasts exactly its nominal time, as the AMD
+    /// validation assumed. Real sections vary with the cache, interrupts and the other CPU's
+    /// load; without it two vCPUs that alternate on a lock stay in lock step forever.
+    pub work_jitter_pct: u64,
     /// How often idle and busy CPUs balance their run queues. Linux balances busy CPUs every
     /// few ticks; *estimate*: 4 ms.
     pub balance_ns: u64,
@@ -163,6 +169,7 @@ impl Default for CostModel {
             wakeup_granularity_ns: 1_000_000,
             context_switch_ns: 9_200,
             balance_ns: 4_000_000,
+            work_jitter_pct: 0,
         }
     }
 }
@@ -236,10 +243,11 @@ impl CostModel {
         "wakeup_granularity_ns",
         "context_switch_ns",
         "balance_ns",
+        "work_jitter_pct",
     ];
 
     /// Sets one cost by name ([`CostModel::NAMES`]): a whole number (above 0 for
-    /// `work_unit_ps`, `tick_ns` and `balance_ns`), or for the drawn ranges
+    /// `work_unit_ps`, `tick_ns` and `balance_ns`; at most 100 for `work_jitter_pct`), or for the drawn ranges
     /// (`wait_exit`, `kick_in_kernel`, `kick_exit`, `forced_exit`) `lo..hi` or one number.
     pub fn set(&mut self, name: &str, value: &str) -> Result<(), CostError> {
         let value = value.trim();
@@ -303,6 +311,15 @@ impl CostModel {
             "wakeup_granularity_ns" => self.wakeup_granularity_ns = num()?,
             "context_switch_ns" => self.context_switch_ns = num()?,
             "balance_ns" => self.balance_ns = positive()?,
+            "work_jitter_pct" => {
+                self.work_jitter_pct = num().and_then(|n| {
+                    if n > 100 {
+                        Err(bad("a whole percent from 0 to 100"))
+                    } else {
+                        Ok(n)
+                    }
+                })?;
+            }
             _ => return Err(CostError::Unknown(name.to_string())),
         }
         Ok(())
@@ -416,6 +433,8 @@ mod tests {
         assert!(matches!(e, CostError::Value { .. }), "{e}");
         let e = c.apply_one("tick_ns = 0").unwrap_err();
         assert!(e.to_string().contains("above 0"), "{e}");
+        let e = c.apply_one("work_jitter_pct = 101").unwrap_err();
+        assert!(e.to_string().contains("0 to 100"), "{e}");
         let e = c.apply_one("wait_exit = 9..3").unwrap_err();
         assert!(e.to_string().contains("lo <= hi"), "{e}");
         let e = c.apply("resume_ns = 1\nnope = 2\n").unwrap_err();

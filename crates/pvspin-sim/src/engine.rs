@@ -58,6 +58,9 @@ pub struct VmReport {
     pub finish_ns: Option<u64>,
     /// Lock acquisitions (within the duration, for runs that end by time).
     pub acquisitions: u64,
+    /// Acquisitions that found the lock taken (or others queued for it). Not the guests'
+    /// `pv_slow_paths`, which count only the waits that went on to WAIT.
+    pub contended: u64,
     /// Waits that blocked (halts or parks).
     pub halts: u64,
     /// Kicks sent (pre-wakes included).
@@ -801,7 +804,7 @@ impl Sim {
                     vm.report.exclusion_violations += 1;
                 }
                 vm.lock.in_cs = true;
-                let cs = self.cs_ns;
+                let cs = self.section_ns(self.cs_ns);
                 self.start(v, Act::Cs, cs);
             }
             Act::Cs => self.release(v),
@@ -873,6 +876,8 @@ impl Sim {
             self.start(v, Act::Take, t);
             return;
         }
+        self.vms[m].report.contended += 1;
+        let lk = &mut self.vms[m].lock;
         // The hybrid trylock: others are queued and no head spins with pending set, so it
         // keeps trying to steal instead of queueing.
         let steals = self.cfg.variant.guest == Guest::Stock
@@ -1423,8 +1428,19 @@ impl Sim {
             self.block(v);
             return;
         }
-        let t = self.ncs_ns;
+        let t = self.section_ns(self.ncs_ns);
         self.start(v, Act::Ncs, t);
+    }
+
+    /// One section's length: `nominal`, varied by [`CostModel::work_jitter_pct`] (no draw
+    /// without jitter, so runs without it stay as they were).
+    fn section_ns(&mut self, nominal: u64) -> u64 {
+        let spread = nominal.saturating_mul(self.cost.work_jitter_pct) / 100;
+        if spread == 0 {
+            return nominal;
+        }
+        self.rng
+            .range(nominal - spread, nominal.saturating_add(spread))
     }
 
     /// `from` kicks `n`: the wake-up after the path's latency, or a latched kick.
@@ -1971,6 +1987,33 @@ mod tests {
                 assert_eq!(r.vms[0].exclusion_violations, 0, "{variant}");
             }
         }
+    }
+
+    #[test]
+    fn work_jitter_keeps_the_mean_and_breaks_the_lock_step() {
+        let run = |vcpus: usize, jitter: u64| {
+            let mut c = cfg("ticket:kick", vcpus, 2_000);
+            // Sections long against the 1-us hand-over, which alone would keep the lock step.
+            (c.cs_work, c.ncs_work) = (50_000, 50_000);
+            c.cost.work_jitter_pct = jitter;
+            let r = Sim::new(c).unwrap().run();
+            assert!(r.finished && r.vms[0].exclusion_violations == 0);
+            r
+        };
+        // One vCPU: its time is its sections' sum, whose mean the jitter keeps.
+        let (exact, varied) = (run(1, 0), run(1, 30));
+        assert_ne!(exact.end_ns, varied.end_ns, "the sections vary");
+        let ratio = varied.end_ns as f64 / exact.end_ns as f64;
+        assert!((0.98..1.02).contains(&ratio), "mean kept: {ratio}");
+        // Two vCPUs with equal sections: exact ones meet the lock taken every time; varied
+        // ones often find it free.
+        let (exact, varied) = (run(2, 0), run(2, 30));
+        assert!(exact.vms[0].contended > 3_900, "{}", exact.vms[0].contended);
+        assert!(
+            varied.vms[0].contended < 3_000,
+            "{}",
+            varied.vms[0].contended
+        );
     }
 
     /// The case that found a lost wake-up: the qspinlock's queue head halted on a free lock

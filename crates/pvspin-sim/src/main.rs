@@ -323,8 +323,9 @@ fn run(a: &RunArgs) -> Result<(), String> {
             let bad: u64 = r.vms.iter().map(|v| v.exclusion_violations).sum();
             let early: u64 = r.vms.iter().map(|v| v.early_waits).sum();
             let steals: u64 = r.vms.iter().map(|v| v.steals).sum();
+            let contended: u64 = r.vms.iter().map(|v| v.contended).sum();
             println!(
-                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions, {halts} halts ({early} waits begun early), {kicks} kicks ({prewakes} pre-wakes), {steals} steals, {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
+                "{variant} seed {seed}: {:.4} s simulated{}, {} acquisitions ({contended} contended), {halts} halts ({early} waits begun early), {kicks} kicks ({prewakes} pre-wakes), {steals} steals, {boosts} boosts, {bad} exclusion violations, {} events, wall {wall:.2} s",
                 r.guest_seconds(),
                 if r.finished || a.duration_ms.is_some() { "" } else { " (bound)" },
                 r.acquisitions(),
@@ -375,7 +376,7 @@ fn validate(
         let at_bound = row.at_bound();
         let config = |seed: u64, today: Option<u8>| {
             let mut cfg = row.config(seed, today);
-            cfg.cost = cost.clone();
+            cfg.cost = row.cost(cost);
             cfg
         };
         // The median guest seconds over the seeds, and the median of the VM's halts.

@@ -2,18 +2,22 @@
 //! `pvspin-sim validate`): one row per measured median, and the simulation that reproduces it.
 //!
 //! Columns: `hogs,vcpus,iterations,variant,median_s,slowest_s[,cpu_limit,cs_work,ncs_work,
-//! source,bound_s,guest_prewake,halts,guest_features]`. `guest_prewake` says which pvspin guest
+//! source,bound_s,guest_prewake,halts,guest_features,work_unit_ps]`. `guest_prewake` says which pvspin guest
 //! was measured: empty for the guest before `VCPUS_FIT` (it waits at once behind a waking next
 //! owner and never pre-wakes: every row before source D), a depth (`2`) for the guest that is
 //! told `VCPUS_FIT` and pre-wakes that many waiters. `halts` is the measured median of the VM's
 //! halts, when the runs counted them. `guest_features` names the guest changes of 2026-12-02
 //! the measured guest had, `+`-separated: `names-holder` (the MCS waiter names the holder,
 //! [`SimConfig::queued_names_holder`]) and `hybrid-trylock` (the stock guest's
-//! [`SimConfig::stock_hybrid_trylock`]); empty for the guest before both.
+//! [`SimConfig::stock_hybrid_trylock`]); empty for the guest before both. `work_unit_ps` is the
+//! row's own work unit, calibrated on reference runs interleaved with the row's runs (the host's
+//! speed drifts up to 2x between hours, so one unit for a whole table measured over many
+//! minutes puts that drift into every cell's ratio); empty: the cost model's.
 
 use thiserror::Error;
 
 use crate::config::{ConfigError, SimConfig, Variant};
+use crate::cost::CostModel;
 
 /// A row the validation cannot read; each names the rule.
 #[derive(Debug, Error, PartialEq)]
@@ -40,6 +44,9 @@ pub enum MeasuredError {
         /// What the column holds.
         String,
     ),
+    /// Rule: a row's own work unit is a whole number of ps above 0.
+    #[error("rule: work_unit_ps is a whole number of ps above 0, got 0")]
+    WorkUnit,
     /// Rule: the variant is one the simulator knows.
     #[error(transparent)]
     Variant(#[from] ConfigError),
@@ -79,6 +86,9 @@ pub struct MeasuredRow {
     /// The measured stock guest used Linux's hybrid trylock
     /// ([`SimConfig::stock_hybrid_trylock`]).
     pub hybrid_trylock: bool,
+    /// The row's own work unit in ps ([`crate::cost::CostModel::work_unit_ps`]), calibrated
+    /// in the same stretch as its runs; `None`: the cost model's.
+    pub work_unit_ps: Option<u64>,
 }
 
 impl MeasuredRow {
@@ -92,7 +102,7 @@ impl MeasuredRow {
         if f.len() < 6 {
             return Err(MeasuredError::Columns(f.len()));
         }
-        const NAMES: [&str; 14] = [
+        const NAMES: [&str; 15] = [
             "hogs",
             "vcpus",
             "iterations",
@@ -107,6 +117,7 @@ impl MeasuredRow {
             "guest_prewake",
             "halts",
             "guest_features",
+            "work_unit_ps",
         ];
         // An empty or missing optional column is absent; anything else must parse.
         fn opt<T: std::str::FromStr>(
@@ -159,7 +170,20 @@ impl MeasuredRow {
             halts: opt(&f, 12, &NAMES)?,
             names_holder,
             hybrid_trylock,
+            work_unit_ps: match opt::<u64>(&f, 14, &NAMES)? {
+                Some(0) => return Err(MeasuredError::WorkUnit),
+                w => w,
+            },
         }))
+    }
+
+    /// The host's costs for this row: `host`'s, with the row's own work unit if it has one.
+    pub fn cost(&self, host: &CostModel) -> CostModel {
+        let mut cost = host.clone();
+        if let Some(w) = self.work_unit_ps {
+            cost.work_unit_ps = w;
+        }
+        cost
     }
 
     /// Whether the measured median sits at the bench's bound (then only a lower bound).
@@ -268,14 +292,51 @@ mod tests {
             .lines()
             .filter_map(|l| MeasuredRow::parse(l).unwrap())
             .collect();
-        assert_eq!(rows.len(), 42);
-        assert!(rows
-            .iter()
-            .all(|r| r.source == "E" && r.names_holder && r.hybrid_trylock));
+        assert_eq!(rows.len(), 84);
+        assert!(rows.iter().all(|r| r.names_holder && r.hybrid_trylock));
+        // Source E used the cost file's one work unit; every row of F has its own.
+        for (source, own_unit) in [("E", false), ("F", true)] {
+            let of: Vec<_> = rows.iter().filter(|r| r.source == source).collect();
+            assert_eq!(of.len(), 42, "{source}");
+            assert!(of.iter().all(|r| r.work_unit_ps.is_some() == own_unit));
+        }
         let mut cost = crate::CostModel::default();
         cost.apply(include_str!("../validation/intel-kvm-pvm.costs"))
             .unwrap();
         assert_ne!(cost.work_unit_ps, crate::CostModel::default().work_unit_ps);
+    }
+
+    #[test]
+    fn a_row_with_its_own_work_unit_simulates_with_it() {
+        let host = crate::CostModel::default();
+        let r = MeasuredRow::parse(
+            "0,8,10000,ticket:kick,0.9,1.0,,15000,15000,F,60,2,,names-holder+hybrid-trylock,455",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.work_unit_ps, Some(455));
+        let cost = r.cost(&host);
+        assert_eq!(cost.work_unit_ps, 455);
+        assert_eq!(
+            cost.tick_ns, host.tick_ns,
+            "only the work unit is the row's"
+        );
+        // Without the column (or empty), the host's.
+        let plain = MeasuredRow::parse("0,8,10000,ticket:kick,0.9,1.0,,15000,15000,E,60,2,,,")
+            .unwrap()
+            .unwrap();
+        assert_eq!(plain.cost(&host), host);
+        assert_eq!(
+            MeasuredRow::parse("0,8,10000,ticket:kick,0.9,1.0,,15000,15000,F,60,2,,,0"),
+            Err(MeasuredError::WorkUnit)
+        );
+        assert!(matches!(
+            MeasuredRow::parse("0,8,10000,ticket:kick,0.9,1.0,,15000,15000,F,60,2,,,fast"),
+            Err(MeasuredError::Number {
+                column: "work_unit_ps",
+                ..
+            })
+        ));
     }
 
     #[test]
