@@ -95,7 +95,8 @@ def csv(args):
         key = (r['hogs'], r['vcpus'], r['iterations'], r['variant'])
         cells.setdefault(key, []).append(
             (r['guest_seconds'], r['halts'], unit_ps((r['ref_s'] + after) / 2)))
-    for key in sorted(cells, key=lambda k: (k[1], k[0])):
+    # Source E's order: by vCPUs, hogs, then the variants as listed above.
+    for key in sorted(cells, key=lambda k: CELLS.index((k[1], k[0], k[3]))):
         hogs, vcpus, iterations, variant = key
         times, halts, units = zip(*cells[key])
         print(f"{hogs},{vcpus},{iterations},{variant},{statistics.median(times):.3f},"
