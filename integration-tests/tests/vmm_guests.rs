@@ -508,6 +508,44 @@ fn lock_workload_runs_in_guest_user_mode() {
 }
 
 #[test]
+fn lock_workload_times_its_own_sections() {
+    if kvm_or_skip("lock_workload_times_its_own_sections").is_none() {
+        return;
+    }
+    for user_mode in [false, true] {
+        let config = RunConfig {
+            user_mode,
+            iterations: if user_mode { 320 } else { 40 },
+            ncs_work: if user_mode { 20_000 } else { 5 },
+            ..config(Workload::Lock, 2)
+        };
+        let report = run(&config).unwrap_or_else(|err| panic!("user {user_mode}: {err}"));
+        // One section in 16 per vCPU, from the first.
+        let per_vcpu = config
+            .iterations
+            .div_ceil(pvspin_test_vm_proto::NCS_SAMPLE_EVERY);
+        assert_eq!(report.ncs_samples, 2 * per_vcpu, "user {user_mode}");
+        let (median, mean) = (report.ncs_median_tsc, report.ncs_mean_tsc);
+        assert!(median > 0, "user {user_mode}");
+        // The mean leaves out sections over 3 medians, so it stays within reach of the median.
+        assert!(
+            mean >= median / 3 && mean <= 3 * median,
+            "user {user_mode}: median {median}, mean {mean}"
+        );
+        let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(json["ncs_mean_tsc"], mean);
+        if user_mode {
+            // Native code: well under 100 ns per unit (emulated, each unit takes microseconds).
+            let ns_per_unit = median as f64 * 1e6 / report.tsc_khz as f64 / 20_000.0;
+            assert!(ns_per_unit < 100.0, "{ns_per_unit} ns per unit");
+        }
+    }
+    // Other workloads time nothing.
+    let hello = run(&config(Workload::Hello, 1)).expect("hello runs");
+    assert_eq!((hello.ncs_samples, hello.ncs_median_tsc), (0, 0));
+}
+
+#[test]
 fn backoff_lock_counts_exactly_in_kernel_and_user_mode() {
     if kvm_or_skip("backoff_lock_counts_exactly_in_kernel_and_user_mode").is_none() {
         return;

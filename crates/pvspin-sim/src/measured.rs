@@ -292,10 +292,10 @@ mod tests {
             .lines()
             .filter_map(|l| MeasuredRow::parse(l).unwrap())
             .collect();
-        assert_eq!(rows.len(), 84);
+        assert_eq!(rows.len(), 126);
         assert!(rows.iter().all(|r| r.names_holder && r.hybrid_trylock));
-        // Source E used the cost file's one work unit; every row of F has its own.
-        for (source, own_unit) in [("E", false), ("F", true)] {
+        // Source E used the cost file's one work unit; every row of F and G has its own.
+        for (source, own_unit) in [("E", false), ("F", true), ("G", true)] {
             let of: Vec<_> = rows.iter().filter(|r| r.source == source).collect();
             assert_eq!(of.len(), 42, "{source}");
             assert!(of.iter().all(|r| r.work_unit_ps.is_some() == own_unit));

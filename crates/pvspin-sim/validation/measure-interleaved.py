@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Measures a validation set with the host's speed taken in the same stretch as each run.
 
-The development hosts' speed drifts up to 2x within minutes (docs/simulator.md, "Source F"), so
-one work unit for a table measured over a quarter of an hour puts that drift into every cell.
-Here every run of a cell is preceded by a short reference run (2 vCPUs, `ticket:kick`, 1x,
-20,000 acquisitions, cs/ncs 15000 in user mode), and `csv` gives each row its own work unit:
-the median over the row's runs of the unit that the references on both sides of the run give
-(less the ticket hand-over of 1.0 us per acquisition, over cs 15000 units), the way
-`intel-kvm-pvm.costs` calibrates its one unit.
+The development hosts' speed switches 2x within seconds (docs/benchmarks.md 14.15), so one
+work unit for a table measured over a quarter of an hour puts that drift into every cell.
+`csv` gives each row its own work unit, the median over the row's runs of either
+- `--unit in-run` (source G): the run's own, from the guest's timing of its non-critical
+  sections (the report's `ncs_mean_tsc`, the mean of those under 3 medians, over ncs 15000
+  units); or
+- `--unit reference` (source F): the unit that short reference runs (2 vCPUs, `ticket:kick`,
+  1x, 20,000 acquisitions, cs/ncs 15000 in user mode) on both sides of the run give, less the
+  ticket hand-over of 1.0 us per acquisition, over cs 15000 units.
 
     measure-interleaved.py measure --vmm target/release/pvspin-vmm --rounds 5 --out F.jsonl
     measure-interleaved.py csv --source F F.jsonl >> measured-intel.csv
+    measure-interleaved.py measure --reference none ... --out G.jsonl
+    measure-interleaved.py csv --unit in-run --source G G.jsonl >> measured-intel.csv
 
 The cells are source E's (measured-intel.csv): 2 vCPUs with 0, 2 and 4 hogs, and 4, 8 and 16
 vCPUs, 80,000 acquisitions each, in a new random order every round.
@@ -56,7 +60,7 @@ def measure(args):
             order = CELLS[:]
             random.Random(r).shuffle(order)
             for (n, hogs, variant) in order:
-                ref_s = reference(args.vmm)
+                ref_s = reference(args.vmm) if args.reference == 'ticket-1x' else None
                 if os.path.exists(cell_json):
                     os.remove(cell_json)
                 subprocess.run([args.vmm, 'bench', '--vcpus', str(n), '--iterations',
@@ -76,7 +80,7 @@ def measure(args):
                         halts=rep.get('pv_halts') or 0, iterations=rep['iterations'],
                         utc=time.strftime('%H:%M:%S', time.gmtime()), report=rep)) + '\n')
                     out.flush()
-                print(r, n, hogs, variant, round(ref_s, 3),
+                print(r, n, hogs, variant, ref_s and round(ref_s, 3),
                       [round(x['guest_seconds'], 3) for x in runs], flush=True)
 
 
@@ -85,16 +89,23 @@ def unit_ps(ref_s):
     return per_acquisition / CS_WORK * 1e12
 
 
+def in_run_unit_ps(report):
+    return report['ncs_mean_tsc'] * 1e9 / report['tsc_khz'] / CS_WORK
+
+
 def csv(args):
     with open(args.jsonl) as f:
         recs = [json.loads(line) for line in f]
     cells = {}
     for i, r in enumerate(recs):
-        # The reference before this run and the one before the next.
-        after = recs[i + 1]['ref_s'] if i + 1 < len(recs) else r['ref_s']
+        if args.unit == 'in-run':
+            unit = in_run_unit_ps(r['report'])
+        else:
+            # The reference before this run and the one before the next.
+            after = recs[i + 1]['ref_s'] if i + 1 < len(recs) else r['ref_s']
+            unit = unit_ps((r['ref_s'] + after) / 2)
         key = (r['hogs'], r['vcpus'], r['iterations'], r['variant'])
-        cells.setdefault(key, []).append(
-            (r['guest_seconds'], r['halts'], unit_ps((r['ref_s'] + after) / 2)))
+        cells.setdefault(key, []).append((r['guest_seconds'], r['halts'], unit))
     # Source E's order: by vCPUs, hogs, then the variants as listed above.
     for key in sorted(cells, key=lambda k: CELLS.index((k[1], k[0], k[3]))):
         hogs, vcpus, iterations, variant = key
@@ -103,8 +114,11 @@ def csv(args):
               f"{max(times):.3f},,{CS_WORK},{CS_WORK},{args.source},60,2,"
               f"{int(statistics.median(halts))},names-holder+hybrid-trylock,"
               f"{round(statistics.median(units))}")
-    units = [unit_ps(r['ref_s']) for r in recs]
-    print(f"{len(recs)} references: work unit {min(units):.0f}-{max(units):.0f} ps, "
+    if args.unit == 'in-run':
+        units = [in_run_unit_ps(r['report']) for r in recs]
+    else:
+        units = [unit_ps(r['ref_s']) for r in recs]
+    print(f"{len(recs)} runs: work unit {min(units):.0f}-{max(units):.0f} ps, "
           f"median {statistics.median(units):.0f}", file=sys.stderr)
 
 
@@ -114,9 +128,12 @@ def main():
     m = sub.add_parser('measure', help='run the cells, each run after a reference run')
     m.add_argument('--vmm', required=True, help='the pvspin-vmm binary')
     m.add_argument('--rounds', type=int, default=5)
+    m.add_argument('--reference', choices=['ticket-1x', 'none'], default='ticket-1x',
+                   help='the reference run before every run, or none')
     m.add_argument('--out', required=True, help='JSON lines, appended')
     c = sub.add_parser('csv', help='measured-intel.csv rows with their own work unit')
     c.add_argument('--source', default='F')
+    c.add_argument('--unit', choices=['reference', 'in-run'], default='reference')
     c.add_argument('jsonl')
     args = p.parse_args()
     measure(args) if args.cmd == 'measure' else csv(args)

@@ -133,6 +133,16 @@ pub struct RunReport {
     /// holder (`SpinConfig::prewake`), because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`: run slots on
     /// the userspace and signal-msi paths, or `--vm-cpus`); also in `pv_kicks`.
     pub pv_prewakes: u64,
+    /// Lock workload: the median TSC cycles of one `--ncs-work` section, over one section in
+    /// 16 per vCPU, timed by the guest: how fast this run's work ran (the development hosts'
+    /// speed switches 2x within seconds, `docs/benchmarks.md` §14.15). 0 for other workloads.
+    pub ncs_median_tsc: u64,
+    /// Lock workload: the mean TSC cycles of those sections that took less than 3 medians
+    /// (the ones the host did not preempt), slow and fast stretches in proportion: the
+    /// run's speed to divide its time by. 0 for other workloads.
+    pub ncs_mean_tsc: u64,
+    /// The sections timed for `ncs_median_tsc`.
+    pub ncs_samples: u64,
     /// Stock guest: vCPUs whose KVM steal-time area KVM kept (version non-zero at the end),
     /// i.e. that registered it; `None` for a pvspin-aware guest.
     pub steal_time_registered: Option<u32>,
@@ -228,6 +238,9 @@ impl RunReport {
             pv_preempted: result.pv_preempted,
             pv_behind_waking: result.pv_behind_waking,
             pv_prewakes: result.pv_prewakes,
+            ncs_median_tsc: result.ncs_median_tsc,
+            ncs_mean_tsc: result.ncs_mean_tsc,
+            ncs_samples: result.ncs_samples,
             steal_time_registered: None,
             host_kicks_in_userspace: None,
             kvm_halt_wakeups: None,

@@ -10,6 +10,7 @@
 
 mod arch;
 mod console;
+mod ncs_timing;
 mod pingpong;
 mod pv;
 mod pvh;
@@ -330,7 +331,7 @@ fn lock_workload<L: RawSpinLock + Sync>(
     start_barrier(vcpu, boot);
     let acquisitions = slot_field(&slot(vcpu).acquisitions);
     let mark_cs = boot.pv_flags & PV_FLAG_CS_DEPTH != 0;
-    for _ in 0..boot.iterations {
+    for round in 0..boot.iterations {
         {
             let mut value = counter.lock();
             if mark_cs {
@@ -347,7 +348,13 @@ fn lock_workload<L: RawSpinLock + Sync>(
         }
         acquisitions.fetch_add(1, Ordering::Relaxed);
         heartbeat(vcpu);
-        work(boot.ncs_work);
+        if round % ncs_timing::NCS_SAMPLE_EVERY == 0 {
+            let start = rdtsc();
+            work(boot.ncs_work);
+            ncs_timing::record(rdtsc().wrapping_sub(start));
+        } else {
+            work(boot.ncs_work);
+        }
     }
     let expected = u64::from(boot.vcpus) * boot.iterations;
     // Read by the last vCPU to finish, after every other one has: a value read now could
@@ -406,6 +413,7 @@ fn finish(
                 .load(Ordering::Relaxed)
                 .min(pingpong::SAMPLES.len()) as u64;
         }
+        let (ncs_median_tsc, ncs_mean_tsc, ncs_samples) = ncs_timing::summary();
         let rate = (u128::from(expected) * u128::from(boot.tsc_khz) * 1000 / u128::from(elapsed))
             .min(u128::from(u64::MAX)) as u64;
         let result = RunResult {
@@ -424,6 +432,9 @@ fn finish(
             pv_preempted: pv_stats.preempted,
             pv_behind_waking: pv_stats.behind_waking,
             pv_prewakes: pv_stats.prewakes,
+            ncs_median_tsc,
+            ncs_mean_tsc,
+            ncs_samples,
         };
         // SAFETY: only the last vCPU writes the result, after every other vCPU finished.
         unsafe { core::ptr::addr_of_mut!((*params).result).write_volatile(result) };

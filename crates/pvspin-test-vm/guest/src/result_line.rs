@@ -87,6 +87,12 @@ pub fn print(params: &BootParams) {
         .num(result.pv_behind_waking)
         .text(",\"pv_prewakes\":")
         .num(result.pv_prewakes)
+        .text(",\"ncs_median_tsc\":")
+        .num(result.ncs_median_tsc)
+        .text(",\"ncs_mean_tsc\":")
+        .num(result.ncs_mean_tsc)
+        .text(",\"ncs_samples\":")
+        .num(result.ncs_samples)
         .text(",\"steal_time_registered\":");
     if stock {
         // KVM bumps an area's version at each update: non-zero means it was registered.

@@ -26,6 +26,7 @@ use core::mem::size_of;
 pub mod cmdline;
 pub mod firmware;
 pub mod pvh;
+pub mod timing;
 
 /// GPA of the GDT.
 pub const GDT_ADDR: u64 = 0x1000;
@@ -321,7 +322,25 @@ pub struct RunResult {
     /// pvspin locks: kicks an unlocker sent early, to halted waiters behind the new holder,
     /// because the host said the VM's vCPUs fit its CPUs (`VCPUS_FIT`); also in `pv_kicks`.
     pub pv_prewakes: u64,
+    /// Lock workload: the median TSC cycles of one `ncs_work` section, over the sections the
+    /// vCPUs timed (one in [`NCS_SAMPLE_EVERY`] each; [`timing`]): how fast this run's work
+    /// ran, for comparing runs on a host whose speed drifts. 0 for other workloads.
+    pub ncs_median_tsc: u64,
+    /// Lock workload: the mean TSC cycles of the timed sections that took less than
+    /// [`NCS_MEAN_CAP`] times the median (those the host did not preempt), with the run's slow
+    /// and fast stretches in proportion: the run's time is made of these. 0 for other
+    /// workloads.
+    pub ncs_mean_tsc: u64,
+    /// The sections timed for [`RunResult::ncs_median_tsc`].
+    pub ncs_samples: u64,
 }
+
+/// [`RunResult::ncs_mean_tsc`] leaves out the sections that took this many medians or more.
+pub const NCS_MEAN_CAP: u64 = 3;
+
+/// The lock workload times one non-critical section in this many per vCPU
+/// ([`RunResult::ncs_median_tsc`]).
+pub const NCS_SAMPLE_EVERY: u64 = 16;
 
 /// The most kick-to-wake samples the ping-pong workload keeps.
 pub const MAX_SAMPLES: usize = 16384;
@@ -367,7 +386,7 @@ const _: () = {
     assert!(size_of::<VcpuSlot>() == 32);
     assert!(size_of::<BootParams>() == 96 + size_of::<RunResult>());
     assert!(VIRTIO_MMIO_ADDR + VIRTIO_MMIO_SIZE <= MAPPED_BYTES);
-    assert!(size_of::<RunResult>() == 112 + 16 * CPUID_QUERIES);
+    assert!(size_of::<RunResult>() == 136 + 16 * CPUID_QUERIES);
     assert!(min_memory_bytes(MAX_VCPUS) <= MAPPED_BYTES);
 };
 
