@@ -457,6 +457,16 @@ pub struct CaseResult {
     pub rerun_for_steal: u32,
     /// Runs kept although over `--max-host-steal`, their retries spent.
     pub kept_over_steal: u32,
+    /// Each run's non-critical section as its guest timed it, in ns (the lock workload's
+    /// `ncs_mean_tsc`: how fast the host ran that run); `None` where not reported (other
+    /// workloads, multi-VM runs, runs stopped by the bound, older saved runs). In step with
+    /// `seconds`.
+    pub section_ns: Vec<Option<f64>>,
+}
+
+/// A guest-timed section in ns, from its TSC cycles and the TSC's kHz (`None` for 0 of either).
+pub(crate) fn section_ns(tsc: u64, tsc_khz: u64) -> Option<f64> {
+    (tsc > 0 && tsc_khz > 0).then(|| tsc as f64 * 1e6 / tsc_khz as f64)
 }
 
 /// The median of `values` (0 for none).
@@ -484,6 +494,7 @@ impl CaseResult {
             host_steal: Vec::new(),
             rerun_for_steal: 0,
             kept_over_steal: 0,
+            section_ns: Vec::new(),
         }
     }
 
@@ -504,6 +515,7 @@ impl CaseResult {
         }
         self.kick_to_wake.extend(tried.kick_to_wake);
         self.host_steal.extend(tried.host_steal);
+        self.section_ns.extend(tried.section_ns);
     }
 
     /// Mean of the runs.
@@ -530,6 +542,29 @@ impl CaseResult {
     /// The slowest run (0 for none): the tail the median hides.
     pub fn slowest(&self) -> f64 {
         self.seconds.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// The runs net of the host's speed, where every run reported it ([`Self::section_ns`]):
+    /// each run's time over its own section time, scaled to the runs' median section, so
+    /// `(median, slowest)` read as seconds at one speed. The development hosts switch
+    /// between about one speed and half of it within seconds (`docs/benchmarks.md` §14.15);
+    /// this tells a tail of the lock from a slow stretch of the host.
+    pub fn net_of_speed(&self) -> Option<(f64, f64)> {
+        let sections: Vec<f64> = self.section_ns.iter().copied().collect::<Option<_>>()?;
+        if sections.is_empty()
+            || sections.len() != self.seconds.len()
+            || sections.iter().any(|&s| s <= 0.0)
+        {
+            return None;
+        }
+        let typical = median_of(&sections);
+        let net: Vec<f64> = self
+            .seconds
+            .iter()
+            .zip(&sections)
+            .map(|(s, section)| s * typical / section)
+            .collect();
+        Some((median_of(&net), net.iter().copied().fold(0.0, f64::max)))
     }
 
     /// The host's steal during the runs, where it was read and any was seen: (median, most,
@@ -668,6 +703,14 @@ impl fmt::Display for BenchTable {
                     String::new()
                 }
             )?;
+            if let Some((median, slowest)) = case.net_of_speed() {
+                writeln!(
+                    f,
+                    "    net of the host's speed (each run over its own guest-timed section, at the runs' median speed): median {median:.4}  slowest {slowest:.4}  slowest/median {:.2} (as run: {:.2})",
+                    slowest / median.max(f64::MIN_POSITIVE),
+                    case.slowest() / case.median().max(f64::MIN_POSITIVE)
+                )?;
+            }
             if let Some([min, p50, p90, p99, max]) = case.kick_to_wake_medians() {
                 let worst = case
                     .kick_to_wake
@@ -896,6 +939,7 @@ fn run_vms(
         });
     }
     case.seconds.push(slowest);
+    case.section_ns.push(None);
     if stopped {
         case.timed_out += 1;
     }
@@ -1115,6 +1159,9 @@ where
                     match runner(&tried.variant.config(&base, tried.hogs)) {
                         Ok(report) => {
                             tried.seconds.push(report.guest_seconds);
+                            tried
+                                .section_ns
+                                .push(section_ns(report.ncs_mean_tsc, report.tsc_khz));
                             tried.kick_to_wake.extend(report.kick_to_wake.clone());
                             record.report = serde_json::to_value(&report).ok();
                         }
@@ -1125,6 +1172,7 @@ where
                                 record.variant, tried.hogs
                             ));
                             tried.seconds.push(limit_ms as f64 / 1000.0);
+                            tried.section_ns.push(None);
                             tried.timed_out += 1;
                         }
                         Err(err) => return Err(err.into()),
@@ -1180,6 +1228,29 @@ mod tests {
             seconds: seconds.to_vec(),
             ..CaseResult::new(hogs, Variant::parse(variant).unwrap())
         }
+    }
+
+    #[test]
+    fn runs_net_of_the_hosts_speed() {
+        // The slow run ran at half speed: net of it, it is as fast as the first; the third
+        // is slower at full speed, and stays the slowest.
+        let mut c = case(0, "ticket:kick", &[1.0, 2.0, 1.1]);
+        c.section_ns = vec![Some(10_000.0), Some(20_000.0), Some(10_000.0)];
+        let (median, slowest) = c.net_of_speed().unwrap();
+        assert!((median - 1.0).abs() < 1e-9, "{median}");
+        assert!((slowest - 1.1).abs() < 1e-9, "{slowest}");
+        let table = BenchTable::for_tests(1, 10, vec![c.clone()]);
+        assert!(
+            table
+                .to_string()
+                .contains("slowest/median 1.10 (as run: 1.82)"),
+            "{table}"
+        );
+        // A run without its speed: no line.
+        c.section_ns[1] = None;
+        assert_eq!(c.net_of_speed(), None);
+        assert_eq!(section_ns(0, 2_000_000), None);
+        assert_eq!(section_ns(20_000, 2_000_000), Some(10_000.0));
     }
 
     #[test]

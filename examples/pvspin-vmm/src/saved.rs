@@ -398,6 +398,18 @@ fn add_run(case: &mut CaseResult, run: &RunRecord) {
     }
     case.seconds.push(run.guest_seconds);
     case.host_steal.push(run.host_steal);
+    let field = |name: &str| {
+        run.report
+            .as_ref()
+            .and_then(|r| r.get(name))
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0)
+    };
+    case.section_ns.push(if run.timed_out {
+        None
+    } else {
+        crate::bench::section_ns(field("ncs_mean_tsc"), field("tsc_khz"))
+    });
     if run.timed_out {
         case.timed_out += 1;
     }
