@@ -29,7 +29,8 @@ pub enum CliCommand {
     /// Variants run side by side, interleaved run by run. Progress goes to stderr (a bar with
     /// the case, variant, run and the time left, when stderr is a terminal and without
     /// --quiet), the table alone to stdout (per row: mean (sd), median, slowest run, the
-    /// change against the first variant, T/T1x, every run), every run's record to --json-out
+    /// change against the first variant, T/T1x, every run; for lock runs also the runs net of
+    /// the host's speed, from each run's guest-timed sections), every run's record to --json-out
     /// (`report` prints the table again from it); --plot draws the table as SVG. --suite NAME
     /// runs every table of one part of docs/benchmarks.md instead (--suite list).
     Bench(Box<BenchArgs>),
