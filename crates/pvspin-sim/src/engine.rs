@@ -1454,6 +1454,9 @@ impl Sim {
             if let Some(s) = self.vms[m].slots.clone() {
                 s.hand_over((from - base) as usize, (n - base) as usize);
                 self.drain(m);
+                // A slot reserved for a vCPU out of `KVM_RUN` may put more holders than
+                // slots: the policy wakes its watcher then.
+                self.arm_watch(m);
             }
         }
         let polled = self.halt_polled(n);
@@ -1788,10 +1791,20 @@ impl Sim {
     }
 
     fn arm_watch(&mut self, m: usize) {
-        if self.vms[m].slots.is_none()
-            || self.vms[m].watch_armed
-            || !self.cfg.variant.path.halts_in_kvm()
-        {
+        let Some(s) = self.vms[m].slots.clone() else {
+            return;
+        };
+        if self.vms[m].watch_armed || !self.cfg.variant.path.halts_in_kvm() {
+            return;
+        }
+        // As `RunSlots::wait_for_watch`: with nothing to watch (nobody waits for a slot, none
+        // is lent, no more holders than slots) the watcher sleeps until the policy has some;
+        // its 100-ms timeout wake-ups are left out.
+        let mut set = std::mem::take(&mut self.vms[m].watch_set);
+        s.watch_set(&mut set);
+        let idle = set.is_empty();
+        self.vms[m].watch_set = set;
+        if idle {
             return;
         }
         self.vms[m].watch_armed = true;
@@ -2643,15 +2656,41 @@ mod tests {
             .heap
             .iter()
             .find_map(|Reverse((t, _, ev))| (*ev == Ev::WatchRun(0, token)).then_some(*t));
+        // One probe read per watched vCPU: the two holders, while two vCPUs wait for a slot.
+        assert_eq!(sim.vms[0].watch_set.len(), 2);
         let cost = &sim.cost;
         assert_eq!(
             at,
-            Some(5_000_000 + cost.context_switch_ns + cost.halt_probe_ns)
+            Some(5_000_000 + cost.context_switch_ns + 2 * cost.halt_probe_ns)
         );
         sim.now = at.unwrap();
         sim.watch_run(0);
         assert_eq!(sim.threads[w as usize].state, TState::Blocked);
         assert_ne!(sim.cpus[cpu as usize].curr, Some(w));
+    }
+
+    /// With as many slots as vCPUs nobody ever waits for one, so the watcher sleeps as
+    /// `RunSlots::wait_for_watch` does; it used to wake after every halt inside KVM and take
+    /// the CPU from a lock holder beside hogs (2 vCPUs at 2x: a 60-s convoy in some seeds).
+    #[test]
+    fn slots_that_never_act_change_nothing() {
+        for seed in 1..=3 {
+            let run = |variant: &str| {
+                let mut c = cfg(variant, 2, 3_000);
+                c.hogs = 2;
+                c.seed = seed;
+                c.cs_work = 15_000;
+                c.ncs_work = 15_000;
+                let r = Sim::new(c).unwrap().run();
+                assert!(r.finished, "{variant} seed {seed}");
+                (r.end_ns, r.vms[0].halts, r.vms[0].kicks)
+            };
+            assert_eq!(
+                run("ticket:kick:in-kernel"),
+                run("ticket:kick/slots:in-kernel"),
+                "seed {seed}"
+            );
+        }
     }
 
     #[test]

@@ -292,12 +292,17 @@ mod tests {
             .lines()
             .filter_map(|l| MeasuredRow::parse(l).unwrap())
             .collect();
-        assert_eq!(rows.len(), 126);
+        assert_eq!(rows.len(), 140);
         assert!(rows.iter().all(|r| r.names_holder && r.hybrid_trylock));
-        // Source E used the cost file's one work unit; every row of F and G has its own.
-        for (source, own_unit) in [("E", false), ("F", true), ("G", true)] {
+        // Source E used the cost file's one work unit; every row of F, G and H has its own.
+        for (source, own_unit, count) in [
+            ("E", false, 42),
+            ("F", true, 42),
+            ("G", true, 42),
+            ("H", true, 14),
+        ] {
             let of: Vec<_> = rows.iter().filter(|r| r.source == source).collect();
-            assert_eq!(of.len(), 42, "{source}");
+            assert_eq!(of.len(), count, "{source}");
             assert!(of.iter().all(|r| r.work_unit_ps.is_some() == own_unit));
         }
         let mut cost = crate::CostModel::default();

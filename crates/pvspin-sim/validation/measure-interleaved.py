@@ -17,7 +17,9 @@ work unit for a table measured over a quarter of an hour puts that drift into ev
     measure-interleaved.py csv --unit in-run --source G G.jsonl >> measured-intel.csv
 
 The cells are source E's (measured-intel.csv): 2 vCPUs with 0, 2 and 4 hogs, and 4, 8 and 16
-vCPUs, 80,000 acquisitions each, in a new random order every round.
+vCPUs, 80,000 acquisitions each, in a new random order every round; `--cells more` measures
+what E left out (source H): 6 vCPUs, and `ticket:kick+yield` and `ticket:kick/slots` at 2
+vCPUs with 0, 2 and 4 hogs.
 """
 import argparse
 import json
@@ -38,6 +40,11 @@ MORE_VCPUS = ['ticket:kick', 'queued:kick', 'queued:kick:in-kernel@stock',
               'queued:kick/slots:in-kernel@stock']
 CELLS = ([(2, hogs, v) for hogs in (0, 2, 4) for v in TWO_VCPUS]
          + [(n, 0, v) for n in (4, 8, 16) for v in MORE_VCPUS])
+# What E left out of issue 19's list: 6 vCPUs, and directed yield and run slots for the pvspin
+# guest at 1x-3x (source H).
+MORE_CELLS = ([(6, 0, v) for v in MORE_VCPUS]
+              + [(2, hogs, v) for hogs in (0, 2, 4)
+                 for v in ('ticket:kick+yield', 'ticket:kick/slots')])
 ACQUISITIONS = 80000
 REF_ACQUISITIONS = 20000
 TICKET_HANDOFF_S = 1.0e-6
@@ -56,8 +63,9 @@ def reference(vmm):
 def measure(args):
     with open(args.out, 'a') as out, tempfile.TemporaryDirectory() as tmp:
         cell_json = os.path.join(tmp, 'cell.jsonl')
+        cells = MORE_CELLS if args.cells == 'more' else CELLS
         for r in range(args.rounds):
-            order = CELLS[:]
+            order = cells[:]
             random.Random(r).shuffle(order)
             for (n, hogs, variant) in order:
                 ref_s = reference(args.vmm) if args.reference == 'ticket-1x' else None
@@ -107,7 +115,8 @@ def csv(args):
         key = (r['hogs'], r['vcpus'], r['iterations'], r['variant'])
         cells.setdefault(key, []).append((r['guest_seconds'], r['halts'], unit))
     # Source E's order: by vCPUs, hogs, then the variants as listed above.
-    for key in sorted(cells, key=lambda k: CELLS.index((k[1], k[0], k[3]))):
+    listed = CELLS + MORE_CELLS
+    for key in sorted(cells, key=lambda k: (k[1], k[0], listed.index((k[1], k[0], k[3])))):
         hogs, vcpus, iterations, variant = key
         times, halts, units = zip(*cells[key])
         print(f"{hogs},{vcpus},{iterations},{variant},{statistics.median(times):.3f},"
@@ -130,6 +139,9 @@ def main():
     m.add_argument('--rounds', type=int, default=5)
     m.add_argument('--reference', choices=['ticket-1x', 'none'], default='ticket-1x',
                    help='the reference run before every run, or none')
+    m.add_argument('--cells', choices=['e', 'more'], default='e',
+                   help="source E's cells, or those E left out (6 vCPUs; kick+yield and slots "
+                        "for the pvspin guest at 1x-3x)")
     m.add_argument('--out', required=True, help='JSON lines, appended')
     c = sub.add_parser('csv', help='measured-intel.csv rows with their own work unit')
     c.add_argument('--source', default='F')
