@@ -194,19 +194,18 @@ impl PvTicketLock {
     #[cold]
     fn lock_slow<O: PvOps, S: TicketSpin>(&self, pv: Pv<'_, O>, ticket: u32, spin: &S) {
         let me = if pv.config.halt { pv.this_cpu() } else { None };
-        let my_id = if pv.ops.spin_window() != u32::MAX {
-            // Notifications on: publish {lock, ticket} in this CPU's slot now (state stays
-            // RUNNING, so no unlocker acts on it), so that other waiters can name this CPU
-            // as the next owner once the lock is released to it. Off (and under loom, whose
-            // backend never notifies), the slot is written only on the way to a halt.
-            pv.this_cpu().map(|(id, cpu)| {
-                cpu.ticket.lock.store(self.id(), Ordering::Relaxed);
-                cpu.ticket.ticket.store(ticket, Ordering::Relaxed);
-                id
-            })
-        } else {
-            None
-        };
+        // Publish {lock, ticket} in this CPU's slot now (state stays RUNNING, so no unlocker
+        // acts on it), so that other waiters can name this CPU as the next owner once the
+        // lock is released to it: if it is preempted meanwhile (a host time slice, a run
+        // slot taken away), they wait early and their WAIT names it, and the host runs it
+        // sooner. Until 2026-12-03 only with spin-count notifications on; with time budgets
+        // (whose window reads as "never") a preempted next owner was unnamed unless it had
+        // halted, and its waiters spun their whole budget and halted naming nobody.
+        let my_id = pv.this_cpu().map(|(id, cpu)| {
+            cpu.ticket.lock.store(self.id(), Ordering::Relaxed);
+            cpu.ticket.ticket.store(ticket, Ordering::Relaxed);
+            id
+        });
         let wait = |spun| {
             let (waiting_for, next_owner) = match self.holder_hint() {
                 Some(holder) => (Some(holder), false),
