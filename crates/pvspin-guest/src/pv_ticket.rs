@@ -193,7 +193,9 @@ impl PvTicketLock {
 
     #[cold]
     fn lock_slow<O: PvOps, S: TicketSpin>(&self, pv: Pv<'_, O>, ticket: u32, spin: &S) {
-        let me = if pv.config.halt { pv.this_cpu() } else { None };
+        // One lookup (a bad CPU id counts once per slow path).
+        let this = pv.this_cpu();
+        let me = if pv.config.halt { this } else { None };
         // Publish {lock, ticket} in this CPU's slot now (state stays RUNNING, so no unlocker
         // acts on it), so that other waiters can name this CPU as the next owner once the
         // lock is released to it: if it is preempted meanwhile (a host time slice, a run
@@ -201,7 +203,7 @@ impl PvTicketLock {
         // sooner. Until 2026-12-03 only with spin-count notifications on; with time budgets
         // (whose window reads as "never") a preempted next owner was unnamed unless it had
         // halted, and its waiters spun their whole budget and halted naming nobody.
-        let my_id = pv.this_cpu().map(|(id, cpu)| {
+        let my_id = this.map(|(id, cpu)| {
             cpu.ticket.lock.store(self.id(), Ordering::Relaxed);
             cpu.ticket.ticket.store(ticket, Ordering::Relaxed);
             id
