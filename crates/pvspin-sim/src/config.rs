@@ -295,6 +295,11 @@ pub struct SimConfig {
     /// and queues only once the queue is empty or pending is set. Off: one steal attempt, then
     /// queue (the guest every measured stock row of the validation ran).
     pub stock_hybrid_trylock: bool,
+    /// The run slots' quantum, overriding `SlotConfig::new`'s (the VMM's `--slot-quantum-us`).
+    pub slot_quantum_ns: Option<u64>,
+    /// How often the slots' halt watcher polls while it has vCPUs to watch, overriding
+    /// `SlotConfig::new`'s (the VMM's `--halt-watch-us`).
+    pub halt_watch_ns: Option<u64>,
     /// Costs.
     pub cost: CostModel,
 }
@@ -322,6 +327,8 @@ impl SimConfig {
             prewake: pvspin_guest::SpinConfig::DEFAULT_PREWAKE,
             queued_names_holder: true,
             stock_hybrid_trylock: true,
+            slot_quantum_ns: None,
+            halt_watch_ns: None,
             cost: CostModel::default(),
         }
     }

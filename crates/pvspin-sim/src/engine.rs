@@ -17,6 +17,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pvspin_hints::PageBudgets;
 use pvspin_slots::{RunSlots, SlotClock, SlotConfig, SlotSignals, SlotStats, SlotWaker};
@@ -79,6 +80,8 @@ pub struct VmReport {
     pub exclusion_violations: u64,
     /// The run slots' counters, with slots.
     pub slots: Option<SlotStats>,
+    /// Polls of the slots' halt watcher (the VMM's `run_slots.watch_polls`).
+    pub watch_polls: u64,
 }
 
 /// What a simulation did.
@@ -408,7 +411,13 @@ impl Sim {
             let granted = Arc::new(Mutex::new(Vec::new()));
             let heads = Arc::new(Mutex::new(Vec::new()));
             let slots = if v.slots {
-                let sc = SlotConfig::new(cfg.slot_count());
+                let mut sc = SlotConfig::new(cfg.slot_count());
+                if let Some(ns) = cfg.slot_quantum_ns {
+                    sc.quantum = Duration::from_nanos(ns);
+                }
+                if let Some(ns) = cfg.halt_watch_ns {
+                    sc.halt_watch_interval = Duration::from_nanos(ns);
+                }
                 let s = RunSlots::with_clock(cfg.vcpus, sc, Box::new(SimClock(clock.clone())))?
                     .with_waker(Box::new(Grants {
                         granted: granted.clone(),
@@ -1866,6 +1875,7 @@ impl Sim {
         let Some(s) = self.vms[m].slots.clone() else {
             return;
         };
+        self.vms[m].report.watch_polls += 1;
         let mut set = std::mem::take(&mut self.vms[m].watch_set);
         s.watch_set(&mut set);
         let base = self.vms[m].base;
@@ -2691,6 +2701,37 @@ mod tests {
                 "seed {seed}"
             );
         }
+    }
+
+    /// The slots' quantum and halt-watch interval reach the policy (the VMM's
+    /// `--slot-quantum-us` and `--halt-watch-us`): a shorter quantum preempts more, a slower
+    /// watcher polls less, and the watcher's polls are counted.
+    #[test]
+    fn slot_quantum_and_halt_watch_overrides_reach_the_policy() {
+        let run = |quantum_us: u64, watch_us: u64| {
+            let mut c = cfg("ticket:kick/slots:signal-msi", 8, 500);
+            c.slot_quantum_ns = Some(quantum_us * 1000);
+            c.halt_watch_ns = Some(watch_us * 1000);
+            let r = Sim::new(c).unwrap().run();
+            assert!(r.finished);
+            let vm = &r.vms[0];
+            (vm.slots.unwrap().preemptions, vm.watch_polls)
+        };
+        let (short, _) = run(1_000, 100);
+        let (long, polls_fast) = run(32_000, 100);
+        let (_, polls_slow) = run(32_000, 1_000);
+        assert!(
+            short > 2 * long,
+            "preemptions: {short} at 1 ms, {long} at 32 ms"
+        );
+        assert!(polls_fast > 0);
+        assert!(
+            polls_slow < polls_fast,
+            "polls: {polls_slow} every 1 ms, {polls_fast} every 100 us"
+        );
+        let mut bad = cfg("ticket:kick/slots:signal-msi", 8, 10);
+        bad.slot_quantum_ns = Some(0);
+        assert!(Sim::new(bad).is_err(), "a zero quantum is refused");
     }
 
     #[test]

@@ -194,6 +194,14 @@ struct RunArgs {
     /// Linux's hybrid unfair trylock (the guest the validation's stock rows measured).
     #[arg(long)]
     stock_one_steal: bool,
+    /// Run slots: the quantum in us, as the VMM's `--slot-quantum-us` (default: pvspin's
+    /// `SlotConfig::new`, 8000).
+    #[arg(long)]
+    slot_quantum_us: Option<u64>,
+    /// Run slots on the in-kernel and signal-msi paths: how often the halt watcher polls, in
+    /// us, as the VMM's `--halt-watch-us` (default: pvspin's, 100).
+    #[arg(long)]
+    halt_watch_us: Option<u64>,
     /// The host's costs.
     #[command(flatten)]
     costs: CostArgs,
@@ -312,6 +320,8 @@ fn run(a: &RunArgs) -> Result<(), String> {
             cfg.early_wait_behind_waking = a.early_wait_behind_waking;
             cfg.prewake = a.prewake;
             cfg.stock_hybrid_trylock = !a.stock_one_steal;
+            cfg.slot_quantum_ns = a.slot_quantum_us.map(|us| us.saturating_mul(1000));
+            cfg.halt_watch_ns = a.halt_watch_us.map(|us| us.saturating_mul(1000));
             cfg.cost = cost.clone();
             let start = std::time::Instant::now();
             let r = Sim::new(cfg).map_err(|e| e.to_string())?.run();
@@ -331,8 +341,10 @@ fn run(a: &RunArgs) -> Result<(), String> {
                 r.acquisitions(),
                 r.events,
             );
-            if let Some(s) = r.vms.first().and_then(|v| v.slots) {
-                println!("  slots: {s:?}");
+            if let Some(v) = r.vms.first() {
+                if let Some(s) = v.slots {
+                    println!("  slots: {s:?}, halt watcher polls: {}", v.watch_polls);
+                }
             }
             times.push(r.guest_seconds());
         }
