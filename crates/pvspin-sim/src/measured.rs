@@ -292,14 +292,16 @@ mod tests {
             .lines()
             .filter_map(|l| MeasuredRow::parse(l).unwrap())
             .collect();
-        assert_eq!(rows.len(), 140);
+        assert_eq!(rows.len(), 196);
         assert!(rows.iter().all(|r| r.names_holder && r.hybrid_trylock));
-        // Source E used the cost file's one work unit; every row of F, G and H has its own.
+        // Source E used the cost file's one work unit; every row of F to J has its own.
         for (source, own_unit, count) in [
             ("E", false, 42),
             ("F", true, 42),
             ("G", true, 42),
             ("H", true, 14),
+            ("I", true, 42),
+            ("J", true, 14),
         ] {
             let of: Vec<_> = rows.iter().filter(|r| r.source == source).collect();
             assert_eq!(of.len(), count, "{source}");
