@@ -361,8 +361,10 @@ pub struct PvStatsSnapshot {
     /// Contended unlocks that found the next waiter running, so sent no kick (the stock
     /// queued lock: queue-head hand-overs to a running successor).
     pub no_kick: u64,
-    /// Stock queued lock: node waits that stopped spinning and halted early because the
-    /// predecessor's node was not running (Linux's `pv_wait_early`).
+    /// Waits begun early. Stock queued lock: node waits that stopped spinning and halted
+    /// early because the predecessor's node was not running (Linux's `pv_wait_early`).
+    /// pvspin locks with time budgets (since 2026-12-03): spin phases that ended before their
+    /// budget because the CPU waited for was known not to run ([`PvOps::is_not_running`]).
     pub wait_early: u64,
     /// Stock queued lock: preemptions that cut a queue head's spin short, of the vCPU that
     /// handed it the queue head (the holder, unless the lock was stolen;
@@ -675,6 +677,10 @@ impl<O: PvOps> Pv<'_, O> {
                     let about_to_run = now_waiting.waking && self.ops.vcpus_fit();
                     if self.ops.is_not_running(cpu) {
                         if !about_to_run {
+                            // Counted so that a host can tell early waits from spent budgets.
+                            if let Some((_, me)) = self.this_cpu() {
+                                me.stats.wait_early();
+                            }
                             break;
                         }
                         if !counted_behind_waking {

@@ -763,6 +763,8 @@ mod tests {
         let domain = wait_behind_holder(Timed::new(budget, true));
         assert!(domain.ops().notes.lock().unwrap().is_empty());
         assert!(!domain.ops().waits.lock().unwrap().is_empty());
+        // A spent budget is not an early wait.
+        assert_eq!(domain.cpu_stats(0).unwrap().wait_early, 0);
     }
 
     #[test]
@@ -786,6 +788,8 @@ mod tests {
             "{} spins",
             domain.ops().ticks()
         );
+        // Counted as an early wait, so that a host can tell it from a spent budget.
+        assert!(domain.cpu_stats(0).unwrap().wait_early >= 1);
     }
 
     /// The lock was released to ticket 1, drawn by CPU 1, whose slot is in `state`; CPU 1 does

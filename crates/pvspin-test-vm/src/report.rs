@@ -120,8 +120,9 @@ pub struct RunReport {
     pub pv_kicks: u64,
     /// PV locks: wake-ups that found the lock not yet theirs.
     pub pv_spurious_wakeups: u64,
-    /// Stock guest's pv qspinlock: node waits that halted early because the predecessor's node
-    /// was not running (Linux's `pv_wait_early`).
+    /// Waits begun early: the stock guest's pv qspinlock node waits that halted because the
+    /// predecessor's node was not running (Linux's `pv_wait_early`); pvspin's locks' spin
+    /// phases that ended before their time budget because the vCPU waited for did not run.
     pub pv_wait_early: u64,
     /// Stock guest's pv qspinlock: queue-head spins cut short because the predecessor's vCPU
     /// was preempted (its KVM steal-time `preempted` byte).

@@ -310,8 +310,9 @@ pub struct RunResult {
     pub samples_addr: u64,
     /// Number of samples there.
     pub samples_len: u64,
-    /// Stock guest's PV lock: node waits that halted early because the predecessor's node was
-    /// not running (Linux's `pv_wait_early`).
+    /// Waits begun early: the stock guest's PV lock node waits that halted because the
+    /// predecessor's node was not running (Linux's `pv_wait_early`); pvspin's locks' spin
+    /// phases that ended before their time budget because the vCPU waited for did not run.
     pub pv_wait_early: u64,
     /// Stock guest's PV lock: queue-head spins cut short because the predecessor's vCPU was
     /// preempted (its KVM steal-time `preempted` byte).
