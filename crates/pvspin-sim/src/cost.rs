@@ -122,6 +122,12 @@ pub struct CostModel {
     pub latency_ns: u64,
     /// CFS wake-up preemption granularity before scaling: 1 ms (`sysctl_sched_wakeup_granularity`).
     pub wakeup_granularity_ns: u64,
+    /// EEVDF's wake-up rule beside CFS's granularity (1: on, 0: off): a thread that wakes also
+    /// preempts a running thread that has used up its protected slice (the base slice,
+    /// [`CostModel::min_granularity_ns`] scaled, since it was picked: `RUN_TO_PARITY`) and whose
+    /// virtual deadline is later. Linux 6.6 and later, the hosts here (6.18), do this at the
+    /// wake-up; CFS left such a thread running until the next tick, 4 ms at `HZ=250`.
+    pub wakeup_after_slice: u64,
     /// Switching a vCPU thread onto a host CPU (from another thread or from idle), before its
     /// guest runs: the scheduler's switch and KVM's `vcpu_load` on this nested host. Source:
     /// `docs/benchmarks.md`, "Kick-to-wake latency, side by side with the C probe", pvspin p50
@@ -167,6 +173,7 @@ impl Default for CostModel {
             min_granularity_ns: 750_000,
             latency_ns: 750_000,
             wakeup_granularity_ns: 1_000_000,
+            wakeup_after_slice: 0,
             context_switch_ns: 9_200,
             balance_ns: 4_000_000,
             work_jitter_pct: 0,
@@ -241,6 +248,7 @@ impl CostModel {
         "min_granularity_ns",
         "latency_ns",
         "wakeup_granularity_ns",
+        "wakeup_after_slice",
         "context_switch_ns",
         "balance_ns",
         "work_jitter_pct",
@@ -309,6 +317,15 @@ impl CostModel {
             "min_granularity_ns" => self.min_granularity_ns = num()?,
             "latency_ns" => self.latency_ns = num()?,
             "wakeup_granularity_ns" => self.wakeup_granularity_ns = num()?,
+            "wakeup_after_slice" => {
+                self.wakeup_after_slice = num().and_then(|n| {
+                    if n > 1 {
+                        Err(bad("0 (off) or 1 (on)"))
+                    } else {
+                        Ok(n)
+                    }
+                })?;
+            }
             "context_switch_ns" => self.context_switch_ns = num()?,
             "balance_ns" => self.balance_ns = positive()?,
             "work_jitter_pct" => {
@@ -396,7 +413,13 @@ mod tests {
     fn every_name_is_settable_and_sets_its_field() {
         for name in CostModel::NAMES {
             let mut c = CostModel::default();
-            c.set(name, "7").unwrap_or_else(|e| panic!("{name}: {e}"));
+            // A switch takes 0 or 1 (its default 0).
+            let value = if *name == "wakeup_after_slice" {
+                "1"
+            } else {
+                "7"
+            };
+            c.set(name, value).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_ne!(c, CostModel::default(), "{name} changed nothing");
         }
     }
@@ -433,6 +456,8 @@ mod tests {
         assert!(matches!(e, CostError::Value { .. }), "{e}");
         let e = c.apply_one("tick_ns = 0").unwrap_err();
         assert!(e.to_string().contains("above 0"), "{e}");
+        let e = c.apply_one("wakeup_after_slice = 2").unwrap_err();
+        assert!(e.to_string().contains("0 (off) or 1 (on)"), "{e}");
         let e = c.apply_one("work_jitter_pct = 101").unwrap_err();
         assert!(e.to_string().contains("0 to 100"), "{e}");
         let e = c.apply_one("wait_exit = 9..3").unwrap_err();

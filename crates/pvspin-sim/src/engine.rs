@@ -1964,6 +1964,42 @@ mod tests {
         assert_eq!(sim.threads[0].vruntime, 4_000_000);
     }
 
+    /// `wakeup_after_slice` (EEVDF): a thread that wakes preempts a running one past its
+    /// protected slice whose deadline is later; without it (CFS) only by the granularity.
+    #[test]
+    fn a_waking_thread_preempts_a_thread_past_its_slice_only_under_the_eevdf_rule() {
+        let preempted = |rule: u64, ran_ns: u64| {
+            let mut c = cfg("ticket:kick", 2, 100);
+            c.hogs = 1;
+            c.cost.wakeup_after_slice = rule;
+            let mut sim = Sim::new(c).unwrap();
+            // Thread 1 runs on CPU 0 since `ran_ns` ago, its vruntime 0.1 ms past the
+            // queue's minimum; thread 0 wakes there (CPU 1 busy too), placed with the
+            // sleeper credit: its deadline is earlier, by less than the granularity.
+            sim.now = 10_000_000;
+            sim.threads[0].state = TState::Blocked;
+            sim.threads[0].cpu = 0;
+            sim.threads[0].vruntime = 0;
+            sim.threads[1].state = TState::Running;
+            sim.threads[1].cpu = 0;
+            sim.threads[1].exec_start = sim.now;
+            sim.threads[1].slice_start = sim.now - ran_ns;
+            sim.threads[1].vruntime = 49_100_000;
+            sim.cpus[0].curr = Some(1);
+            sim.cpus[0].min_vruntime = 49_000_000;
+            sim.threads[2].state = TState::Running;
+            sim.threads[2].cpu = 1;
+            sim.cpus[1].curr = Some(2);
+            sim.idle.clear();
+            sim.make_runnable(0);
+            sim.cpus[0].curr != Some(1)
+        };
+        let slice = 2 * CostModel::default().min_granularity_ns;
+        assert!(preempted(1, slice));
+        assert!(!preempted(1, slice / 2), "inside its protected slice");
+        assert!(!preempted(0, slice), "CFS: not by the granularity");
+    }
+
     /// Every variant, overcommitted: each acquisition counted once per vCPU and in total, no
     /// two vCPUs ever inside the critical section, every run finished (no lost wake-up: a
     /// qspinlock queue head once halted on a free lock here).

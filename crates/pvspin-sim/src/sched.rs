@@ -180,7 +180,11 @@ impl Sim {
         };
         let c = &self.threads[curr as usize];
         let curr_key = c.vruntime + self.min_gran * 1024 / u64::from(c.weight);
-        if curr_key > self.threads[tid as usize].key + self.wakeup_gran {
+        let woken_key = self.threads[tid as usize].key;
+        // EEVDF: past its protected slice the running thread yields to an earlier deadline.
+        let slice_used = self.cost.wakeup_after_slice != 0
+            && self.now.saturating_sub(c.slice_start) >= self.min_gran;
+        if curr_key > woken_key + self.wakeup_gran || (slice_used && curr_key > woken_key) {
             self.preempt_curr(cpu);
         }
     }
