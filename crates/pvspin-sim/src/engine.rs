@@ -1984,6 +1984,7 @@ mod tests {
             sim.threads[1].cpu = 0;
             sim.threads[1].exec_start = sim.now;
             sim.threads[1].slice_start = sim.now - ran_ns;
+            sim.threads[1].slice_cpu = ran_ns;
             sim.threads[1].vruntime = 49_100_000;
             sim.cpus[0].curr = Some(1);
             sim.cpus[0].min_vruntime = 49_000_000;

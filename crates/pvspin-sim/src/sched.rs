@@ -43,6 +43,10 @@ pub(crate) struct Thread {
     pub(crate) state: TState,
     pub(crate) exec_start: u64,
     pub(crate) slice_start: u64,
+    /// CPU consumed in its current EEVDF slice ([`crate::CostModel::wakeup_after_slice`]): it
+    /// runs protected until that reaches the base slice, across preemptions within the
+    /// slice; a wake-up from sleep starts a new slice.
+    pub(crate) slice_cpu: u64,
     pub(crate) group: Option<u32>,
     /// Its run-queue key while queued (virtual deadline).
     pub(crate) key: u64,
@@ -59,6 +63,7 @@ impl Thread {
             state: TState::Blocked,
             exec_start: 0,
             slice_start: 0,
+            slice_cpu: 0,
             group,
             key: 0,
             cpu_ns: 0,
@@ -119,6 +124,7 @@ impl Sim {
             }
         }
         let prev = t.cpu;
+        self.threads[tid as usize].slice_cpu = 0;
         let cpu = if self.cpus[prev as usize].curr.is_none() {
             prev
         } else {
@@ -181,10 +187,14 @@ impl Sim {
         let c = &self.threads[curr as usize];
         let curr_key = c.vruntime + self.min_gran * 1024 / u64::from(c.weight);
         let woken_key = self.threads[tid as usize].key;
-        // EEVDF: past its protected slice the running thread yields to an earlier deadline.
-        let slice_used = self.cost.wakeup_after_slice != 0
-            && self.now.saturating_sub(c.slice_start) >= self.min_gran;
-        if curr_key > woken_key + self.wakeup_gran || (slice_used && curr_key > woken_key) {
+        // EEVDF: past its protected slice (CPU consumed since its slice began, across
+        // preemptions) the running thread yields to an earlier deadline, and its next run
+        // starts a new slice.
+        let slice_used = self.cost.wakeup_after_slice != 0 && c.slice_cpu >= self.min_gran;
+        if slice_used && curr_key > woken_key {
+            self.threads[curr as usize].slice_cpu = 0;
+            self.preempt_curr(cpu);
+        } else if curr_key > woken_key + self.wakeup_gran {
             self.preempt_curr(cpu);
         }
     }
@@ -231,6 +241,7 @@ impl Sim {
         let delta = now.saturating_sub(t.exec_start);
         t.exec_start = now;
         t.cpu_ns += delta;
+        t.slice_cpu += delta;
         t.vruntime += delta * 1024 / u64::from(t.weight);
         let vr = t.vruntime;
         if let Some(g) = t.group {
@@ -318,6 +329,7 @@ impl Sim {
                 if self.now.saturating_sub(t.slice_start) >= slice
                     || first + self.latency < t.vruntime
                 {
+                    self.threads[curr as usize].slice_cpu = 0;
                     self.preempt_curr(cpu);
                 }
             }
