@@ -280,6 +280,10 @@ impl CostModel {
                 }
             })
         };
+        // A bounded whole number: a switch (0 or 1) or a percent.
+        let at_most = |max: u64, expects: &'static str| -> Result<u64, CostError> {
+            num().and_then(|n| if n > max { Err(bad(expects)) } else { Ok(n) })
+        };
         let span = || -> Result<Span, CostError> {
             let expects = "a whole number or lo..hi with lo <= hi";
             let n = |s: &str| s.trim().replace('_', "").parse::<u64>();
@@ -317,25 +321,11 @@ impl CostModel {
             "min_granularity_ns" => self.min_granularity_ns = num()?,
             "latency_ns" => self.latency_ns = num()?,
             "wakeup_granularity_ns" => self.wakeup_granularity_ns = num()?,
-            "wakeup_after_slice" => {
-                self.wakeup_after_slice = num().and_then(|n| {
-                    if n > 1 {
-                        Err(bad("0 (off) or 1 (on)"))
-                    } else {
-                        Ok(n)
-                    }
-                })?;
-            }
+            "wakeup_after_slice" => self.wakeup_after_slice = at_most(1, "0 (off) or 1 (on)")?,
             "context_switch_ns" => self.context_switch_ns = num()?,
             "balance_ns" => self.balance_ns = positive()?,
             "work_jitter_pct" => {
-                self.work_jitter_pct = num().and_then(|n| {
-                    if n > 100 {
-                        Err(bad("a whole percent from 0 to 100"))
-                    } else {
-                        Ok(n)
-                    }
-                })?;
+                self.work_jitter_pct = at_most(100, "a whole percent from 0 to 100")?;
             }
             _ => return Err(CostError::Unknown(name.to_string())),
         }
