@@ -124,8 +124,9 @@ pub struct CostModel {
     pub wakeup_granularity_ns: u64,
     /// EEVDF's wake-up rule beside CFS's granularity (1: on, 0: off): a thread that wakes also
     /// preempts a running thread that has used up its protected slice (the base slice,
-    /// [`CostModel::min_granularity_ns`] scaled, since it was picked: `RUN_TO_PARITY`) and whose
-    /// virtual deadline is later. Linux 6.6 and later, the hosts here (6.18), do this at the
+    /// [`CostModel::min_granularity_ns`] scaled, of CPU consumed since its slice began, across
+    /// preemptions within it; a wake-up from sleep begins a new one) and whose virtual
+    /// deadline is later. Linux 6.6 and later, the hosts here (6.18), do this at the
     /// wake-up; CFS left such a thread running until the next tick, 4 ms at `HZ=250`.
     pub wakeup_after_slice: u64,
     /// Switching a vCPU thread onto a host CPU (from another thread or from idle), before its
