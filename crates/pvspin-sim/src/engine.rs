@@ -100,6 +100,10 @@ pub struct Report {
     pub thread_cpu_ns: Vec<u64>,
     /// Quota periods in which each VM's group was throttled (empty without a CPU limit).
     pub throttled_periods: Vec<u64>,
+    /// CPU time, ns, that host CPUs stood idle while a thread waited in another CPU's run
+    /// queue: what [`crate::CostModel::migration_cost_ns`] decides (for a real run,
+    /// `validation/idle-while-queued.py` reads it off `perf sched record`).
+    pub idle_while_queued_ns: u64,
 }
 
 impl Report {
@@ -366,6 +370,8 @@ pub struct Sim {
     pub(crate) idle: std::collections::BTreeSet<u32>,
     pub(crate) groups: Vec<Group>,
     pub(crate) queued_total: usize,
+    /// Idle CPU time while threads were queued ([`Report::idle_while_queued_ns`]).
+    idle_while_queued_ns: u64,
     vcpus: Vec<Vcpu>,
     vms: Vec<Vm>,
     pub(crate) min_gran: u64,
@@ -542,6 +548,7 @@ impl Sim {
             idle,
             groups,
             queued_total: 0,
+            idle_while_queued_ns: 0,
             vcpus,
             vms,
             end_ns,
@@ -595,6 +602,10 @@ impl Sim {
         while let Some(Reverse((t, _, ev))) = self.heap.pop() {
             if t > self.end_ns {
                 break;
+            }
+            if self.queued_total > 0 {
+                let idle = self.idle.len() as u64;
+                self.idle_while_queued_ns += t.saturating_sub(self.now) * idle;
             }
             self.now = t;
             self.events += 1;
@@ -660,6 +671,7 @@ impl Sim {
             finished,
             thread_cpu_ns: self.threads.iter().map(|t| t.cpu_ns).collect(),
             throttled_periods: self.groups.iter().map(|g| g.throttled_periods).collect(),
+            idle_while_queued_ns: self.idle_while_queued_ns,
         }
     }
 
@@ -1962,6 +1974,24 @@ mod tests {
         assert_eq!(sim.threads[0].cpu, 1);
         // 1 ms ahead of its old queue's minimum, so 1 ms ahead of the new one's.
         assert_eq!(sim.threads[0].vruntime, 4_000_000);
+    }
+
+    /// With every idle CPU pulling at once (the default) no CPU stands idle while a thread
+    /// waits; leaving cache-hot threads to the balance idles CPUs, as the hosts do, and the
+    /// report counts it.
+    #[test]
+    fn idle_time_beside_a_waiting_thread_is_counted() {
+        let idle = |migration_cost_ns: u64| {
+            let mut c = cfg("queued:kick:in-kernel@stock", 8, 500);
+            c.cs_work = 15_000;
+            c.ncs_work = 15_000;
+            c.cost.migration_cost_ns = migration_cost_ns;
+            let r = Sim::new(c).unwrap().run();
+            assert!(r.finished);
+            r.idle_while_queued_ns
+        };
+        assert_eq!(idle(0), 0);
+        assert!(idle(u64::MAX) > 0);
     }
 
     /// `wakeup_after_slice` (EEVDF): a thread that wakes preempts a running one past its

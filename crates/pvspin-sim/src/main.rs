@@ -341,6 +341,17 @@ fn run(a: &RunArgs) -> Result<(), String> {
                 r.acquisitions(),
                 r.events,
             );
+            // The host's own CPU time is the check against `time -v` of a real run: how much
+            // of its CPUs the threads used, and so how long they stood idle.
+            let busy_ns: u64 = r.thread_cpu_ns.iter().sum();
+            let capacity_ns = r.end_ns.saturating_mul(a.host_cpus as u64).max(1);
+            println!(
+                "  host CPUs busy {:.3} of {:.3} CPU-s ({:.0}%), idle while a thread waited {:.3}",
+                busy_ns as f64 / 1e9,
+                capacity_ns as f64 / 1e9,
+                busy_ns as f64 * 100.0 / capacity_ns as f64,
+                r.idle_while_queued_ns as f64 / 1e9
+            );
             if let Some(v) = r.vms.first() {
                 if let Some(s) = v.slots {
                     println!("  slots: {s:?}, halt watcher polls: {}", v.watch_polls);

@@ -314,6 +314,25 @@ mod tests {
     }
 
     #[test]
+    fn the_amd_hz250_table_reads_and_its_costs_apply() {
+        let rows: Vec<MeasuredRow> = include_str!("../validation/measured-amd-hz250.csv")
+            .lines()
+            .filter_map(|l| MeasuredRow::parse(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 56);
+        assert!(rows.iter().all(|r| r.source == "K"
+            && r.names_holder
+            && r.hybrid_trylock
+            && r.guest_prewake == Some(2)
+            && r.halts.is_some()
+            && r.work_unit_ps.is_some()));
+        let mut cost = crate::CostModel::default();
+        cost.apply(include_str!("../validation/amd-hz250-kvm-pvm.costs"))
+            .unwrap();
+        assert_eq!(cost.tick_ns, 4_000_000);
+    }
+
+    #[test]
     fn a_row_with_its_own_work_unit_simulates_with_it() {
         let host = crate::CostModel::default();
         let r = MeasuredRow::parse(
