@@ -236,6 +236,8 @@ struct Vcpu {
     wake_token: u64,
     acq: u64,
     spin_deadline: u64,
+    /// When its thread last lost its CPU.
+    off_cpu_at: u64,
     wait_t0: u64,
     kick_latched: bool,
     /// Blocked in KVM as the halt watcher's probe reads it: from the halt until the woken
@@ -482,6 +484,7 @@ impl Sim {
                     wake_token: 0,
                     acq: 0,
                     spin_deadline: 0,
+                    off_cpu_at: 0,
                     wait_t0: 0,
                     kick_latched: false,
                     halted_in_kvm: false,
@@ -786,6 +789,17 @@ impl Sim {
             self.interrupt(v, r);
             return;
         }
+        // The stock guest's threshold counts spins (Linux's `SPIN_THRESHOLD` loops): a
+        // spinner that lost its CPU goes on with the spins it had left. The pvspin guest's
+        // budget is time (its TSC), which ran on meanwhile.
+        if vc.act == Act::Spin
+            && vc.spin_deadline != u64::MAX
+            && self.cfg.variant.guest == Guest::Stock
+        {
+            vc.spin_deadline = vc
+                .spin_deadline
+                .saturating_add(now.saturating_sub(vc.off_cpu_at));
+        }
         if vc.act == Act::Spin {
             if vc.busy_until > now {
                 // It looks at the lock once it is switched in.
@@ -807,6 +821,7 @@ impl Sim {
         let now = self.now;
         let vc = &mut self.vcpus[v as usize];
         vc.on_cpu = false;
+        vc.off_cpu_at = now;
         vc.look_pending = false;
         if vc.act.timed() {
             vc.left = vc.left.saturating_sub(now.saturating_sub(vc.act_t0));
@@ -2333,6 +2348,27 @@ mod tests {
         sim.vms[0].lock.in_cs = true;
         sim.vcpus[holder as usize].act = Act::Cs;
         sim
+    }
+
+    /// A spinner preempted mid-phase: the stock guest's threshold counts spins, so its
+    /// deadline moves by the time it was off its CPU; the pvspin guest's time budget does not.
+    #[test]
+    fn a_stock_spinner_keeps_its_spins_across_a_preemption_a_timed_one_does_not() {
+        for (variant, moves) in [
+            ("queued:kick:in-kernel@stock", true),
+            ("ticket:kick:in-kernel", false),
+        ] {
+            let mut sim = held_by(cfg(variant, 3, 100), 2);
+            sim.now = 1_000_000;
+            sim.vcpus[0].act = Act::Spin;
+            sim.vcpus[0].on_cpu = true;
+            sim.vcpus[0].spin_deadline = 1_500_000;
+            sim.vcpu_descheduled(0);
+            sim.now = 3_000_000;
+            sim.vcpu_dispatched(0, false);
+            let expected = if moves { 3_500_000 } else { 1_500_000 };
+            assert_eq!(sim.vcpus[0].spin_deadline, expected, "{variant}");
+        }
     }
 
     /// Lock-waiter preemption of the qspinlock: a queue head that spun for the lock has set
