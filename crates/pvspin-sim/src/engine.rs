@@ -104,6 +104,10 @@ pub struct Report {
     /// queue: what [`crate::CostModel::migration_cost_ns`] decides (for a real run,
     /// `validation/idle-while-queued.py` reads it off `perf sched record`).
     pub idle_while_queued_ns: u64,
+    /// Wake-ups of a vCPU thread onto a CPU where another vCPU thread ran, and how many of
+    /// them preempted it at once (`validation/idle-while-queued.py` reads the host's: 73% of
+    /// 1,231 in six runs of the stock guest at 4-16 vCPUs, docs/simulator.md, "Source K").
+    pub wakeups_onto_vcpu: (u64, u64),
 }
 
 impl Report {
@@ -374,6 +378,8 @@ pub struct Sim {
     pub(crate) queued_total: usize,
     /// Idle CPU time while threads were queued ([`Report::idle_while_queued_ns`]).
     idle_while_queued_ns: u64,
+    /// [`Report::wakeups_onto_vcpu`].
+    pub(crate) wakeups_onto_vcpu: (u64, u64),
     vcpus: Vec<Vcpu>,
     vms: Vec<Vm>,
     pub(crate) min_gran: u64,
@@ -552,6 +558,7 @@ impl Sim {
             groups,
             queued_total: 0,
             idle_while_queued_ns: 0,
+            wakeups_onto_vcpu: (0, 0),
             vcpus,
             vms,
             end_ns,
@@ -675,6 +682,7 @@ impl Sim {
             thread_cpu_ns: self.threads.iter().map(|t| t.cpu_ns).collect(),
             throttled_periods: self.groups.iter().map(|g| g.throttled_periods).collect(),
             idle_while_queued_ns: self.idle_while_queued_ns,
+            wakeups_onto_vcpu: self.wakeups_onto_vcpu,
         }
     }
 
@@ -2007,6 +2015,26 @@ mod tests {
         };
         assert_eq!(idle(0), 0);
         assert!(idle(u64::MAX) > 0);
+    }
+
+    /// Wake-ups of vCPU threads onto a CPU running another vCPU thread are counted, and those
+    /// that preempted it are among them; with CFS's granularity off more of them preempt.
+    #[test]
+    fn wake_ups_onto_a_running_vcpu_are_counted() {
+        let onto = |granularity_ns: u64| {
+            let mut c = cfg("queued:kick:in-kernel@stock", 8, 500);
+            c.cs_work = 15_000;
+            c.ncs_work = 15_000;
+            c.cost.wakeup_granularity_ns = granularity_ns;
+            Sim::new(c).unwrap().run().wakeups_onto_vcpu
+        };
+        let (cfs, none) = (onto(1_000_000), onto(0));
+        assert!(cfs.0 > 0 && cfs.1 <= cfs.0, "{cfs:?}");
+        assert!(none.1 <= none.0, "{none:?}");
+        assert!(
+            none.1 * cfs.0 > cfs.1 * none.0,
+            "no granularity preempts a larger share: {none:?} against {cfs:?}"
+        );
     }
 
     /// `wakeup_after_slice` (EEVDF): a thread that wakes preempts a running one past its

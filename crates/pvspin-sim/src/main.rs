@@ -346,11 +346,13 @@ fn run(a: &RunArgs) -> Result<(), String> {
             let busy_ns: u64 = r.thread_cpu_ns.iter().sum();
             let capacity_ns = r.end_ns.saturating_mul(a.host_cpus as u64).max(1);
             println!(
-                "  host CPUs busy {:.3} of {:.3} CPU-s ({:.0}%), idle while a thread waited {:.3}",
+                "  host CPUs busy {:.3} of {:.3} CPU-s ({:.0}%), idle while a thread waited {:.3}; vCPU wake-ups onto a running vCPU {}, {} preempting it",
                 busy_ns as f64 / 1e9,
                 capacity_ns as f64 / 1e9,
                 busy_ns as f64 * 100.0 / capacity_ns as f64,
-                r.idle_while_queued_ns as f64 / 1e9
+                r.idle_while_queued_ns as f64 / 1e9,
+                r.wakeups_onto_vcpu.0,
+                r.wakeups_onto_vcpu.1
             );
             if let Some(v) = r.vms.first() {
                 if let Some(s) = v.slots {

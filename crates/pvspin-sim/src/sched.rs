@@ -166,7 +166,15 @@ impl Sim {
         self.threads[tid as usize].state = TState::Queued;
         self.rq_insert(cpu, tid);
         if wakeup {
+            let before = self.cpus[cpu as usize].curr;
+            let onto_vcpu = before.is_some_and(|c| self.is_vcpu(c)) && self.is_vcpu(tid);
             self.check_preempt(cpu, tid);
+            if onto_vcpu {
+                self.wakeups_onto_vcpu.0 += 1;
+                if self.cpus[cpu as usize].curr != before {
+                    self.wakeups_onto_vcpu.1 += 1;
+                }
+            }
         }
     }
 

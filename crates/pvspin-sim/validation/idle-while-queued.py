@@ -13,8 +13,10 @@ It replays `sched_switch`, `sched_waking` and `sched_migrate_task` for the threa
 `vcpu*` and prints: the span from the first to the last vCPU switch; the idle stretches of a
 CPU that began while a vCPU thread was runnable on another CPU, their lengths (from the idle
 task's switch-in to its switch-out) and how many ended with a pull (a migration onto the idle
-CPU); and how long before each such stretch began the waiting vCPU thread had last run (Linux does not pull a thread
-that ran within `sysctl_sched_migration_cost`, 0.5 ms, into a newly idle CPU).
+CPU); how long before each such stretch began the waiting vCPU thread had last run (Linux does not pull a thread
+that ran within `sysctl_sched_migration_cost`, 0.5 ms, into a newly idle CPU); and the
+wake-ups of a vCPU thread onto a CPU where another vCPU thread runs: how many preempted it at
+once (the simulator's `Report::wakeups_onto_vcpu`), by how long it had run since its switch-in.
 """
 import re
 import subprocess
@@ -24,6 +26,7 @@ LINE = re.compile(r'\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s+(.*)')
 SWITCH = re.compile(r'prev_comm=(.*?) prev_pid=(\d+) .*prev_state=(\S+) ==> '
                     r'next_comm=(.*?) next_pid=(\d+)')
 WAKING = re.compile(r'comm=(.*?) pid=(\d+) .*target_cpu=(\d+)')
+AGES_US = ((0, 500), (500, 1500), (1500, 4000), (4000, float('inf')))
 MIGRATE = re.compile(r'pid=(\d+) .*dest_cpu=(\d+)')
 
 
@@ -44,6 +47,9 @@ def main():
     stretches = []      # (length s, pulled)
     ages_us = []        # per stretch: since the waiting vCPU (most recent) last ran
     first = last = None
+    running = {}        # CPU -> (pid, vCPU?, since)
+    wakes = []          # pending: (wakee, CPU, the running vCPU, how long it had run, us)
+    onto_vcpu = []      # (how long the running vCPU had run, us; preempted at once)
     for line in trace.splitlines():
         m = LINE.match(line)
         if not m:
@@ -59,6 +65,17 @@ def main():
             for comm, pid in ((pcomm, ppid), (ncomm, npid)):
                 if comm.startswith('vcpu'):
                     vcpus.add(pid)
+            still = []
+            for wakee, wcpu, ran, ran_us in wakes:
+                if wcpu != cpu:
+                    still.append((wakee, wcpu, ran, ran_us))
+                elif ppid == ran or npid == wakee:
+                    preempted = ppid == ran and npid == wakee and pstate.startswith('R')
+                    onto_vcpu.append((ran_us, preempted))
+                else:
+                    still.append((wakee, wcpu, ran, ran_us))
+            wakes = still
+            running[cpu] = (npid, npid in vcpus, t)
             if ppid in vcpus:
                 last_ran[ppid] = t
                 if pstate.startswith('R'):
@@ -79,8 +96,12 @@ def main():
         elif event == 'sched:sched_waking':
             s = WAKING.search(fields)
             if s and s.group(1).startswith('vcpu'):
-                vcpus.add(int(s.group(2)))
-                waiting[int(s.group(2))] = int(s.group(3))
+                wakee, target = int(s.group(2)), int(s.group(3))
+                vcpus.add(wakee)
+                waiting[wakee] = target
+                pid, is_vcpu, since = running.get(target, (0, False, t))
+                if is_vcpu and pid != wakee:
+                    wakes.append((wakee, target, pid, (t - since) * 1e6))
         elif event == 'sched:sched_migrate_task':
             s = MIGRATE.search(fields)
             if s:
@@ -103,6 +124,12 @@ def main():
     print(f'the waiting vCPU last ran before: p10 {percentile(ages_us, 0.1):.0f} us, '
           f'p50 {percentile(ages_us, 0.5):.0f} us, p90 {percentile(ages_us, 0.9):.0f} us; '
           f'{sum(1 for a in ages_us if a < 500)} of {len(ages_us)} within 0.5 ms')
+    print(f'{len(onto_vcpu)} wake-ups of a vCPU thread onto a CPU running another: '
+          f'{sum(1 for _, p in onto_vcpu if p)} preempted it at once; by how long it had run:')
+    for lo, hi in AGES_US:
+        sel = [p for a, p in onto_vcpu if lo <= a < hi]
+        if sel:
+            print(f'  {lo}-{hi} us: {sum(sel)} of {len(sel)}')
 
 
 if __name__ == '__main__':
