@@ -1999,20 +1999,24 @@ mod tests {
         assert_eq!(sim.threads[0].vruntime, 4_000_000);
     }
 
+    /// The stock guest's 8 vCPUs on 2 CPUs, 500 acquisitions each, cs/ncs 15000, with the
+    /// costs `edit` sets.
+    fn stock_8_vcpus(edit: impl FnOnce(&mut CostModel)) -> Report {
+        let mut c = cfg("queued:kick:in-kernel@stock", 8, 500);
+        c.cs_work = 15_000;
+        c.ncs_work = 15_000;
+        edit(&mut c.cost);
+        let r = Sim::new(c).unwrap().run();
+        assert!(r.finished);
+        r
+    }
+
     /// With every idle CPU pulling at once (the default) no CPU stands idle while a thread
     /// waits; leaving cache-hot threads to the balance idles CPUs, as the hosts do, and the
     /// report counts it.
     #[test]
     fn idle_time_beside_a_waiting_thread_is_counted() {
-        let idle = |migration_cost_ns: u64| {
-            let mut c = cfg("queued:kick:in-kernel@stock", 8, 500);
-            c.cs_work = 15_000;
-            c.ncs_work = 15_000;
-            c.cost.migration_cost_ns = migration_cost_ns;
-            let r = Sim::new(c).unwrap().run();
-            assert!(r.finished);
-            r.idle_while_queued_ns
-        };
+        let idle = |ns: u64| stock_8_vcpus(|c| c.migration_cost_ns = ns).idle_while_queued_ns;
         assert_eq!(idle(0), 0);
         assert!(idle(u64::MAX) > 0);
     }
@@ -2021,13 +2025,7 @@ mod tests {
     /// that preempted it are among them; with CFS's granularity off more of them preempt.
     #[test]
     fn wake_ups_onto_a_running_vcpu_are_counted() {
-        let onto = |granularity_ns: u64| {
-            let mut c = cfg("queued:kick:in-kernel@stock", 8, 500);
-            c.cs_work = 15_000;
-            c.ncs_work = 15_000;
-            c.cost.wakeup_granularity_ns = granularity_ns;
-            Sim::new(c).unwrap().run().wakeups_onto_vcpu
-        };
+        let onto = |ns: u64| stock_8_vcpus(|c| c.wakeup_granularity_ns = ns).wakeups_onto_vcpu;
         let (cfs, none) = (onto(1_000_000), onto(0));
         assert!(cfs.0 > 0 && cfs.1 <= cfs.0, "{cfs:?}");
         assert!(none.1 <= none.0, "{none:?}");

@@ -286,12 +286,23 @@ mod tests {
         ));
     }
 
+    /// A shipped table's rows (each line must parse).
+    fn table(text: &str) -> Vec<MeasuredRow> {
+        text.lines()
+            .filter_map(|l| MeasuredRow::parse(l).unwrap())
+            .collect()
+    }
+
+    /// A shipped cost file, applied over the defaults.
+    fn costs(text: &str) -> crate::CostModel {
+        let mut cost = crate::CostModel::default();
+        cost.apply(text).unwrap();
+        cost
+    }
+
     #[test]
     fn the_intel_table_reads_and_its_costs_apply() {
-        let rows: Vec<MeasuredRow> = include_str!("../validation/measured-intel.csv")
-            .lines()
-            .filter_map(|l| MeasuredRow::parse(l).unwrap())
-            .collect();
+        let rows = table(include_str!("../validation/measured-intel.csv"));
         assert_eq!(rows.len(), 196);
         assert!(rows.iter().all(|r| r.names_holder && r.hybrid_trylock));
         // Source E used the cost file's one work unit; every row of F to J has its own.
@@ -307,18 +318,13 @@ mod tests {
             assert_eq!(of.len(), count, "{source}");
             assert!(of.iter().all(|r| r.work_unit_ps.is_some() == own_unit));
         }
-        let mut cost = crate::CostModel::default();
-        cost.apply(include_str!("../validation/intel-kvm-pvm.costs"))
-            .unwrap();
+        let cost = costs(include_str!("../validation/intel-kvm-pvm.costs"));
         assert_ne!(cost.work_unit_ps, crate::CostModel::default().work_unit_ps);
     }
 
     #[test]
     fn the_amd_hz250_table_reads_and_its_costs_apply() {
-        let rows: Vec<MeasuredRow> = include_str!("../validation/measured-amd-hz250.csv")
-            .lines()
-            .filter_map(|l| MeasuredRow::parse(l).unwrap())
-            .collect();
+        let rows = table(include_str!("../validation/measured-amd-hz250.csv"));
         assert_eq!(rows.len(), 56);
         assert!(rows.iter().all(|r| r.source == "K"
             && r.names_holder
@@ -326,9 +332,7 @@ mod tests {
             && r.guest_prewake == Some(2)
             && r.halts.is_some()
             && r.work_unit_ps.is_some()));
-        let mut cost = crate::CostModel::default();
-        cost.apply(include_str!("../validation/amd-hz250-kvm-pvm.costs"))
-            .unwrap();
+        let cost = costs(include_str!("../validation/amd-hz250-kvm-pvm.costs"));
         assert_eq!(cost.tick_ns, 4_000_000);
     }
 
@@ -412,10 +416,7 @@ mod tests {
 
     #[test]
     fn the_shipped_table_reads_and_marks_its_guests() {
-        let rows: Vec<MeasuredRow> = include_str!("../validation/measured.csv")
-            .lines()
-            .filter_map(|l| MeasuredRow::parse(l).unwrap())
-            .collect();
+        let rows = table(include_str!("../validation/measured.csv"));
         assert_eq!(rows.len(), 107);
         for r in &rows {
             // Only source D ran the pre-wake guest, and only it counted halts.
