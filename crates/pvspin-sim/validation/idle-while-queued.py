@@ -37,9 +37,14 @@ def percentile(xs, p):
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    trace = subprocess.run(['perf', 'script', '-i', sys.argv[1], '-F',
-                            'comm,tid,cpu,time,event,trace'],
-                           capture_output=True, text=True, check=True).stdout
+    try:
+        trace = subprocess.run(['perf', 'script', '-i', sys.argv[1], '-F',
+                                'comm,tid,cpu,time,event,trace'],
+                               capture_output=True, text=True, check=True).stdout
+    except FileNotFoundError:
+        sys.exit('perf is not installed (Debian: linux-perf)')
+    except subprocess.CalledProcessError as e:
+        sys.exit(f'perf script -i {sys.argv[1]} failed: {e.stderr.strip()}')
     vcpus = set()
     waiting = {}        # runnable, not running vCPU thread -> the CPU it waits on
     last_ran = {}       # vCPU thread -> when it last left a CPU
