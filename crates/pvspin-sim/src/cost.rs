@@ -73,6 +73,14 @@ pub struct CostModel {
     /// Whether each path's [`CostModel::kick_to_wake_ns`] includes a context switch (the
     /// userspace path's park; the two irqchip paths were measured polled).
     pub kick_to_wake_switched: [bool; 3],
+    /// How much one kick-to-wake varies, in percent of the path's p50
+    /// ([`CostModel::kick_to_wake_ns`]): each wake-up takes a uniform draw within
+    /// `p50 * (1 +- pct/100)`. 0 (the default): every wake-up takes exactly the p50, so
+    /// vCPUs that hand a lock over by kicks can stay in lock step. The hosts' spread is wide:
+    /// `pvspin-vmm run --workload pingpong` on the AMD host of source K, in-kernel p50
+    /// 24.7-26.5 us, p90 38.2-38.8, min 2.8-13.8; a uniform draw within +-50% has its p90
+    /// at 1.4x the p50 (docs/simulator.md, "Source K").
+    pub kick_to_wake_jitter_pct: u64,
     /// KVM's halt-polling limit and the window's first step (`halt_poll_ns`,
     /// `halt_poll_ns_grow_start`). Source: kvm-on-these-machines.md, "KVM_CAP_HALT_POLL":
     /// module defaults 200000 and 10000 ns, grow 2, shrink 2 (the VMM keeps the host's).
@@ -169,6 +177,7 @@ impl Default for CostModel {
             kick_exit: Span::new(36_000, 48_000),
             kick_to_wake_ns: [16_700, 27_800, 43_000],
             kick_to_wake_switched: [false, false, true],
+            kick_to_wake_jitter_pct: 0,
             halt_poll_max_ns: 200_000,
             halt_poll_grow_start_ns: 10_000,
             resume_ns: 5_000,
@@ -247,6 +256,7 @@ impl CostModel {
         "kick_to_wake_ns.in_kernel",
         "kick_to_wake_ns.signal_msi",
         "kick_to_wake_ns.userspace",
+        "kick_to_wake_jitter_pct",
         "halt_poll_max_ns",
         "halt_poll_grow_start_ns",
         "resume_ns",
@@ -321,6 +331,9 @@ impl CostModel {
             "kick_to_wake_ns.in_kernel" => self.kick_to_wake_ns[0] = num()?,
             "kick_to_wake_ns.signal_msi" => self.kick_to_wake_ns[1] = num()?,
             "kick_to_wake_ns.userspace" => self.kick_to_wake_ns[2] = num()?,
+            "kick_to_wake_jitter_pct" => {
+                self.kick_to_wake_jitter_pct = at_most(100, "a whole percent from 0 to 100")?;
+            }
             "halt_poll_max_ns" => self.halt_poll_max_ns = num()?,
             "halt_poll_grow_start_ns" => self.halt_poll_grow_start_ns = num()?,
             "resume_ns" => self.resume_ns = num()?,

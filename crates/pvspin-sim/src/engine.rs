@@ -403,6 +403,16 @@ fn draw(rng: &mut SimRng, s: Span) -> u64 {
     rng.range(s.lo, s.hi)
 }
 
+/// `nominal`, varied uniformly by up to `pct` percent either way (no draw without a spread,
+/// so runs without one stay as they were).
+fn jittered(rng: &mut SimRng, nominal: u64, pct: u64) -> u64 {
+    let spread = nominal.saturating_mul(pct) / 100;
+    if spread == 0 {
+        return nominal;
+    }
+    rng.range(nominal - spread, nominal.saturating_add(spread))
+}
+
 impl Sim {
     /// Sets up the host, the VMs and pvspin's policies for `cfg`.
     pub fn new(cfg: SimConfig) -> Result<Self, SimError> {
@@ -1479,12 +1489,7 @@ impl Sim {
     /// One section's length: `nominal`, varied by [`CostModel::work_jitter_pct`] (no draw
     /// without jitter, so runs without it stay as they were).
     fn section_ns(&mut self, nominal: u64) -> u64 {
-        let spread = nominal.saturating_mul(self.cost.work_jitter_pct) / 100;
-        if spread == 0 {
-            return nominal;
-        }
-        self.rng
-            .range(nominal - spread, nominal.saturating_add(spread))
+        jittered(&mut self.rng, nominal, self.cost.work_jitter_pct)
     }
 
     /// `from` kicks `n`: the wake-up after the path's latency, or a latched kick.
@@ -1511,7 +1516,12 @@ impl Sim {
             // resume, and the switch where the measurement included one. An unpolled wake
             // pays the switch when it gets a CPU; a polled one never left it.
             let p = var.path.index();
-            let mut lat = self.cost.kick_to_wake_ns[p].saturating_sub(self.cost.resume_ns);
+            let drawn = jittered(
+                &mut self.rng,
+                self.cost.kick_to_wake_ns[p],
+                self.cost.kick_to_wake_jitter_pct,
+            );
+            let mut lat = drawn.saturating_sub(self.cost.resume_ns);
             if self.cost.kick_to_wake_switched[p] {
                 lat = lat.saturating_sub(self.cost.context_switch_ns);
             }
@@ -2234,6 +2244,39 @@ mod tests {
             .collect();
         w.sort_unstable();
         w
+    }
+
+    /// A kick's wake-up lands after the path's p50 less the resume; with a spread, after a
+    /// uniform draw within it, whose mean stays the p50's.
+    #[test]
+    fn a_kick_to_wake_varies_within_its_spread_and_keeps_its_p50() {
+        let wake_after = |jitter: u64, kicks: usize| -> Vec<u64> {
+            let mut sim = held_by_0_with_halted_waiters("ticket:kick", 2, 2, 0);
+            sim.cost.kick_to_wake_jitter_pct = jitter;
+            (0..kicks)
+                .map(|_| {
+                    sim.heap.clear();
+                    sim.vcpus[1].act = Act::Halted;
+                    sim.kick(0, 1);
+                    let Reverse((at, _, _)) = *sim.heap.peek().expect("a wake-up");
+                    at - sim.now
+                })
+                .collect()
+        };
+        let c = CostModel::default();
+        let exact = c.kick_to_wake_ns[0] - c.resume_ns;
+        assert!(wake_after(0, 50).iter().all(|&t| t == exact));
+        let p50 = c.kick_to_wake_ns[0];
+        let varied = wake_after(50, 2_000);
+        let (lo, hi) = (p50 / 2 - c.resume_ns, p50 * 3 / 2 - c.resume_ns);
+        assert!(varied.iter().all(|&t| (lo..=hi).contains(&t)), "{lo}..{hi}");
+        assert!(varied.iter().any(|&t| t < exact - p50 / 4));
+        assert!(varied.iter().any(|&t| t > exact + p50 / 4));
+        let mean = varied.iter().sum::<u64>() as f64 / varied.len() as f64;
+        assert!(
+            (mean / exact as f64 - 1.0).abs() < 0.05,
+            "mean {mean}, p50 {exact}"
+        );
     }
 
     /// The pre-wake, as the guest's unlockers do it: when the host says the VM's vCPUs fit its

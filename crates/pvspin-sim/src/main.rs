@@ -374,6 +374,9 @@ fn run(a: &RunArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// A simulated tail out of line: the slowest seed of a cell over the host's slowest run.
+const TAIL_RULE: f64 = 1.5;
+
 fn validate(
     path: &str,
     seeds: u64,
@@ -382,9 +385,13 @@ fn validate(
     prewake: u8,
 ) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-    println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% | today's guest, no pre-wake: s (sim/measured) | today's guest, pre-wake {prewake}: s (sim/measured) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| vCPUs | hogs | limit | cs/ncs | variant | measured median s | simulated median s | sim/measured | within 25% | measured slowest s | simulated slowest s (sim/measured) | today's guest, no pre-wake: s (sim/measured) | today's guest, pre-wake {prewake}: s (sim/measured) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let (mut hit, mut all) = (0, 0);
+    // Cells whose slowest seed runs longer than the host's slowest run by more than
+    // `TAIL_RULE`: a collapse the model has and the host did not show.
+    let (mut tails_out, mut tails_out_by_source) =
+        (0, std::collections::BTreeMap::<String, usize>::new());
     // Cells where today's guest pre-wakes: how many within 25% without and with it.
     let (mut told, mut told_off, mut told_on) = (0, 0, 0);
     // Rows measured with the pre-wake guest: (hit, all), and their halts, measured and simulated.
@@ -404,8 +411,9 @@ fn validate(
             cfg.cost = row.cost(cost);
             cfg
         };
-        // The median guest seconds over the seeds, and the median of the VM's halts.
-        let median = |today: Option<u8>| -> Result<(f64, u64), String> {
+        // The median and the slowest guest seconds over the seeds, and the median of the VM's
+        // halts.
+        let median = |today: Option<u8>| -> Result<(f64, f64, u64), String> {
             let (mut times, mut halts) = (Vec::new(), Vec::new());
             for seed in 1..=seeds.max(1) {
                 let r = Sim::new(config(seed, today))
@@ -416,7 +424,8 @@ fn validate(
             }
             times.sort_by(f64::total_cmp);
             halts.sort_unstable();
-            Ok((times[times.len() / 2], halts[halts.len() / 2]))
+            let slowest = times[times.len() - 1];
+            Ok((times[times.len() / 2], slowest, halts[halts.len() / 2]))
         };
         let within = |sim: f64| {
             let ratio = sim / measured;
@@ -427,8 +436,14 @@ fn validate(
             }
         };
         // The measured guest (the row's `guest_prewake`), or today's with `--current-guest`.
-        let (sim, sim_halts) = median(current_guest.then_some(prewake))?;
+        let (sim, sim_slowest, sim_halts) = median(current_guest.then_some(prewake))?;
         let ratio = sim / measured;
+        let tail_ratio = sim_slowest / row.slowest_s;
+        let tail_out = !at_bound && tail_ratio > TAIL_RULE;
+        if tail_out {
+            tails_out += 1;
+            *tails_out_by_source.entry(row.source.clone()).or_default() += 1;
+        }
         let ok = within(sim);
         let gt = if at_bound { ">=" } else { "" };
         all += 1;
@@ -460,8 +475,10 @@ fn validate(
         let vcpus = row.vcpus;
         let hogs = row.hogs;
         println!(
-            "| {vcpus} | {hogs} | {limit} | {cs} | `{variant}` | {gt}{measured:.3} | {sim:.3} | {ratio:.2} | {} | {off_cell} | {on_cell} |",
-            if ok { "yes" } else { "**no**" }
+            "| {vcpus} | {hogs} | {limit} | {cs} | `{variant}` | {gt}{measured:.3} | {sim:.3} | {ratio:.2} | {} | {:.3} | {sim_slowest:.3} ({tail_ratio:.2}){} | {off_cell} | {on_cell} |",
+            if ok { "yes" } else { "**no**" },
+            row.slowest_s,
+            if tail_out { " **tail**" } else { "" }
         );
     }
     println!("\n{hit} of {all} cells within 25%");
@@ -470,6 +487,18 @@ fn validate(
         .map(|(s, (h, a))| format!("{} {h} of {a}", if s.is_empty() { "-" } else { s }))
         .collect();
     println!("by source: {}", sources.join(", "));
+    let tails: Vec<String> = tails_out_by_source
+        .iter()
+        .map(|(s, n)| format!("{} {n}", if s.is_empty() { "-" } else { s }))
+        .collect();
+    println!(
+        "slowest of {seeds} seeds more than {TAIL_RULE}x the measured slowest: {tails_out} cells{}",
+        if tails.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", tails.join(", "))
+        }
+    );
     println!(
         "where today's guest pre-wakes ({told} cells): {told_off} within 25% without the pre-wake, {told_on} with it"
     );

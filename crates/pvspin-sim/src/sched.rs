@@ -10,8 +10,9 @@
 //! previous CPU (its vruntime made relative to the new CPU's `min_vruntime` when it moves, as
 //! on every migration), and preempts the running thread when that one's vruntime is ahead by
 //! more than the wake-up granularity. An idle CPU pulls the leftmost thread of the busiest queue
-//! that is not cache-hot (`CostModel::migration_cost_ns`; by default any);
-//! every `balance_ns` the busiest and idlest CPUs are evened out.
+//! that is not cache-hot (`CostModel::migration_cost_ns`; by default any) when it falls idle
+//! and at the tick of a CPU with threads queued (the nohz idle balance); every `balance_ns`
+//! the busiest and idlest CPUs are evened out.
 //!
 //! cgroup CPU quota: the threads of a VM with a CPU limit share one group; once the group ran
 //! its quota within a period, every member is throttled (taken off its CPU and queue) until
@@ -354,6 +355,13 @@ impl Sim {
                 }
             }
         }
+        // The nohz idle balance: a busy CPU's tick, with threads waiting on it, has an idle CPU
+        // balance, which pulls one that is no longer cache-hot.
+        if !self.cpus[cpu as usize].rq.is_empty() {
+            if let Some(&idle) = self.idle.iter().next() {
+                self.pick_next(idle);
+            }
+        }
         let c = &mut self.cpus[cpu as usize];
         if c.curr.is_some() && !c.tick_armed {
             c.tick_armed = true;
@@ -466,6 +474,17 @@ mod tests {
     /// CPU 1 falls idle while vCPU thread 0 waits on CPU 0 behind a hog; thread 0 last ran
     /// `ran_ago_ns` before. Whether CPU 1 pulls it.
     fn pulled(migration_cost_ns: u64, ran_ago_ns: u64) -> bool {
+        let mut sim = waiting_behind_a_hog(migration_cost_ns, ran_ago_ns);
+        sim.pick_next(1);
+        let moved = sim.cpus[1].curr == Some(0);
+        assert_eq!(moved, !sim.idle.contains(&1));
+        assert_eq!(sim.queued_total, usize::from(!moved));
+        moved
+    }
+
+    /// vCPU thread 0 queued on CPU 0 behind a running hog, last run `ran_ago_ns` ago; CPU 1
+    /// has nothing to run (not yet marked idle).
+    fn waiting_behind_a_hog(migration_cost_ns: u64, ran_ago_ns: u64) -> Sim {
         let v: Variant = "ticket:kick".parse().unwrap();
         let mut c = SimConfig::new(v, 2, 100);
         c.hogs = 1;
@@ -476,17 +495,15 @@ mod tests {
         sim.threads[hog].state = TState::Running;
         sim.threads[hog].cpu = 0;
         sim.threads[hog].exec_start = sim.now;
+        sim.threads[hog].slice_start = sim.now;
         sim.cpus[0].curr = Some(hog as u32);
+        sim.idle.remove(&0);
         sim.threads[0].state = TState::Queued;
         sim.threads[0].cpu = 0;
         sim.threads[0].exec_start = sim.now - ran_ago_ns;
         sim.rq_insert(0, 0);
         sim.cpus[1].curr = None;
-        sim.pick_next(1);
-        let moved = sim.cpus[1].curr == Some(0);
-        assert_eq!(moved, !sim.idle.contains(&1));
-        assert_eq!(sim.queued_total, usize::from(!moved));
-        moved
+        sim
     }
 
     #[test]
@@ -496,5 +513,26 @@ mod tests {
         // Linux's 0.5 ms: a thread that ran 0.1 ms ago stays, one that ran 1 ms ago moves.
         assert!(!pulled(500_000, 100_000));
         assert!(pulled(500_000, 1_000_000));
+    }
+
+    #[test]
+    fn a_busy_cpus_tick_has_an_idle_cpu_pull_a_thread_gone_cold() {
+        // Hot when CPU 1 fell idle: it stays idle.
+        let mut sim = waiting_behind_a_hog(500_000, 100_000);
+        sim.pick_next(1);
+        assert!(sim.idle.contains(&1));
+        // CPU 0's tick 0.1 ms later: still hot, still idle.
+        sim.now += 100_000;
+        sim.tick(0);
+        assert!(sim.idle.contains(&1) && sim.cpus[1].curr.is_none());
+        // Its tick a millisecond later (the hog just began a slice: it keeps CPU 0): cold now,
+        // pulled.
+        sim.now += 1_000_000;
+        sim.threads[2].slice_start = sim.now;
+        sim.tick(0);
+        assert_eq!(sim.cpus[0].curr, Some(2));
+        assert_eq!(sim.cpus[1].curr, Some(0));
+        assert!(!sim.idle.contains(&1));
+        assert_eq!(sim.queued_total, 0);
     }
 }
