@@ -14,14 +14,16 @@
 //! The development machines are shared and noisy: compare within one run.
 
 use std::hint::black_box;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pvspin_guest::host::{bind_current_thread, HostPvOps};
+use pvspin_guest::host::HostPvOps;
 use pvspin_guest::{
     BackoffTicketLock, PvBackoffTicketLock, PvDomain, PvQueuedLock, PvTicketLock, RawPvLock,
     RawSpinLock, SpinConfig, TicketLock,
 };
+
+mod common;
 
 const THREADS: u32 = 4;
 const ROUNDS: u32 = 5_000;
@@ -38,32 +40,21 @@ fn critical_section() {
     }
 }
 
-/// One batch: from the first worker's start to the last worker's end (measured in the
-/// workers, since the main thread itself may be descheduled), and the lock/unlock pairs done.
-/// Workers stop early at `DEADLINE` after their start, so a pathological batch is bounded.
+/// One batch: from the first worker's start to the last worker's end, and the lock/unlock
+/// pairs done. Workers stop early at `DEADLINE` after their start, so a pathological batch is
+/// bounded.
 fn batch(take: &Take) -> (Duration, u64) {
-    let start = Arc::new(Barrier::new(THREADS as usize));
-    let workers: Vec<_> = (0..THREADS)
-        .map(|cpu| {
-            let (take, start) = (take.clone(), start.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(cpu);
-                start.wait();
-                let began = Instant::now();
-                let mut done = 0u64;
-                while done < u64::from(ROUNDS) && began.elapsed() < DEADLINE {
-                    take();
-                    done += 1;
-                }
-                (began, Instant::now(), done)
-            })
-        })
-        .collect();
-    let spans: Vec<(Instant, Instant, u64)> =
-        workers.into_iter().map(|w| w.join().unwrap()).collect();
-    let first = spans.iter().map(|s| s.0).min().unwrap();
-    let last = spans.iter().map(|s| s.1).max().unwrap();
-    (last - first, spans.iter().map(|s| s.2).sum())
+    let take = take.clone();
+    let (span, done) = common::together(THREADS, move |_| {
+        let began = Instant::now();
+        let mut done = 0u64;
+        while done < u64::from(ROUNDS) && began.elapsed() < DEADLINE {
+            take();
+            done += 1;
+        }
+        done
+    });
+    (span, done.iter().sum())
 }
 
 fn plain<L: RawSpinLock + Send + Sync + 'static>(lock: L) -> Take {

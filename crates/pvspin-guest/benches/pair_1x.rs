@@ -26,21 +26,20 @@
 use std::cell::Cell;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Barrier};
-use std::time::Instant;
+use std::sync::Arc;
 
-use pvspin_guest::host::{bind_current_thread, HostPvOps};
+use pvspin_guest::host::HostPvOps;
 use pvspin_guest::{
     AtomicU8, PvDomain, PvOps, PvTicketLock, RawPvLock, RawSpinLock, SpinBudget, SpinConfig,
     TicketLock,
 };
 
+mod common;
+
 const THREADS: u32 = 2;
 const ROUNDS: u32 = 1_000_000;
 /// Batches per variant; `PAIR_1X_BATCHES` overrides.
 const BATCHES: usize = 21;
-
-type Domain = PvDomain<HostPvOps<2>, 2>;
 
 /// The host's `PvOps` with a TSC clock and a time budget, as the example guest's.
 struct Timed(HostPvOps<2>);
@@ -71,6 +70,7 @@ impl PvOps for Timed {
         }
     }
 }
+
 type Take = Arc<dyn Fn() + Send + Sync>;
 type Maker = (&'static str, fn() -> Take);
 
@@ -89,25 +89,13 @@ thread_local! {
 
 /// One batch: from the first worker's start to the last worker's end; ns per acquisition.
 fn batch(take: &Take) -> f64 {
-    let start = Arc::new(Barrier::new(THREADS as usize));
-    let workers: Vec<_> = (0..THREADS)
-        .map(|cpu| {
-            let (take, start) = (take.clone(), start.clone());
-            std::thread::spawn(move || {
-                bind_current_thread(cpu);
-                start.wait();
-                let began = Instant::now();
-                for _ in 0..ROUNDS {
-                    take();
-                }
-                (began, Instant::now())
-            })
-        })
-        .collect();
-    let spans: Vec<(Instant, Instant)> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-    let first = spans.iter().map(|s| s.0).min().unwrap();
-    let last = spans.iter().map(|s| s.1).max().unwrap();
-    (last - first).as_nanos() as f64 / f64::from(THREADS * ROUNDS)
+    let take = take.clone();
+    let (span, _) = common::together(THREADS, move |_| {
+        for _ in 0..ROUNDS {
+            take();
+        }
+    });
+    span.as_nanos() as f64 / f64::from(THREADS * ROUNDS)
 }
 
 fn plain(drain: bool) -> Take {
@@ -129,22 +117,15 @@ fn pv(halt: bool) -> Take {
         halt,
         ..SpinConfig::HARDWARE
     };
-    let domain = Arc::new(Domain::new(HostPvOps::new(), config));
-    let lock = Arc::new(PvTicketLock::new());
-    Arc::new(move || {
-        lock.lock(domain.pv());
-        work();
-        // SAFETY: this thread holds the lock.
-        unsafe { lock.unlock(domain.pv()) };
-        work();
-    })
+    pv_with(HostPvOps::<2>::new(), config)
 }
 
 fn pv_timed() -> Take {
-    let domain = Arc::new(PvDomain::<Timed, 2>::new(
-        Timed(HostPvOps::new()),
-        SpinConfig::HARDWARE,
-    ));
+    pv_with(Timed(HostPvOps::new()), SpinConfig::HARDWARE)
+}
+
+fn pv_with<O: PvOps + Send + 'static>(ops: O, config: SpinConfig) -> Take {
+    let domain = Arc::new(PvDomain::<O, 2>::new(ops, config));
     let lock = Arc::new(PvTicketLock::new());
     Arc::new(move || {
         lock.lock(domain.pv());
