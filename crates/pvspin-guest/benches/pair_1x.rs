@@ -23,7 +23,6 @@
 //! lock workload at cs/ncs 40 runs the same pattern natively in a VM (docs/benchmarks.md §14.4).
 //! The development machines are shared and noisy: compare within one run.
 
-use std::cell::Cell;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -84,7 +83,6 @@ fn work() {
 thread_local! {
     /// The word the `ticket+drain` variant's locked instruction writes: this thread's own.
     static DRAIN: AtomicU32 = const { AtomicU32::new(0) };
-    static SINK: Cell<u32> = const { Cell::new(0) };
 }
 
 /// One batch: from the first worker's start to the last worker's end; ns per acquisition.
@@ -106,7 +104,7 @@ fn plain(drain: bool) -> Take {
         // SAFETY: this thread holds the lock.
         unsafe { lock.unlock() };
         if drain {
-            DRAIN.with(|word| SINK.with(|s| s.set(word.fetch_or(1, Ordering::SeqCst))));
+            DRAIN.with(|word| word.fetch_or(1, Ordering::SeqCst));
         }
         work();
     })
